@@ -1,0 +1,1 @@
+"""Built-in plugins, registered exactly like third-party ones."""

@@ -1,0 +1,1 @@
+"""Datasets and batching: synthetic GEM-like stream and the MovieLens ratings.dat loader."""

@@ -1,0 +1,15 @@
+"""Protocols and capability dataclasses for every registry kind."""
+
+from gemzoo.interfaces.attention import AttentionCapabilities, AttentionKernel, AttentionRequest, FunctionKernel
+from gemzoo.interfaces.batching import BatchingPolicy
+from gemzoo.interfaces.comms import CommsBackend, CommsCapabilities
+from gemzoo.interfaces.memory import MemoryPolicy
+from gemzoo.interfaces.models import DatasetSpec, Evaluator, ModelOutput, ModelSpec, RecModel
+from gemzoo.interfaces.planner import Planner, Topology
+from gemzoo.interfaces.precision import PrecisionCapabilities, PrecisionConfig, PrecisionPolicy
+
+__all__ = [
+    "AttentionCapabilities", "AttentionKernel", "AttentionRequest", "FunctionKernel", "BatchingPolicy",
+    "CommsBackend", "CommsCapabilities", "MemoryPolicy", "DatasetSpec", "Evaluator", "ModelOutput",
+    "ModelSpec", "RecModel", "Planner", "Topology", "PrecisionCapabilities", "PrecisionConfig", "PrecisionPolicy",
+]

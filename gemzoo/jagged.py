@@ -1,0 +1,100 @@
+"""Jagged layout helpers: ``values [T, ...]`` plus int64 ``offsets [B+1]`` (torchrec/fbgemm convention).
+
+Rules checked by :func:`validate_offsets`:
+  1. offsets is a 1-D int64 tensor with at least one element;
+  2. it lives on the same device as the values;
+  3. ``offsets[0] == 0``;
+  4. offsets never decrease (zero-length sequences are fine);
+  5. ``offsets[-1] == T`` (the number of rows of values).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemzoo.errors import JaggedShapeError
+
+__all__ = [
+    "validate_offsets",
+    "lengths_to_offsets",
+    "offsets_to_lengths",
+    "max_length",
+    "seq_ids",
+    "positions",
+    "jagged_to_padded",
+    "padded_to_jagged",
+]
+
+
+def validate_offsets(offsets: torch.Tensor, total: int | None = None, *, device=None, name: str = "offsets") -> None:
+    """Raise :class:`JaggedShapeError` naming the first rule ``offsets`` breaks."""
+    if not isinstance(offsets, torch.Tensor):
+        raise JaggedShapeError(f"{name} must be a torch.Tensor of int64, got {type(offsets).__name__}")
+    if offsets.dtype != torch.int64:
+        raise JaggedShapeError(
+            f"{name} must have dtype torch.int64, got {offsets.dtype}; convert with {name}.long()"
+        )
+    if offsets.dim() != 1 or offsets.numel() == 0:
+        raise JaggedShapeError(f"{name} must be 1-D with B+1 >= 1 elements, got shape {tuple(offsets.shape)}")
+    if device is not None and offsets.device != torch.device(device):
+        raise JaggedShapeError(
+            f"{name} is on {offsets.device} but the values are on {device}; move it with {name}.to(values.device)"
+        )
+    first = int(offsets[0])
+    if first != 0:
+        raise JaggedShapeError(f"{name}[0] must be 0, got {first}")
+    if offsets.numel() > 1:
+        steps = offsets[1:] - offsets[:-1]
+        bad = (steps < 0).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0]) + 1
+            raise JaggedShapeError(
+                f"{name} must be non-decreasing, but {name}[{i}]={int(offsets[i])} < {name}[{i - 1}]={int(offsets[i - 1])}"
+            )
+    last = int(offsets[-1])
+    if total is not None and last != total:
+        raise JaggedShapeError(
+            f"{name}[-1] must equal the number of value rows T={total}, got {last} (at index {offsets.numel() - 1})"
+        )
+
+
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
+    return offsets[1:] - offsets[:-1]
+
+
+def max_length(offsets: torch.Tensor) -> int:
+    return int(offsets_to_lengths(offsets).max()) if offsets.numel() > 1 else 0
+
+
+def seq_ids(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Sequence index of every value row, shape [T]."""
+    lengths = offsets_to_lengths(offsets)
+    total = int(offsets[-1]) if total is None else total
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
+
+
+def positions(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Position of every value row inside its own sequence, shape [T]."""
+    ids = seq_ids(offsets, total)
+    return torch.arange(ids.numel(), device=offsets.device) - offsets[ids]
+
+
+def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None, pad: float = 0.0):
+    """[T, *F] -> [B, max_len, *F]; rows past a sequence's end hold ``pad``. Differentiable."""
+    from gemzoo import ops
+
+    return ops.jagged_to_padded(values, offsets, max_length(offsets) if max_len is None else max_len, pad)
+
+
+def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[B, L, *F] -> [T, *F], keeping the first length_b rows of each sequence. Differentiable."""
+    from gemzoo import ops
+
+    return ops.padded_to_jagged(padded, offsets)

@@ -1,0 +1,1 @@
+"""Model families, one folder each. Every model calls attention through :class:`JaggedAttention`."""

@@ -1,0 +1,135 @@
+"""Attention conformance: random jagged batches (zero-length sequences included) against ``reference``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest
+from gemzoo.jagged import lengths_to_offsets
+
+# bf16/fp16 kernels land under 1e-2 (BENCHMARKS.md); fp32 kernels may use tf32 dots on GPU.
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    activation: str = "softmax"
+    causal: bool = True
+    asymmetric: bool = False
+    window: int | None = None
+    block_size: int | None = None
+    norm: float | None = None
+    heads: int = 2
+    head_dim: int = 16
+    batch: int = 4
+    max_len: int = 24
+    seed: int = 0
+
+    def request(self, dtype=None, device=None, backward=True) -> AttentionRequest:
+        return AttentionRequest(self.activation, self.causal, self.asymmetric, self.window is not None,
+                                self.block_size is not None, dtype, device, backward, self.head_dim)
+
+    def __str__(self) -> str:
+        parts = [self.activation, "causal" if self.causal else "full"]
+        if self.asymmetric:
+            parts.append("asym")
+        if self.window is not None:
+            parts.append(f"win{self.window}")
+        if self.block_size is not None:
+            parts.append(f"blk{self.block_size}")
+        parts.append(f"d{self.head_dim}s{self.seed}")
+        return "-".join(parts)
+
+
+def attention_cases(caps: AttentionCapabilities, *, head_dims=(16,), quick: bool = False) -> list[AttentionCase]:
+    """Every combination the kernel declares: activations x causal x asymmetric x window/block."""
+    cases = []
+    causal_opts = [c for c in (True, False) if (c and caps.causal) or (not c and caps.non_causal)]
+    for act in sorted(caps.activations):
+        norm = None if act == "softmax" else 16.0
+        for causal in causal_opts:
+            for asym in ([False, True] if caps.asymmetric else [False]):
+                for hd in head_dims:
+                    cases.append(AttentionCase(act, causal, asym, norm=norm, head_dim=hd, seed=len(cases)))
+        if quick:
+            break
+    if caps.window:
+        cases.append(AttentionCase("softmax", True, False, window=5, seed=100))
+        if caps.asymmetric:
+            cases.append(AttentionCase("softmax", True, True, window=7, seed=101))
+    if caps.block:
+        cases.append(AttentionCase("softmax", True, False, block_size=8, seed=102))
+        cases.append(AttentionCase("softmax", False, False, block_size=4, seed=103))
+    return [c for c in cases if not caps.missing(c.request())]
+
+
+def random_jagged_lengths(batch: int, max_len: int, generator: torch.Generator, zero_frac: float = 0.25):
+    """Random lengths in [1, max_len] with about ``zero_frac`` of them forced to zero (never all)."""
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=generator)
+    zeros = torch.rand(batch, generator=generator) < zero_frac
+    zeros[torch.randint(0, batch, (1,), generator=generator)] = False
+    lengths[zeros] = 0
+    if batch >= 3:
+        lengths[1] = 0  # always at least one empty sequence in the middle
+    return lengths
+
+
+def make_inputs(case: AttentionCase, dtype: torch.dtype, device: str, generator: torch.Generator):
+    q_lens = random_jagged_lengths(case.batch, case.max_len, generator)
+    if case.asymmetric:
+        k_lens = random_jagged_lengths(case.batch, case.max_len + 9, generator) + q_lens // 2
+        k_lens[1] = 5  # a query-less sequence whose keys must be ignored
+        q_lens[1] = 0
+    else:
+        k_lens = q_lens
+    q_off, k_off = lengths_to_offsets(q_lens).to(device), lengths_to_offsets(k_lens).to(device)
+    tq, tk = int(q_lens.sum()), int(k_lens.sum())
+    h, d = case.heads, case.head_dim
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    q, k, v = rnd(tq, h, d), rnd(tk, h, d), rnd(tk, h, d)
+    return q, k, v, q_off, (k_off if case.asymmetric else None)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, with a floor on ||b|| so an all-zero reference (e.g. dq of one-key rows) is fair."""
+    a, b = a.double(), b.double()
+    floor = 1e-3 * max(b.numel(), 1) ** 0.5
+    return float((a - b).norm() / b.norm().clamp_min(floor))
+
+
+def check_attention(kernel, case: AttentionCase, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                    backward: bool = True, reference=None, tol: float | None = None) -> dict[str, float]:
+    """Forward and dq/dk/dv of ``kernel`` against ``reference`` (fp64 on CPU). Returns the errors."""
+    from gemzoo.builtin.attention import reference_attention
+
+    reference = reference or reference_attention
+    tol = TOLERANCE[dtype] if tol is None else tol
+    gen = torch.Generator().manual_seed(1234 + case.seed)
+    q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
+    kw = dict(causal=case.causal, activation=case.activation, norm=case.norm, window=case.window,
+              block_size=case.block_size)
+
+    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
+    out = kernel(*leaves, q_off, k_off, **kw)
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[2]), f"output shape {tuple(out.shape)}"
+    assert out.dtype == q.dtype, f"output dtype {out.dtype} != input dtype {q.dtype}"
+    assert torch.isfinite(out).all(), "output has NaN/Inf (rows with no allowed key must be 0)"
+
+    ref_leaves = [t.detach().cpu().double().requires_grad_(backward) for t in (q, k, v)]
+    ref = reference(*ref_leaves, q_off.cpu(), None if k_off is None else k_off.cpu(), **kw)
+    errors = {"out": _rel(out.detach().cpu(), ref.detach())}
+    if backward:
+        grad = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
+        out.backward(grad)
+        ref.backward(grad.cpu().double())
+        for name, mine, theirs in zip("qkv", leaves, ref_leaves):
+            assert mine.grad is not None, f"d{name} was not computed"
+            errors[f"d{name}"] = _rel(mine.grad.cpu(), theirs.grad)
+    bad = {n: e for n, e in errors.items() if not e <= tol}  # `not <=` also catches NaN
+    assert not bad, f"{case}: relative error over {tol:g} in {bad} (all: {errors})"
+    return errors

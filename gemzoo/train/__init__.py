@@ -1,0 +1,1 @@
+"""Trainer, metrics (MFU), checkpoints."""
