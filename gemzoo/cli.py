@@ -1,0 +1,186 @@
+"""The ``gemzoo`` command line.
+
+    gemzoo train --config F [--plugins a,b] [--set k=v ...] [--steps N] [--out DIR] [--resume [PATH]]
+    gemzoo plugins [--json]
+    gemzoo list KIND [PATTERN]
+    gemzoo config show|validate F [--plugins ...] [--set ...]
+    gemzoo info
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gemzoo.errors import GemzooError
+
+
+def _blocked_from(plugins: str | None) -> set[str]:
+    return {n.strip()[3:] for n in (plugins or "").split(",") if n.strip().startswith("no:")}
+
+
+def _prepare_registry(plugins: str | None) -> None:
+    """Apply ``no:NAME`` blocks before any plugin is imported."""
+    from gemzoo import registry
+    from gemzoo.plugins import PluginHost, blocked_names
+
+    blocked = _blocked_from(plugins)
+    if blocked:
+        registry.reset(PluginHost(blocked=blocked | blocked_names()))
+
+
+def _load(args):
+    from gemzoo.config import load_config
+
+    _prepare_registry(getattr(args, "plugins", None))
+    overrides = list(args.set or [])
+    if getattr(args, "steps", None) is not None:
+        overrides.append(f"run.steps={args.steps}")
+    return load_config(args.config, overrides=overrides, plugins=args.plugins)
+
+
+def cmd_train(args) -> int:
+    from gemzoo.train.trainer import train
+
+    cfg = _load(args)
+    if args.out:
+        cfg.run.out_dir = args.out
+    result = train(cfg, resume=args.resume if args.resume is not None else False, progress=not args.quiet)
+    summary = {"final_loss": result.final_loss, "steps": result.steps, **result.eval,
+               "out_dir": str(result.out_dir)}
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    from gemzoo import registry
+
+    _prepare_registry(None)
+    registry.names("attention")  # load everything
+    infos = sorted(registry.host().infos.values(), key=lambda i: (i.distribution != "gemzoo", i.name))
+    rows = [{"name": i.name, "distribution": i.distribution, "version": i.version, "hooks": i.hooks,
+             "registered": i.registered, "error": i.error} for i in infos]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("plugin", "distribution", "version", "registers", "hooks")
+    for r in rows:
+        regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(r["registered"].items()))
+        if r["error"]:
+            regs = f"[red]failed: {r['error']}[/red]"
+        table.add_row(r["name"], r["distribution"], r["version"], regs, ", ".join(h.removeprefix("gemzoo_") for h in r["hooks"]))
+    Console().print(table)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from gemzoo import registry
+
+    for name in registry.names(args.kind, args.pattern):
+        obj = registry.get(args.kind, name)
+        desc = getattr(obj, "description", "") or (obj.__doc__ or "").strip().split("\n")[0]
+        print(f"{name:<20} {desc}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    cfg = _load(args)
+    if args.action == "validate":
+        print(f"{args.config}: OK")
+        return 0
+    out = cfg.to_dict()
+    out["precision_by_module"] = _precision_by_module(cfg)
+    print(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def _precision_by_module(cfg) -> dict[str, str]:
+    """Build the model on meta, apply the precision policy, report each module's precision."""
+    import torch
+
+    from gemzoo import registry
+    from gemzoo.interfaces.precision import PrecisionConfig, precision_report
+
+    dataset = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
+    with torch.device("meta"):
+        model = registry.get("model", cfg.model.family).build(cfg.model, dataset.info)
+    policy = registry.get("precision", cfg.plugins.precision)
+    options = cfg.plugins.options.get(cfg.plugins.precision)
+    if options is not None:
+        policy = policy.configure(options)
+    model = policy.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
+    return precision_report(model)
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    from gemzoo import __version__, ops
+
+    info = {"gemzoo": __version__, "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "extension": ops.extension_info()}
+    print(json.dumps(info, indent=1, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gemzoo", description="Train LLM-scale recommendation models with plugins.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train from a config")
+    t.add_argument("--config", required=True)
+    t.add_argument("--plugins", help="comma-separated plugin names, e.g. jfa,mxfp8; no:NAME blocks one")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. run.steps=50")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--out", help="run folder (overrides run.out_dir)")
+    t.add_argument("--resume", nargs="?", const=True, default=None,
+                   help="continue from the newest valid checkpoint in the run folder, or from PATH")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    pl = sub.add_parser("plugins", help="list installed plugins")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plugins)
+
+    ls = sub.add_parser("list", help="list registered names of a kind")
+    ls.add_argument("kind", choices=["attention", "precision", "planner", "comms", "memory", "batching",
+                                     "model", "dataset"])
+    ls.add_argument("pattern", nargs="?")
+    ls.set_defaults(func=cmd_list)
+
+    c = sub.add_parser("config", help="show or validate a config")
+    c.add_argument("action", choices=["show", "validate"])
+    c.add_argument("config")
+    c.add_argument("--plugins")
+    c.add_argument("--set", action="append", metavar="KEY=VALUE")
+    c.set_defaults(func=cmd_config)
+
+    i = sub.add_parser("info", help="versions, and what the C++ extension provides")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gemzoo import registry
+
+    parser = build_parser()
+    # Plugins may add commands; blocked ones must not load, so honour no:NAME first.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--plugins" in argv[:-1]:
+        _prepare_registry(argv[argv.index("--plugins") + 1])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    registry.host().pm.hook.gemzoo_register_commands(cli=sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except GemzooError as exc:
+        print(f"gemzoo: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

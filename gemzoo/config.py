@@ -1,0 +1,291 @@
+"""TOML config -> dataclasses. Unknown keys are errors; ``--set a.b=c`` overrides; plugin lists.
+
+    cfg = load_config("configs/gem-tiny.toml", overrides=["run.steps=50"], plugins="jfa,mxfp8")
+
+[model] and [data] take the fields of the chosen family's / dataset's own config dataclass;
+[plugins.options.NAME] takes the fields of plugin NAME's ``options_cls``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from gemzoo.errors import ConfigError, PluginError
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    steps: int = 100
+    seed: int = 0
+    out_dir: str = "runs/run"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    log_every: int = 10
+    compile: bool = False
+    peak_tflops: float | None = None  # overrides the device table for MFU
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    sparse_lr: float = 0.05
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class PluginsConfig:
+    attention: str = "reference"
+    precision: str = "fp32"
+    planner: str = "torchrec"
+    comms: str = "torch"
+    memory: list[str] = field(default_factory=list)
+    batching: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)  # plugin name -> its options dataclass
+
+
+@dataclass
+class PrecisionSection:
+    keep: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EvalConfig:
+    every: int = 100
+    batches: int = 8
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    keep: int = 2
+
+
+@dataclass
+class Config:
+    run: RunConfig
+    model: Any
+    data: Any
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    source: str = "<dict>"
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            if f.name == "source":
+                continue
+            out[f.name] = _to_plain(getattr(self, f.name))
+        return out
+
+
+SECTIONS = {
+    "run": RunConfig,
+    "optim": OptimConfig,
+    "precision": PrecisionSection,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+}
+PLUGIN_KINDS = ("attention", "precision", "planner", "comms", "memory", "batching")
+
+
+def _to_plain(value):
+    if is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _unknown_key(section: str, key: str, valid: list[str], source: str) -> ConfigError:
+    msg = f"{source}: unknown key {section}.{key}. Valid keys in [{section}]: {', '.join(sorted(valid))}."
+    close = difflib.get_close_matches(key, valid, n=1)
+    if close:
+        msg += f" Did you mean {section}.{close[0]}?"
+    return ConfigError(msg)
+
+
+def _check_type(section: str, f: dataclasses.Field, value: Any, source: str) -> Any:
+    """Light type check with the obvious coercions (int -> float)."""
+    hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    want = hint.split("|")[0].strip()
+    if want == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    checks = {"int": int, "float": float, "str": str, "bool": bool}
+    typ = checks.get(want)
+    if typ is not None and value is not None:
+        ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+        if not ok:
+            raise ConfigError(
+                f"{source}: {section}.{f.name} must be {want}, got {value!r} ({type(value).__name__})"
+            )
+    if want.startswith(("list", "tuple")) and not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{source}: {section}.{f.name} must be a list, got {value!r}")
+    return value
+
+
+def build_dataclass(cls, table: dict, section: str, source: str = "<config>"):
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [{section}] must be a table, got {table!r}")
+    valid = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in table.items():
+        if key not in valid:
+            raise _unknown_key(section, key, list(valid), source)
+        kwargs[key] = _check_type(section, valid[key], value, source)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        missing = [f.name for f in fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   and f.name not in kwargs]
+        raise ConfigError(f"{source}: [{section}] is missing required keys {missing} ({exc})") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'model.d_model=256' -> (['model', 'd_model'], 256); the value is read as TOML, else as a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set run.steps=50")
+    key, _, raw = text.partition("=")
+    path = key.strip().split(".")
+    if len(path) < 2 or not all(path):
+        raise ConfigError(f"--set {text!r}: the key must be SECTION.NAME, e.g. run.steps")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides or []:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {part} is not a table")
+        node[path[-1]] = value
+    return raw
+
+
+def apply_plugin_list(plugins_table: dict, plugin_list: str | list[str] | None, registry) -> tuple[dict, set[str]]:
+    """Apply ``--plugins a,b,no:c``: each name sets its kind's slot (memory appends). Returns blocked names."""
+    if not plugin_list:
+        return plugins_table, set()
+    names = plugin_list.split(",") if isinstance(plugin_list, str) else list(plugin_list)
+    blocked = {n.strip()[3:] for n in names if n.strip().startswith("no:")}
+    for raw_name in names:
+        name = raw_name.strip()
+        if not name or name.startswith("no:"):
+            continue
+        entry = registry.find(name)
+        if entry is None or entry.kind not in PLUGIN_KINDS:
+            try:
+                registry.get("attention", name.split(":")[-1])
+            except PluginError as exc:
+                raise PluginError(
+                    f"--plugins: no plugin named {name!r} is registered. "
+                    f"Attention kernels: {', '.join(registry.names('attention'))}; "
+                    f"precision: {', '.join(registry.names('precision'))}; "
+                    f"memory: {', '.join(registry.names('memory'))}; planners: {', '.join(registry.names('planner'))}; "
+                    f"comms: {', '.join(registry.names('comms'))}; batching: {', '.join(registry.names('batching'))}. "
+                    f"({exc})"
+                ) from None
+        if entry.kind == "memory":
+            current = list(plugins_table.get("memory", []))
+            if entry.name not in current:
+                current.append(entry.name)
+            plugins_table["memory"] = [m for m in current if m != "none"]
+        else:
+            plugins_table[entry.kind] = entry.name
+    for kind in PLUGIN_KINDS:
+        value = plugins_table.get(kind)
+        if kind == "memory" and value:
+            plugins_table[kind] = [m for m in value if m not in blocked]
+        elif value in blocked:
+            raise PluginError(f"--plugins no:{value} blocks the {kind} the config selects; choose another {kind}")
+    return plugins_table, blocked
+
+
+def load_config(path: str | Path | None = None, *, raw: dict | None = None, overrides: list[str] | None = None,
+                plugins: str | None = None, registry=None) -> Config:
+    """Read, override and validate a config against the registries."""
+    if registry is None:
+        from gemzoo import registry
+    source = str(path) if path is not None else "<dict>"
+    if raw is None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source} does not exist; see configs/ for examples")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+    raw = apply_overrides(_deepcopy(raw), overrides or [])
+    known = set(SECTIONS) | {"model", "data", "plugins"}
+    for section in raw:
+        if section not in known:
+            close = difflib.get_close_matches(section, sorted(known), n=1)
+            hint = f" Did you mean [{close[0]}]?" if close else ""
+            raise ConfigError(f"{source}: unknown section [{section}]. Valid sections: {', '.join(sorted(known))}.{hint}")
+    built = {name: build_dataclass(cls, raw.get(name, {}), name, source) for name, cls in SECTIONS.items()}
+
+    model_table = dict(raw.get("model", {}))
+    family = model_table.get("family")
+    if not family:
+        raise ConfigError(f"{source}: [model] needs family = one of {', '.join(registry.names('model'))}")
+    spec = _lookup(registry, "model", family, source)
+    model_cfg = build_dataclass(spec.config_cls, model_table, "model", source)
+
+    data_table = dict(raw.get("data", {}))
+    data_source = data_table.get("source")
+    if not data_source:
+        raise ConfigError(f"{source}: [data] needs source = one of {', '.join(registry.names('dataset'))}")
+    dspec = _lookup(registry, "dataset", data_source, source)
+    data_cfg = build_dataclass(dspec.config_cls, data_table, "data", source)
+
+    plugins_table = dict(raw.get("plugins", {}))
+    options_raw = plugins_table.pop("options", {})
+    plugins_table, _ = apply_plugin_list(plugins_table, plugins, registry)
+    if isinstance(plugins_table.get("memory"), str):
+        plugins_table["memory"] = [plugins_table["memory"]]
+    plugins_cfg = build_dataclass(PluginsConfig, plugins_table, "plugins", source)
+    for kind in PLUGIN_KINDS:
+        selected = getattr(plugins_cfg, kind)
+        for name in selected if isinstance(selected, list) else [selected]:
+            _lookup(registry, kind, name, source)
+    plugins_cfg.options = {}
+    for name, table in options_raw.items():
+        entry = registry.find(name)
+        if entry is None:
+            raise ConfigError(f"{source}: [plugins.options.{name}] names no registered plugin")
+        options_cls = getattr(entry.obj, "options_cls", None)
+        if options_cls is None:
+            raise ConfigError(f"{source}: plugin {name!r} takes no options; remove [plugins.options.{name}]")
+        plugins_cfg.options[name] = build_dataclass(options_cls, table, f"plugins.options.{name}", source)
+    return Config(model=model_cfg, data=data_cfg, plugins=plugins_cfg, source=source, **built)
+
+
+def _lookup(registry, kind: str, name: str, source: str):
+    try:
+        return registry.get(kind, name)
+    except PluginError as exc:
+        raise PluginError(f"{source}: {exc}") from None
+
+
+def _deepcopy(raw: dict) -> dict:
+    import copy
+
+    return copy.deepcopy(raw)

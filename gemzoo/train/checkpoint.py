@@ -1,0 +1,190 @@
+"""Checkpoints: safetensors + a JSON manifest, written atomically; never unpickled.
+
+Layout: ``<out_dir>/checkpoints/step-00000100/{model,optim,rng}.safetensors, manifest.json``.
+A checkpoint is written into a temporary folder, every file fsynced, then renamed into place, so a
+crash leaves either the old set or the new one. The manifest records each file's size and SHA-256;
+loading verifies them, so truncation or corruption raises CheckpointError instead of loading junk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from gemzoo.errors import CheckpointError
+
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Optimizer state_dict -> (tensors for safetensors, JSON-able rest)."""
+    tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
+    for pid, pstate in state["state"].items():
+        meta["state"][str(pid)] = {}
+        for key, value in pstate.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{pid}.{key}"] = value.detach().contiguous().cpu()
+                meta["state"][str(pid)][key] = "tensor"
+            else:
+                meta["state"][str(pid)][key] = value
+    return tensors, meta
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state = {}
+    for pid, pstate in meta["state"].items():
+        state[int(pid)] = {k: (tensors[f"{pid}.{k}"] if v == "tensor" else v) for k, v in pstate.items()}
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"cuda{i}"] = s
+    return out
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda"))]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch.Tensor],
+                    optimizers: dict[str, dict], manifest: dict[str, Any], keep: int = 2) -> Path:
+    """Atomically write checkpoint ``step`` under ``root``; keep the newest ``keep`` ones."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    files = {"model.safetensors": {k: v.detach().contiguous().cpu() for k, v in model_state.items()}}
+    optim_meta = {}
+    for name, state in optimizers.items():
+        tensors, meta = flatten_optimizer(state)
+        files[f"optim-{name}.safetensors"] = tensors
+        optim_meta[name] = meta
+    files["rng.safetensors"] = rng_state()
+    entries = {}
+    for fname, tensors in files.items():
+        path = tmp / fname
+        save_file(_dedupe_storage(tensors), str(path))
+        entries[fname] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    full_manifest = {"format": FORMAT_VERSION, "step": step, "files": entries, "optimizers": optim_meta, **manifest}
+    with open(tmp / "manifest.json", "w") as f:
+        json.dump(full_manifest, f, indent=1, default=str)
+    for path in tmp.iterdir():
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _dedupe_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing storage (tied weights): clone the repeats."""
+    seen, out = set(), {}
+    for k, v in tensors.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() else None
+        out[k] = v.clone() if key in seen else v
+        if key is not None:
+            seen.add(key)
+    return out
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Verify and load one checkpoint folder. Raises CheckpointError naming the bad file."""
+    path = Path(path)
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} has no manifest.json: not a gemzoo checkpoint, or it was never finished")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{manifest_path} is corrupt ({exc}); resume from an earlier checkpoint") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')} is not {FORMAT_VERSION}")
+    loaded = {}
+    for fname, meta in manifest["files"].items():
+        fpath = path / fname
+        if not fpath.is_file():
+            raise CheckpointError(f"{fpath} is missing; resume from an earlier checkpoint")
+        size = fpath.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(
+                f"{fpath} is truncated or corrupt: {size} bytes, the manifest says {meta['bytes']}. "
+                "Resume from an earlier checkpoint (--resume picks the newest valid one)."
+            )
+        if _sha256(fpath) != meta["sha256"]:
+            raise CheckpointError(f"{fpath} fails its SHA-256 check; resume from an earlier checkpoint")
+        try:
+            loaded[fname] = load_file(str(fpath))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{fpath} cannot be read as safetensors: {exc}") from None
+    optimizers = {
+        name: unflatten_optimizer(loaded[f"optim-{name}.safetensors"], meta)
+        for name, meta in manifest.get("optimizers", {}).items()
+    }
+    return {"manifest": manifest, "model": loaded["model.safetensors"], "optimizers": optimizers,
+            "rng": loaded["rng.safetensors"], "path": path}
+
+
+def load_latest(root: str | Path) -> dict[str, Any] | None:
+    """The newest checkpoint that verifies; corrupt newer ones are reported and skipped."""
+    problems = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            ckpt = load_checkpoint(path)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            warnings.warn(f"skipping unusable checkpoint: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        ckpt["skipped"] = problems
+        return ckpt
+    if problems:
+        raise CheckpointError("no usable checkpoint under " + str(root) + ": " + " | ".join(problems))
+    return None
