@@ -233,7 +233,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        metrics = step_metrics(loss=float(loss), seconds=seconds, samples=batch.num_samples,
+        metrics = step_metrics(loss=float(loss.detach()), seconds=seconds, samples=batch.num_samples,
                                tokens=batch.num_tokens, flops=self.model.flops(batch),
                                peak_flops=self.peak, device=self.device)
         metrics.update({f"train/{k}": v for k, v in out.logs.items()})

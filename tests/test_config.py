@@ -1,0 +1,113 @@
+import copy
+
+import pytest
+
+from gemzoo.config import load_config, parse_override
+from gemzoo.errors import ConfigError, PluginError
+from toy_plugin import TOY_CONFIG, install
+
+
+@pytest.fixture
+def toy(fresh_registry):
+    install(fresh_registry)
+    return fresh_registry
+
+
+def raw(**sections):
+    r = copy.deepcopy(TOY_CONFIG)
+    for k, v in sections.items():
+        r.setdefault(k, {}).update(v)
+    return r
+
+
+def test_defaults_and_family_fields(toy):
+    cfg = load_config(raw=raw())
+    assert cfg.model.d_model == 16 and cfg.data.batch_size == 8
+    assert cfg.plugins.attention == "reference" and cfg.plugins.memory == []
+
+
+@pytest.mark.parametrize("section,key,hint", [
+    ("run", "stepz", "run.steps"),
+    ("model", "d_modle", "model.d_model"),
+    ("data", "batchsize", "data.batch_size"),
+    ("optim", "learning_rate", None),
+])
+def test_unknown_key_is_named(toy, section, key, hint):
+    r = raw()
+    r.setdefault(section, {})[key] = 1
+    with pytest.raises(ConfigError) as exc:
+        load_config(raw=r)
+    assert f"{section}.{key}" in str(exc.value)
+    if hint:
+        assert f"Did you mean {hint}" in str(exc.value)
+
+
+def test_unknown_section(toy):
+    with pytest.raises(ConfigError, match=r"unknown section \[optimizer\].*Did you mean \[optim\]"):
+        load_config(raw=raw(optimizer={"lr": 1}))
+
+
+def test_wrong_type_is_named(toy):
+    with pytest.raises(ConfigError, match="run.steps must be int"):
+        load_config(raw=raw(run={"steps": "many"}))
+
+
+def test_overrides(toy):
+    cfg = load_config(raw=raw(), overrides=["run.steps=7", "optim.lr=0.5", "run.name=abc", "precision.keep=['head']"])
+    assert (cfg.run.steps, cfg.optim.lr, cfg.run.name, cfg.precision.keep) == (7, 0.5, "abc", ["head"])
+    assert parse_override("model.d_model=32") == (["model", "d_model"], 32)
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("run.steps")
+
+
+def test_plugin_list_sets_each_kind(toy):
+    cfg = load_config(raw=raw(), plugins="sdpa-padded,bf16,full-ac")
+    assert (cfg.plugins.attention, cfg.plugins.precision, cfg.plugins.memory) == ("sdpa-padded", "bf16", ["full-ac"])
+
+
+def test_unknown_plugin_names_the_attention_kernels(toy):
+    with pytest.raises(PluginError) as exc:
+        load_config(raw=raw(), plugins="nosuch")
+    assert "nosuch" in str(exc.value) and "reference" in str(exc.value) and "sdpa-padded" in str(exc.value)
+
+
+def test_unknown_plugin_in_config_file(toy):
+    with pytest.raises(PluginError, match="unknown attention 'nosuch'"):
+        load_config(raw=raw(plugins={"attention": "nosuch"}))
+
+
+def test_block_removes_memory_policy(toy):
+    cfg = load_config(raw=raw(plugins={"memory": ["full-ac"]}), plugins="no:full-ac")
+    assert cfg.plugins.memory == []
+
+
+def test_missing_file_and_bad_toml(tmp_path, toy):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nsteps = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_plugin_options_validated_by_plugin_dataclass(toy):
+    from dataclasses import dataclass, replace
+
+    @dataclass
+    class Opts:
+        factor: int = 1
+
+    class Configurable:
+        options_cls = Opts
+        capabilities = None
+
+        def configure(self, options):
+            return self
+
+    toy.register("batching", "configurable", Configurable())
+    cfg = load_config(raw=raw(plugins={"batching": "configurable", "options": {"configurable": {"factor": 3}}}))
+    assert cfg.plugins.options["configurable"].factor == 3
+    with pytest.raises(ConfigError, match=r"plugins.options.configurable.fctor"):
+        load_config(raw=raw(plugins={"options": {"configurable": {"fctor": 3}}}))
+    with pytest.raises(ConfigError, match="takes no options"):
+        load_config(raw=raw(plugins={"options": {"reference": {"x": 1}}}))

@@ -1,0 +1,97 @@
+import copy
+import json
+
+import pytest
+import torch
+
+from gemzoo.config import load_config
+from gemzoo.errors import CheckpointError, PluginError, TrainingError
+from gemzoo.train import checkpoint as ckpt
+from gemzoo.train.trainer import Trainer, train
+from toy_plugin import TOY_CONFIG, install
+
+
+@pytest.fixture
+def toy(fresh_registry):
+    install(fresh_registry)
+    return fresh_registry
+
+
+def _cfg(tmp_path, **sections):
+    raw = copy.deepcopy(TOY_CONFIG)
+    raw["run"]["out_dir"] = str(tmp_path / "run")
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    return load_config(raw=raw)
+
+
+def test_loss_falls_and_files_are_written(toy, tmp_path):
+    result = train(_cfg(tmp_path, run={"steps": 60}), progress=False)
+    first, last = result.history[0]["loss"], result.history[-1]["loss"]
+    assert last < first
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["event"] == "start" and "mfu_peak" in lines[0]
+    steps = [l for l in lines if "loss" in l]
+    for key in ("loss", "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib"):
+        assert key in steps[-1]
+    assert "eval/accuracy" in result.eval
+    assert len(ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")) == 2  # keep=2
+
+
+def test_resume_is_bit_exact(toy, tmp_path):
+    full = train(_cfg(tmp_path / "a", run={"steps": 30}), progress=False)
+    train(_cfg(tmp_path / "b", run={"steps": 20}), progress=False)
+    resumed = train(_cfg(tmp_path / "b", run={"steps": 30}), resume=True, progress=False)
+    assert resumed.history[0]["step"] == 21
+    assert resumed.final_loss == full.final_loss  # dropout RNG, optimizer state and data all restored
+
+
+def test_truncated_checkpoint_raises_and_previous_stays_usable(toy, tmp_path):
+    train(_cfg(tmp_path, run={"steps": 20}), progress=False)
+    root = tmp_path / "run" / "checkpoints"
+    newest = ckpt.list_checkpoints(root)[-1]
+    model_file = newest / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        ckpt.load_checkpoint(newest)
+    with pytest.warns(RuntimeWarning, match="skipping unusable checkpoint"):
+        state = ckpt.load_latest(root)
+    assert state["manifest"]["step"] == 10
+    trainer = Trainer(_cfg(tmp_path, run={"steps": 20}), resume=True, progress=False)
+    with pytest.warns(RuntimeWarning):
+        trainer.assemble()
+    assert trainer.start_step == 10
+
+
+def test_checkpoint_is_not_pickle_and_has_manifest(toy, tmp_path):
+    train(_cfg(tmp_path, run={"steps": 10}), progress=False)
+    newest = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["step"] == 10
+    assert manifest["plugins"]["reference"]["distribution"] == "gemzoo"
+    assert manifest["config"]["model"]["family"] == "toy"
+    assert not list(newest.glob("*.pt")) and not list(newest.glob("*.pkl"))
+
+
+def test_nan_loss_stops_with_a_clear_error(toy, tmp_path):
+    cfg = _cfg(tmp_path, run={"steps": 5})
+    trainer = Trainer(cfg, progress=False).assemble()
+    with torch.no_grad():
+        trainer.model.head.weight.fill_(float("nan"))
+    with pytest.raises(TrainingError, match="loss is nan at step 0.*optim.lr"):
+        trainer.fit()
+
+
+def test_kernel_without_capability_fails_at_assembly(toy, tmp_path):
+    cfg = _cfg(tmp_path, plugins={"attention": "flex"})  # flex has no backward on CPU
+    with pytest.raises(PluginError, match="backward on 'cpu'.*Kernels that can: .*reference"):
+        Trainer(cfg, progress=False).assemble()
+
+
+@pytest.mark.parametrize("plugins", ["sdpa-padded,bf16", "reference,full-ac"])
+def test_plugin_swaps_train(toy, tmp_path, plugins):
+    raw = copy.deepcopy(TOY_CONFIG)
+    raw["run"].update(out_dir=str(tmp_path / "run"), steps=10)
+    cfg = load_config(raw=raw, plugins=plugins)
+    result = train(cfg, progress=False)
+    assert torch.isfinite(torch.tensor(result.final_loss))
