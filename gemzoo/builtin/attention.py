@@ -113,10 +113,15 @@ def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
         return q.new_zeros(0, q.shape[1], v.shape[2])
     if tk == 0:
         return q.new_zeros(tq, q.shape[1], v.shape[2])
-    q_doc, k_doc = seq_ids(q_offsets, tq), seq_ids(k_offsets, tk)
+    # Pad the token axis to a bucket so the compiled kernel sees few distinct shapes; padded rows get
+    # document ids that match nothing, so they neither attend nor are attended to.
+    tq_pad, tk_pad = _bucket(tq), _bucket(tk)
+    q_doc = torch.cat([seq_ids(q_offsets, tq), q.new_full((tq_pad - tq,), -1, dtype=torch.long)])
+    k_doc = torch.cat([seq_ids(k_offsets, tk), k.new_full((tk_pad - tk,), -2, dtype=torch.long)])
     q_lens, k_lens = q_offsets.diff(), k_offsets.diff()
-    q_pos = positions(q_offsets, tq) + (k_lens - q_lens)[q_doc]  # bottom-right aligned
-    k_pos = positions(k_offsets, tk)
+    q_pos = positions(q_offsets, tq) + (k_lens - q_lens)[seq_ids(q_offsets, tq)]  # bottom-right aligned
+    q_pos = torch.cat([q_pos, q_pos.new_zeros(tq_pad - tq)])
+    k_pos = torch.cat([positions(k_offsets, tk), q_pos.new_zeros(tk_pad - tk)])
 
     def mask_mod(b, h, qi, kj):
         ok = q_doc[qi] == k_doc[kj]
@@ -128,10 +133,23 @@ def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
             ok = ok & (q_pos[qi] // block_size == k_pos[kj] // block_size)
         return ok
 
-    block_mask = create_block_mask(mask_mod, None, None, tq, tk, device=q.device)
-    out = _flex(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                block_mask, scale)
-    return out.squeeze(0).transpose(0, 1)
+    block_mask = create_block_mask(mask_mod, None, None, tq_pad, tk_pad, device=q.device,
+                                   _compile=q.device.type == "cuda")
+
+    def heads_first(t, total):
+        t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, total - t.shape[0]))
+        return t.transpose(0, 1).unsqueeze(0)
+
+    out = _flex(heads_first(q, tq_pad), heads_first(k, tk_pad), heads_first(v, tk_pad), block_mask, scale)
+    return out.squeeze(0).transpose(0, 1)[:tq]
+
+
+def _bucket(n: int) -> int:
+    """Round up to 1/8 of the enclosing power of two (at least 128): few shapes, < 12.5% padding."""
+    if n <= 128:
+        return 128
+    step = max(128, 1 << (n - 1).bit_length() - 3)
+    return -(-n // step) * step
 
 
 _compiled_flex = None
@@ -144,6 +162,7 @@ def _flex(q, k, v, block_mask, scale):
     if q.device.type != "cuda":
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
     if _compiled_flex is None:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale)
 
