@@ -159,6 +159,9 @@ class Trainer:
         # 9. Optimizers: sparse tables and dense AdamW.
         self.optimizers = build_optimizers(model, cfg)
         self.dense_params, _ = split_parameters(model)
+        # Parameters every rank holds a full copy of (sharded tables excluded): averaged each step.
+        self.replicated_params = [p for p in model.parameters()
+                                  if p.requires_grad and type(p.data) is torch.Tensor]
 
         # 10. Resume.
         self.start_step = 0
@@ -221,7 +224,7 @@ class Trainer:
         finally:
             for c in reversed(contexts):
                 c.__exit__(None, None, None)
-        all_reduce_gradients(self.dense_params, self.world)
+        all_reduce_gradients(self.replicated_params, self.world)
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.dense_params, cfg.optim.grad_clip)
         for opt in self.optimizers.values():
