@@ -1,0 +1,275 @@
+"""Torch custom ops around the Triton kernels (fake implementations included, so torch.compile traces them).
+
+    gemzoo_jfa::fwd(q, k, v, q_offsets, k_offsets, causal, scale, window) -> (out, lse)
+    gemzoo_jfa::bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window) -> (dq, dk, dv)
+
+``window`` is -1 for "no window". ``lse`` is [H, Tq] fp32, base 2, +inf on rows with no allowed key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from gemzoo.errors import JaggedShapeError
+
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # queries per block
+    block_n: int  # keys per block
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Configs:
+    fwd: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+
+
+def default_configs(head_dim: int, device_type: str) -> Configs:
+    """Block shapes per head dim (H100/H200 picks from the autotune sweep in bench/; tiny ones for the interpreter)."""
+    if device_type != "cuda":
+        c = KernelConfig(16, 16, 1, 1)
+        return Configs(c, c, c)
+    if head_dim <= 64:
+        return Configs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3))
+    if head_dim <= 128:
+        return Configs(KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2))
+    return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
+
+
+_override: Configs | None = None
+_order = "lpt"
+
+
+@contextlib.contextmanager
+def using(configs: Configs | None = None, *, order: str | None = None):
+    """Run with other block configs or schedule order (the bench's sweeps use this)."""
+    global _override, _order
+    saved = _override, _order
+    _override = configs if configs is not None else _override
+    _order = order if order is not None else _order
+    try:
+        yield
+    finally:
+        _override, _order = saved
+
+
+def _configs(q: torch.Tensor) -> Configs:
+    return _override if _override is not None else default_configs(q.shape[-1], q.device.type)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse):
+    from gemzoo_jfa import kernels
+    from gemzoo_jfa.schedule import build_schedule
+
+    cfg = _configs(q).fwd
+    tq, h, d = q.shape
+    dv = v.shape[2]
+    items = build_schedule(q_offsets, k_offsets, tq, cfg.block_m, over="q", causal=causal,
+                           window=None if window < 0 else window, order=_order)
+    cap = items.shape[1]
+    kernels.jfa_fwd_kernel[(cap * h,)](
+        q, k, v, out, lse, q_offsets, k_offsets, items, cap, tq, scale * LOG2E, max(window, 0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=cfg.block_m, BN=cfg.block_n,
+        CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv_):
+    from gemzoo_jfa import kernels
+    from gemzoo_jfa.schedule import build_schedule
+
+    cfgs = _configs(q)
+    tq, h, d = q.shape
+    tk, dv = k.shape[0], v.shape[2]
+    upcast = q.device.type != "cuda"
+    win = None if window < 0 else window
+    delta = torch.empty(h, tq, device=q.device, dtype=torch.float32)
+    bt = 64 if upcast else 128
+    kernels.jfa_bwd_preprocess[(triton_cdiv(tq, bt), h)](
+        out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
+        DV=dv, BDV=_pow2(dv), BT=bt, num_warps=4 if not upcast else 1,
+    )
+    common = dict(H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), CAUSAL=causal, WINDOWED=window >= 0, UPCAST=upcast)
+    c = cfgs.dkdv
+    items = build_schedule(q_offsets, k_offsets, tk, c.block_n, over="k", causal=causal, window=win, order=_order)
+    cap = items.shape[1]
+    kernels.jfa_bwd_dkdv_kernel[(cap * h,)](
+        q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, cap, tq, scale * LOG2E, scale, max(window, 0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
+        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+    )
+    c = cfgs.dq
+    items = build_schedule(q_offsets, k_offsets, tq, c.block_m, over="q", causal=causal, window=win, order=_order)
+    cap = items.shape[1]
+    kernels.jfa_bwd_dq_kernel[(cap * h,)](
+        q, k, v, do, lse, delta, dq, q_offsets, k_offsets, items, cap, tq, scale * LOG2E, scale, max(window, 0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        dq.stride(0), dq.stride(1),
+        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+    )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# -- custom ops --------------------------------------------------------------------------------------
+
+@torch.library.custom_op("gemzoo_jfa::fwd", mutates_args=())
+def jfa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+            causal: bool, scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tq, h, _ = q.shape
+    out = torch.empty(tq, h, v.shape[2], device=q.device, dtype=q.dtype)
+    lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
+    if tq > 0 and h > 0:
+        _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse)
+    return out, lse
+
+
+@jfa_fwd.register_fake
+def _jfa_fwd_fake(q, k, v, q_offsets, k_offsets, causal, scale, window):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("gemzoo_jfa::bwd", mutates_args=())
+def jfa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor, causal: bool, scale: float,
+            window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do = do.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.shape[0] == 0 or q.shape[1] == 0:  # no queries: nothing reaches k or v
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if k.shape[0] == 0:
+        dq.zero_()
+        return dq, dk, dv
+    _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv)
+    return dq, dk, dv
+
+
+@jfa_bwd.register_fake
+def _jfa_bwd_fake(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, k_offsets, causal, scale, window = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
+    ctx.causal, ctx.scale, ctx.window = causal, scale, window
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, q_offsets, k_offsets = ctx.saved_tensors
+    dq, dk, dv = jfa_bwd(dout, q, k, v, out, lse, q_offsets, k_offsets, ctx.causal, ctx.scale, ctx.window)
+    return dq, dk, dv, None, None, None, None, None
+
+
+jfa_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- public entry ------------------------------------------------------------------------------------
+
+_validated: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _validate_offsets_once(offsets: torch.Tensor, total: int, device, name: str) -> None:
+    """Full offsets validation (host sync) the first time a given offsets tensor is seen."""
+    from gemzoo.jagged import validate_offsets
+
+    key = id(offsets)
+    seen = _validated.get(key)
+    if seen is not None and seen[0]() is offsets and seen[1] == offsets._version and seen[2] == total:
+        return
+    validate_offsets(offsets, total, device=device, name=name)
+    if len(_validated) > 64:
+        _validated.clear()
+    _validated[key] = (weakref.ref(offsets), offsets._version, total)
+
+
+def _check(q, k, v, q_offsets, k_offsets, activation, block_size, window):
+    if activation != "softmax":
+        raise ValueError(
+            f"jfa computes softmax attention only, got activation={activation!r}; use attention='gdpa' or "
+            "'reference' for pointwise activations"
+        )
+    if block_size is not None:
+        raise ValueError("jfa does not implement block_size masks; use attention='block-attention', 'flex' or "
+                         "'reference'")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 (or None for no window), got {window}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise JaggedShapeError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"jfa supports float32, bfloat16 and float16 inputs, got {name}.dtype={t.dtype}; "
+                            f"cast with {name}.to(torch.bfloat16)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape[:2] != v.shape[:2]:
+        raise JaggedShapeError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on [Tk, H]")
+    if q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
+        raise JaggedShapeError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on H and D")
+    if max(q.shape[2], v.shape[2]) > MAX_HEAD_DIM:
+        raise JaggedShapeError(f"jfa supports head dims up to {MAX_HEAD_DIM}, got D={q.shape[2]}, Dv={v.shape[2]}; "
+                               "split heads further or use attention='reference'")
+    if k_offsets is None:
+        if k.shape[0] != q.shape[0]:
+            raise JaggedShapeError("k_offsets is required when k and q have different numbers of rows")
+        k_offsets = q_offsets
+    for name, off, t in (("q_offsets", q_offsets, q), ("k_offsets", k_offsets, k)):
+        if not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or off.dim() != 1:
+            raise JaggedShapeError(f"{name} must be a 1-D int64 tensor, got "
+                                   f"{getattr(off, 'dtype', type(off).__name__)}; convert with {name}.long()")
+        if off.device != t.device:
+            raise JaggedShapeError(f"{name} is on {off.device} but the values are on {t.device}; "
+                                   f"move it with {name}.to(values.device)")
+    if k_offsets.numel() != q_offsets.numel():
+        raise JaggedShapeError(
+            f"q_offsets has {q_offsets.numel() - 1} sequences but k_offsets has {k_offsets.numel() - 1}")
+    if not torch.compiler.is_compiling():
+        _validate_offsets_once(q_offsets, q.shape[0], q.device, "q_offsets")
+        if k_offsets is not q_offsets:
+            _validate_offsets_once(k_offsets, k.shape[0], k.device, "k_offsets")
+    return k_offsets
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def jfa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None, norm=None,
+               max_q_len=None, max_k_len=None, block_size=None, window=None):
+    """Jagged flash attention through the Triton kernels on q's device (CPU needs TRITON_INTERPRET=1).
+
+    Same signature and meaning as every gemzoo attention kernel (see gemzoo.interfaces.attention);
+    ``norm``, ``max_q_len`` and ``max_k_len`` are accepted and unused (softmax needs no norm, and the
+    schedule is built from the offsets on the device).
+    """
+    k_offsets = _check(q, k, v, q_offsets, k_offsets, activation, block_size, window)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    out, _ = jfa_fwd(q, k, v, q_offsets, k_offsets, bool(causal), scale, -1 if window is None else int(window))
+    return out
+
+
+__all__ = ["jfa_triton", "jfa_fwd", "jfa_bwd", "KernelConfig", "Configs", "default_configs", "using"]

@@ -1,0 +1,48 @@
+"""gemzoo plugin: registers the ``jfa`` attention kernel (Triton on CUDA; the C++ ``cpu`` kernel or
+``reference`` on CPU tensors, so one config runs on any machine)."""
+
+from __future__ import annotations
+
+import torch
+
+import gemzoo
+from gemzoo.interfaces.attention import AttentionCapabilities, FunctionKernel
+
+
+def _cpu_fallback():
+    from gemzoo import registry
+
+    return registry.get("attention", "cpu" if "cpu" in registry.names("attention") else "reference")
+
+
+def jfa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
+    """Jagged flash attention; CUDA tensors run the Triton kernels, others the CPU kernel."""
+    if q.device.type != "cuda":
+        return _cpu_fallback()(q, k, v, q_offsets, k_offsets, **kw)
+    from gemzoo_jfa.ops import jfa_triton
+
+    return jfa_triton(q, k, v, q_offsets, k_offsets, **kw)
+
+
+KERNEL = FunctionKernel(
+    jfa_attention,
+    AttentionCapabilities(
+        activations=frozenset({"softmax"}),
+        causal=True,
+        non_causal=True,
+        asymmetric=True,
+        window=True,
+        block=False,
+        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+        devices=frozenset({"cpu", "cuda"}),
+        backward_devices=frozenset({"cpu", "cuda"}),
+        head_dims=tuple(range(1, 257)),
+    ),
+    "Jagged flash attention (Triton, fwd+bwd on jagged q/k/v, longest-first work schedule); CPU tensors "
+    "go to the 'cpu' kernel or 'reference'",
+)
+
+
+@gemzoo.hookimpl
+def gemzoo_register_attention(register):
+    register("jfa", KERNEL)

@@ -1,0 +1,63 @@
+"""Work schedules for skewed jagged batches, built on the device without a host sync.
+
+A work item is one (sequence, block) pair: a block of BM queries (forward, dq) or of BN keys (dk/dv).
+Sequences contribute ceil(L / block) items each, so no program covers padding. The item count is
+at most ceil(T / block) + B, which the host knows from shapes alone; the schedule tensor has that many
+slots and slots past the real count hold sequence -1 (their programs exit on the first load).
+
+Items are sorted by their cost (the number of keys or queries they visit, plus one block of fixed
+cost), longest first: GPU blocks are issued in launch order, so the long items of the longest
+sequences start first and the short ones fill the tail (LPT scheduling), instead of a long
+sequence's last blocks starting late and straggling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ORDERS = ("lpt", "natural")
+
+
+def capacity(total: int, batch: int, block: int) -> int:
+    """Slots in a schedule: an upper bound on the number of items, from shapes alone."""
+    return (total + block - 1) // block + batch
+
+
+def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int, block: int, *, over: str,
+                   causal: bool, window: int | None, order: str = "lpt") -> torch.Tensor:
+    """int32 [2, cap]: row 0 the sequence of each item (-1 = no item), row 1 its block index.
+
+    ``over="q"`` makes one item per block of ``block`` queries (forward and dq kernels); ``over="k"``
+    one per block of keys (dk/dv kernel). ``total`` is Tq or Tk accordingly.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"unknown schedule order {order!r}; choose one of {', '.join(ORDERS)}")
+    lq = q_offsets[1:] - q_offsets[:-1]
+    lk = k_offsets[1:] - k_offsets[:-1]
+    lengths = lq if over == "q" else lk
+    batch = lengths.numel()
+    cap = capacity(total, batch, block)
+    nblk = (lengths + block - 1) // block
+    ends = torch.cumsum(nblk, 0)
+    slot = torch.arange(cap, device=lengths.device, dtype=ends.dtype)
+    seq = torch.searchsorted(ends, slot, right=True)
+    valid = seq < batch
+    seq_c = seq.clamp(max=max(batch - 1, 0))
+    blk = slot - (ends[seq_c] - nblk[seq_c])
+    lq_s, lk_s = lq[seq_c], lk[seq_c]
+    shift = lk_s - lq_s
+    first = blk * block
+    if over == "q":  # keys visited by queries [first, last]
+        last = torch.minimum(first + block, lq_s) - 1
+        hi = torch.minimum(lk_s, last + shift + 1) if causal else lk_s
+        lo = (first + shift - window + 1).clamp_min(0) if window is not None else torch.zeros_like(hi)
+    else:  # queries that see keys [first, last]
+        last = torch.minimum(first + block, lk_s) - 1
+        lo = (first - shift).clamp_min(0) if causal else torch.zeros_like(first)
+        hi = torch.minimum(lq_s, last - shift + window) if window is not None else lq_s
+    cost = torch.where(valid, (hi - lo).clamp_min(0) + block, -1)
+    items = torch.stack([torch.where(valid, seq, -1), blk])
+    if order == "lpt":
+        perm = torch.sort(cost, descending=True, stable=True).indices
+        items = items[:, perm]
+    return items.to(torch.int32).contiguous()
