@@ -1,0 +1,154 @@
+"""The MX linear: an autograd function with fp32 accumulation whose three GEMMs read MXFP8 operands.
+
+  forward  Y  = X W^T     X, W in MX along K (rowwise)
+  dgrad    dX = dY W      dY, W in MX along N (the contraction)
+  wgrad    dW = dY^T X    dY, X in MX along tokens (columnwise), optionally after a random Hadamard
+                          transform along tokens (H D dY)^T (H D X) = dY^T X
+Only MX tensors are saved for backward (X quantized along tokens); W is the parameter itself.
+
+Backends (same numerics, exact MX: dequantized values are exact in bf16, products exact in fp32):
+  cpu     dequantize to fp32, fp32 matmul
+  triton  MX tiles dequantized in registers into bf16 MMA (gemzoo_mxfp8.triton_kernels.mx_gemm)
+  cublas  the cast kernel also writes the exact bf16 dequantization; the GEMM is cuBLAS bf16
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemzoo_mxfp8.cast import cast2d, dequant2d
+from gemzoo_mxfp8.rht import rht_signs
+
+BACKENDS = ("auto", "triton", "cublas")
+AUTO_BACKEND = "cublas"  # the faster of the two on the H200 (see README's benchmark table)
+
+
+@dataclass(frozen=True)
+class MXLinearConfig:
+    elem: torch.dtype = torch.float8_e4m3fn        # forward operands
+    grad_elem: torch.dtype = torch.float8_e4m3fn   # dY in dgrad and wgrad
+    rht: bool = False
+    rht_block: int = 32
+    rht_seed: int = 0
+    backend: str = "auto"
+
+    def rht_args(self):
+        return (rht_signs(self.rht_block, self.rht_seed), self.rht_block) if self.rht else None
+
+    def cuda_backend(self) -> str:
+        return AUTO_BACKEND if self.backend == "auto" else self.backend
+
+
+@functools.lru_cache(maxsize=None)
+def _rht(cfg: MXLinearConfig):
+    return cfg.rht_args()
+
+
+class MXLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, cfg: MXLinearConfig):
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        need_w = weight.requires_grad
+        rht = _rht(cfg)
+        if not x.is_cuda:
+            xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht, dq_dtype=torch.float32)
+            wdq = cast2d(weight, row_dq=True, elem=cfg.elem, dq_dtype=torch.float32)["row_dq"]
+            y = xo["row_dq"] @ wdq.t()
+            if bias is not None:
+                y = y + bias.float()
+        elif cfg.cuda_backend() == "triton":
+            from gemzoo_mxfp8.triton_kernels import mx_gemm
+
+            xo = cast2d(x2, row_q=True, col_q=need_w, elem=cfg.elem, rht=rht)
+            wr = cast2d(weight, row_q=True, elem=cfg.elem)["row"]
+            y = mx_gemm(*xo["row"], *wr, bias=bias, out_dtype=x.dtype)
+        else:
+            xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht)
+            wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]
+            y = F.linear(xo["row_dq"], wdq, None if bias is None else bias.to(torch.bfloat16))
+        xc = xo.get("col", (None, None))
+        ctx.save_for_backward(weight, *xc)  # the weight is the parameter itself; X only as MX
+        ctx.cfg, ctx.x_shape, ctx.x_dtype, ctx.has_bias, ctx.m = cfg, x.shape, x.dtype, bias is not None, x2.shape[0]
+        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        weight, xc_data, xc_scale = ctx.saved_tensors
+        cfg = ctx.cfg
+        n, k = weight.shape
+        dy2 = dy.reshape(-1, n)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        rht = _rht(cfg)
+        dx = dw = db = None
+        mp = xc_data.shape[1] if xc_data is not None else 0
+        if not dy.is_cuda:
+            do = cast2d(dy2, row_dq=need_x, col_dq=need_w, elem=cfg.grad_elem, rht=rht, dq_dtype=torch.float32)
+            if need_x:
+                wc = cast2d(weight, col_dq=True, elem=cfg.elem, dq_dtype=torch.float32)["col_dq"]  # [K, Np]
+                dx = do["row_dq"] @ wc[:, :n].t()
+            if need_w:
+                dw = do["col_dq"] @ dequant2d(xc_data, xc_scale, torch.float32).t()
+        elif cfg.cuda_backend() == "triton":
+            from gemzoo_mxfp8.triton_kernels import mx_gemm
+
+            do = cast2d(dy2, row_q=need_x, col_q=need_w, elem=cfg.grad_elem, rht=rht)
+            if need_x:
+                wc = cast2d(weight, col_q=True, elem=cfg.elem)["col"]  # W^T quantized along N: [K, Np]
+                dx = mx_gemm(*do["row"], *wc, k=n, out_dtype=ctx.x_dtype)
+            if need_w:
+                dw = mx_gemm(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
+        else:
+            do = cast2d(dy2, row_dq=need_x, col_dq=need_w, elem=cfg.grad_elem, rht=rht)
+            if need_x:
+                wc = cast2d(weight, col_dq=True, elem=cfg.elem)["col_dq"]
+                dx = do["row_dq"] @ wc[:, :n].t()
+            if need_w:
+                dw = do["col_dq"] @ dequant2d(xc_data, xc_scale, torch.bfloat16).t()
+        if need_x:
+            dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
+        if need_w:
+            dw = dw.to(weight.dtype)
+        if need_b and ctx.has_bias:
+            db = dy2.float().sum(0)
+        return dx, dw, db, None
+
+
+def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              cfg: MXLinearConfig = MXLinearConfig()) -> torch.Tensor:
+    return MXLinearFunction.apply(x, weight, bias, cfg)
+
+
+class MXLinear(nn.Module):
+    """Drop-in for nn.Linear (same parameters, same state-dict names) whose matmuls run in MXFP8."""
+
+    precision = "mxfp8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, cfg=MXLinearConfig(),
+                 device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features, self.cfg = in_features, out_features, cfg
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, cfg: MXLinearConfig = MXLinearConfig()) -> "MXLinear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features, new.cfg = linear.in_features, linear.out_features, cfg
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"MXLinear expects inputs with last dim {self.in_features}, got {tuple(x.shape)}")
+        return mx_linear(x, self.weight, self.bias, self.cfg)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"rht={self.cfg.rht}")

@@ -1,0 +1,170 @@
+"""Registers the precision policies ``mxfp8`` and ``fp8-rowwise``.
+
+Options (``[plugins.options.mxfp8]``, validated by ``MXFP8Options``)::
+
+    rht = false              # random Hadamard transform on the wgrad operands (along tokens)
+    rht_block = 32           # 16 or 32
+    rht_seed = 0             # one fixed sign vector per run
+    grad_elem = "e4m3"       # element type of dY: "e4m3" or "e5m2"
+    backend = "auto"         # CUDA GEMMs: "auto", "triton" (fused MX dequant + bf16 MMA) or "cublas"
+    attention = false        # MX QK^T and PV at the attention sites matched by attention_layers
+    attention_layers = ["*"] # fnmatch patterns on JaggedAttention site names
+    default_keep = true      # also keep DEFAULT_KEEP (embeddings, heads, first and last blocks) in bf16
+    weight_dtype = "keep"    # "bf16": store the swapped linears' master weights in bf16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gemzoo.builtin.precision import BF16Linear
+from gemzoo.errors import ConfigError
+from gemzoo.interfaces.precision import PrecisionCapabilities, PrecisionConfig, is_kept
+from gemzoo.plugins import hookimpl
+from gemzoo_mxfp8.linear import BACKENDS, MXLinear, MXLinearConfig
+from gemzoo_mxfp8.rht import RHT_BLOCKS
+from gemzoo_mxfp8.rowwise import FP8RowwiseLinear
+
+# Modules kept in bf16 by default. "{first_block}" / "{last_block}" expand to the names of the first and
+# last modules that set ``is_transformer_block = True``.
+DEFAULT_KEEP = ("*embed*", "head", "head.*", "*.head", "*.head.*", "{first_block}.*", "{last_block}.*")
+
+ELEM_NAMES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+WEIGHT_DTYPES = {"keep": None, "bf16": torch.bfloat16}
+
+
+def expand_keep(model: nn.Module, patterns) -> list[str]:
+    """DEFAULT_KEEP-style patterns with {first_block}/{last_block} filled from the model (dropped if none)."""
+    blocks = [name for name, m in model.named_modules() if getattr(m, "is_transformer_block", False) and name]
+    out = []
+    for p in patterns:
+        if "{first_block}" in p or "{last_block}" in p:
+            if blocks:
+                out.append(p.format(first_block=blocks[0], last_block=blocks[-1]))
+        else:
+            out.append(p)
+    return out
+
+
+def _swap(model: nn.Module, keep: list[str], make) -> dict[str, str]:
+    """Swap every plain nn.Linear: kept ones -> BF16Linear, the others -> make(linear)."""
+    cfg = PrecisionConfig(keep=keep)
+    plan = {}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear:
+                kept = is_kept(full, cfg)
+                setattr(module, child_name, BF16Linear.from_linear(child) if kept else make(child))
+                plan[full] = "bf16 (kept)" if kept else "swapped"
+    return plan
+
+
+@dataclass
+class MXFP8Options:
+    rht: bool = False
+    rht_block: int = 32
+    rht_seed: int = 0
+    grad_elem: str = "e4m3"
+    backend: str = "auto"
+    attention: bool = False
+    attention_layers: list[str] = field(default_factory=lambda: ["*"])
+    default_keep: bool = True
+    weight_dtype: str = "keep"
+
+    def __post_init__(self):
+        if self.rht_block not in RHT_BLOCKS:
+            raise ConfigError(f"plugins.options.mxfp8.rht_block must be 16 or 32, got {self.rht_block}")
+        if self.grad_elem not in ELEM_NAMES:
+            raise ConfigError(f"plugins.options.mxfp8.grad_elem must be one of {sorted(ELEM_NAMES)}, got {self.grad_elem!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"plugins.options.mxfp8.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"plugins.options.mxfp8.weight_dtype must be 'keep' or 'bf16', got {self.weight_dtype!r}")
+        if isinstance(self.attention_layers, str) or not all(isinstance(p, str) for p in self.attention_layers):
+            raise ConfigError("plugins.options.mxfp8.attention_layers must be a list of fnmatch patterns, "
+                              f"e.g. [\"tower.blocks.*\"], got {self.attention_layers!r}")
+
+
+class MXFP8Policy:
+    """Every nn.Linear not kept runs as an MXLinear; kept ones (precision.keep + DEFAULT_KEEP) in bf16."""
+
+    options_cls = MXFP8Options
+    # e4m3 keeps 3 mantissa bits: about 2-4% relative error per GEMM on Gaussian data; 6% is the promise.
+    capabilities = PrecisionCapabilities(linear_rtol=0.06, compute_dtype=torch.bfloat16)
+
+    def __init__(self, options: MXFP8Options | None = None):
+        self.options = options or MXFP8Options()
+        o = self.options
+        self.linear_cfg = MXLinearConfig(grad_elem=ELEM_NAMES[o.grad_elem], rht=o.rht, rht_block=o.rht_block,
+                                         rht_seed=o.rht_seed, backend=o.backend)
+
+    def configure(self, options: MXFP8Options) -> "MXFP8Policy":
+        if not isinstance(options, MXFP8Options):
+            raise ConfigError(f"mxfp8 options must be MXFP8Options, got {type(options).__name__}")
+        return MXFP8Policy(options)
+
+    def keep_patterns(self, model: nn.Module, cfg: PrecisionConfig) -> list[str]:
+        keep = list(cfg.keep)
+        if self.options.default_keep:
+            keep += expand_keep(model, DEFAULT_KEEP)
+        return keep
+
+    def make_linear(self, linear: nn.Linear) -> nn.Module:
+        wd = WEIGHT_DTYPES[self.options.weight_dtype]
+        if wd is not None:
+            linear.weight.data = linear.weight.data.to(wd)
+            if linear.bias is not None:
+                linear.bias.data = linear.bias.data.to(wd)
+        return MXLinear.from_linear(linear, self.linear_cfg)
+
+    def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
+        self.last_plan = _swap(model, self.keep_patterns(model, cfg), self.make_linear)
+        if self.options.attention:
+            self.apply_attention(model)
+        return model
+
+    def apply_attention(self, model: nn.Module) -> dict[str, str]:
+        """Wrap the kernel of each JaggedAttention site matched by ``attention_layers`` with MXAttention."""
+        from gemzoo.models.common import attention_sites
+        from gemzoo_mxfp8.attention import MXAttention
+
+        done = {}
+        for name, site in attention_sites(model).items():
+            if any(fnmatch.fnmatchcase(name, p) for p in self.options.attention_layers):
+                if isinstance(site.kernel, MXAttention):
+                    continue
+                inner_name = site.kernel_name
+                site.set_kernel(f"mxfp8({inner_name})", MXAttention(site.kernel, inner_name))
+                site.precision = "mxfp8"
+                done[name] = site.kernel_name
+        return done
+
+
+class FP8RowwisePolicy:
+    """Every nn.Linear not kept runs as an FP8RowwiseLinear (torch._scaled_mm, one scale per row)."""
+
+    options_cls = None
+    capabilities = PrecisionCapabilities(linear_rtol=0.06, compute_dtype=torch.bfloat16)
+
+    def make_linear(self, linear: nn.Linear) -> nn.Module:
+        return FP8RowwiseLinear.from_linear(linear)
+
+    def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
+        self.last_plan = _swap(model, list(cfg.keep), self.make_linear)
+        return model
+
+
+def policy_options(policy: MXFP8Policy) -> dict:
+    return dataclasses.asdict(policy.options)
+
+
+@hookimpl
+def gemzoo_register_precision(register):
+    register("mxfp8", MXFP8Policy())
+    register("fp8-rowwise", FP8RowwisePolicy())

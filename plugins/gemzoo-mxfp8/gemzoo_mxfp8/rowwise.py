@@ -1,0 +1,103 @@
+"""fp8-rowwise: per-row scaled e4m3 GEMMs through ``torch._scaled_mm`` (the fast Hopper alternative to MX).
+
+Each GEMM operand gets one fp32 scale per row of its contraction (amax / 448): X and W per row in the
+forward, dY per row and W per column in dgrad, dY and X per column (over tokens) in wgrad. Saved for
+backward: X^T quantized along tokens (fp8 + scales), and the weight parameter itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+E4M3_MAX = 448.0
+
+
+def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12):
+    """x [R, C] -> (e4m3 [R, C], fp32 scale [R, 1]) with x ~= data * scale, scale = amax(row) / 448."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(eps) / E4M3_MAX
+    data = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data.contiguous(), scale.contiguous()
+
+
+_compiled = {}
+
+
+def _quant(x: torch.Tensor):
+    """quantize_rowwise, compiled on CUDA (one fused kernel) unless we are already being compiled."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        fn = _compiled.get("q")
+        if fn is None:
+            fn = _compiled["q"] = torch.compile(quantize_rowwise, dynamic=False)
+        return fn(x)
+    return quantize_rowwise(x)
+
+
+def _mm(a, sa, b_t, sb, out_dtype):
+    """(a * sa) @ (b_t * sb)^T with a [M, K], b_t [N, K] both rowwise-quantized along K."""
+    m, k = a.shape
+    n = b_t.shape[0]
+    if a.is_cuda and k % 16 == 0 and n % 16 == 0:
+        return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16).to(out_dtype)
+    try:  # CPU _scaled_mm supports rowwise scales too
+        return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.float32).to(out_dtype)
+    except (RuntimeError, NotImplementedError):  # emulate: products of e4m3 values are exact in fp32
+        return ((a.float() @ b_t.float().t()) * sa * sb.view(1, -1)).to(out_dtype)
+
+
+class FP8RowwiseFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        xq, sx = _quant(x2)
+        wq, sw = _quant(weight)
+        y = _mm(xq, sx, wq, sw, torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        saved = _quant(x2.t()) if weight.requires_grad else (None, None)  # X^T along tokens: [K, M]
+        ctx.save_for_backward(weight, *saved)
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        weight, xtq, sxt = ctx.saved_tensors
+        n = weight.shape[0]
+        dy2 = dy.reshape(-1, n)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        out32 = torch.float32
+        dx = dw = db = None
+        if need_x:
+            dq, sd = _quant(dy2)
+            wtq, swt = _quant(weight.t())  # W^T [K, N] along N
+            dx = _mm(dq, sd, wtq, swt, out32).to(ctx.x_dtype).view(ctx.x_shape)
+        if need_w:
+            dtq, sdt = _quant(dy2.t())  # dY^T [N, M] along tokens
+            dw = _mm(dtq, sdt, xtq, sxt, out32).to(weight.dtype)
+        if need_b and ctx.has_bias:
+            db = dy2.float().sum(0)
+        return dx, dw, db
+
+
+class FP8RowwiseLinear(nn.Module):
+    """Drop-in for nn.Linear (same parameters) computing in per-row scaled e4m3."""
+
+    precision = "fp8-rowwise"
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "FP8RowwiseLinear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"FP8RowwiseLinear expects inputs with last dim {self.in_features}, got {tuple(x.shape)}")
+        return FP8RowwiseFunction.apply(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

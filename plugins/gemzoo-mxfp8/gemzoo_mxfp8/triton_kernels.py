@@ -1,0 +1,300 @@
+"""Triton kernels for MXFP8: the fused cast (rowwise + columnwise-transposed, optional RHT), dequantize,
+and the MX GEMM that dequantizes MX tiles in registers into bf16 MMA with fp32 accumulation.
+
+Numerics follow gemzoo.mx (the bit-exact rule). Dequantized values e4m3 * 2^(e-127) are exact in bf16
+(4 significant bits, power-of-two scale), and bf16 x bf16 products are exact in fp32, so the GEMM gives
+the MX result with fp32 accumulation; only the summation order is the kernel's own.
+
+Under TRITON_INTERPRET=1 (CPU) bf16 arithmetic is wrong, so kernels take ``F32: tl.constexpr`` and then
+compute in fp32 (exact too) instead of bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+TL_ELEM = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+ELEM_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+# --------------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _mx_exponent(amax, has_nan, EMAX: tl.constexpr):
+    """Biased e8m0 exponent (int32) of fp32 block maxima: RCEIL of amax / EMAX, clamped; NaN -> 255."""
+    v = tl.math.div_rn(amax, EMAX)  # IEEE division (plain `/` is approximate on GPU)
+    bits = v.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    e = e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.minimum(e, 254)
+    return tl.where(has_nan, 255, e)
+
+
+@triton.jit
+def _pow2_f32(e):
+    """2^(e-127) in fp32 for int32 e in [0, 255] (e=0 is the subnormal 2^-127; 255 is NaN)."""
+    s = (e << 23).to(tl.float32, bitcast=True)
+    s = tl.where(e == 0, tl.full(e.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True), s)
+    return tl.where(e == 255, float("nan"), s)
+
+
+@triton.jit
+def _inv_scale(e):
+    """1 / 2^(e-127) = 2^(127-e) in fp32, NaN for e=255."""
+    return tl.where(e == 255, float("nan"), _pow2_f32(254 - e))
+
+
+@triton.jit
+def _round_to_elem(y, ELEM: tl.constexpr):
+    """Bits (uint8) of fp32 y (|y| <= the element max) rounded to the nearest-even value of ELEM.
+
+    Done by hand with the (y + M) - M trick because the interpreter's fp8 cast drops the carry when
+    rounding crosses a power of two; on GPU this matches cvt.rn.satfinite exactly.
+    """
+    if ELEM == tl.float8e4nv:
+        MANT: tl.constexpr = 3
+        EMIN: tl.constexpr = -6
+    else:
+        MANT: tl.constexpr = 2
+        EMIN: tl.constexpr = -14
+    a = tl.abs(y)
+    ex = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_e = tl.maximum(ex, EMIN) - MANT
+    big = ((ulp_e + 23 + 127) << 23).to(tl.float32, bitcast=True)  # ulp * 2^23
+    r = (a + big) - big
+    bits = r.to(ELEM).to(tl.uint8, bitcast=True)
+    sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)  # sign kept for zeros too
+    return tl.where(y != y, 0x7F, bits | sign).to(tl.uint8)  # NaN -> 0x7F, as torch
+
+
+# ------------------------------------------------------------------------------------------------ cast
+@triton.jit
+def _mx_cast_kernel(
+    x_ptr, R, C, stride_xr, stride_xc,
+    rq_ptr, rs_ptr, rdq_ptr,          # rowwise: data [R, C], scale [R, ceil(C/32)], dequantized [R, C]
+    cq_ptr, cs_ptr, cdq_ptr, RP,      # columnwise (transposed): data [C, RP], scale [C, RP/32], dequant [C, RP]
+    h_ptr, h_mult,                    # RHT for the columnwise outputs: [32, 32] block-diagonal +-1 matrix
+    ROW_Q: tl.constexpr, ROW_DQ: tl.constexpr, COL_Q: tl.constexpr, COL_DQ: tl.constexpr,
+    RHT: tl.constexpr, EMAX: tl.constexpr, ELEM: tl.constexpr, F32: tl.constexpr, BC: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * 32 + tl.arange(0, 32)
+    cols = pid_c * BC + tl.arange(0, BC)
+    rmask = rows < R
+    cmask = cols < C
+    m2 = rmask[:, None] & cmask[None, :]
+    x_raw = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m2, other=0.0)
+    x = x_raw.to(tl.float32)
+    nsb: tl.constexpr = BC // 32
+
+    if ROW_Q or ROW_DQ:
+        x3 = tl.reshape(x, [32, nsb, 32])
+        amax = tl.max(tl.abs(x3), axis=2)
+        nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
+        e = _mx_exponent(amax, nan, EMAX)
+        y = tl.reshape(x3 * _inv_scale(e)[:, :, None], [32, BC])
+        q = _round_to_elem(y, ELEM)
+        sblocks = pid_c * nsb + tl.arange(0, nsb)
+        n_sb = (C + 31) // 32
+        if ROW_Q:
+            tl.store(rq_ptr + rows[:, None] * C + cols[None, :], q, mask=m2)
+            tl.store(rs_ptr + rows[:, None] * n_sb + sblocks[None, :], e.to(tl.uint8),
+                     mask=rmask[:, None] & (sblocks < n_sb)[None, :])
+        if ROW_DQ:
+            dq = tl.reshape(tl.reshape(q.to(ELEM, bitcast=True).to(tl.float32), [32, nsb, 32]) * _pow2_f32(e)[:, :, None], [32, BC])
+            tl.store(rdq_ptr + rows[:, None] * C + cols[None, :], dq.to(rdq_ptr.dtype.element_ty), mask=m2)
+
+    if COL_Q or COL_DQ:
+        xc = x
+        if RHT:
+            h = tl.load(h_ptr + tl.arange(0, 32)[:, None] * 32 + tl.arange(0, 32)[None, :])
+            if F32:
+                xc = tl.dot(h.to(tl.float32), x, input_precision="ieee") * h_mult
+            else:  # +-1 times bf16 is exact; fp32 accumulation on the tensor cores
+                xc = tl.dot(h.to(tl.bfloat16), x_raw.to(tl.bfloat16)) * h_mult
+        amax = tl.max(tl.abs(xc), axis=0)
+        nan = tl.max((xc != xc).to(tl.int32), axis=0) > 0
+        e = _mx_exponent(amax, nan, EMAX)
+        q = _round_to_elem(xc * _inv_scale(e)[None, :], ELEM)
+        prow = rows < RP  # padded rows are written too (zeros, or RHT mixes) so RP % 32 == 0 is dense
+        if COL_Q:
+            tl.store(cq_ptr + cols[None, :] * RP + rows[:, None], q, mask=prow[:, None] & cmask[None, :])
+            tl.store(cs_ptr + cols * (RP // 32) + pid_r, e.to(tl.uint8), mask=cmask)
+        if COL_DQ:
+            dq = q.to(ELEM, bitcast=True).to(tl.float32) * _pow2_f32(e)[None, :]
+            tl.store(cdq_ptr + cols[None, :] * RP + rows[:, None], dq.to(cdq_ptr.dtype.element_ty),
+                     mask=prow[:, None] & cmask[None, :])
+
+
+def hadamard_sign_matrix(signs: torch.Tensor, block: int, device) -> tuple[torch.Tensor, float]:
+    """[32, 32] block-diagonal matrix M (+-1 entries) and multiplier c with c*M = blockdiag(H diag(signs))."""
+    from gemzoo_mxfp8.rht import hadamard_matrix
+
+    h = hadamard_matrix(block, normalized=False) * signs.float().view(1, -1)  # H diag(s), +-1
+    m = torch.block_diag(*([h] * (32 // block)))
+    return m.to(device=device, dtype=torch.float32).contiguous(), block ** -0.5
+
+
+_CAST_BC = 128 if not INTERPRET else 64
+
+
+def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=False,
+            elem=torch.float8_e4m3fn, rht: tuple[torch.Tensor, float] | None = None,
+            dq_dtype=torch.bfloat16, block_c: int | None = None):
+    """One pass over a 2-D x. Returns a dict with the outputs asked for:
+    row: (data [R, C], scale uint8 [R, ceil(C/32)]), row_dq [R, C];
+    col: (data [C, RP], scale uint8 [C, RP/32]) with RP = R rounded up to 32 (x quantized along R and
+    transposed), col_dq [C, RP]. ``rht`` = hadamard_sign_matrix(...) applies the RHT along R first."""
+    if x.dim() != 2:
+        raise ValueError(f"mx_cast expects a 2-D tensor, got shape {tuple(x.shape)}")
+    R, C = x.shape
+    RP = triton.cdiv(R, 32) * 32
+    dev = x.device
+    e8 = torch.uint8
+    empty = torch.empty(0, device=dev)
+    out = {}
+    rq = torch.empty(R, C, device=dev, dtype=torch.uint8) if row_q else empty
+    rs = torch.empty(R, triton.cdiv(C, 32), device=dev, dtype=e8) if row_q else empty
+    rdq = torch.empty(R, C, device=dev, dtype=dq_dtype) if row_dq else empty
+    cq = torch.empty(C, RP, device=dev, dtype=torch.uint8) if col_q else empty
+    cs = torch.empty(C, RP // 32, device=dev, dtype=e8) if col_q else empty
+    cdq = torch.empty(C, RP, device=dev, dtype=dq_dtype) if col_dq else empty
+    h, mult = rht if rht is not None else (empty, 1.0)
+    bc = block_c or _CAST_BC
+    if R > 0 and C > 0:
+        grid = (triton.cdiv(R, 32), triton.cdiv(C, bc))
+        _mx_cast_kernel[grid](
+            x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq, RP, h, mult,
+            ROW_Q=row_q, ROW_DQ=row_dq, COL_Q=col_q, COL_DQ=col_dq, RHT=rht is not None,
+            EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], F32=INTERPRET, BC=bc,
+            num_warps=4,
+        )
+    if row_q:
+        out["row"] = (rq.view(elem), rs)
+    if row_dq:
+        out["row_dq"] = rdq
+    if col_q:
+        out["col"] = (cq.view(elem), cs)
+    if col_dq:
+        out["col_dq"] = cdq
+    return out
+
+
+# ------------------------------------------------------------------------------------------- dequantize
+@triton.jit
+def _mx_dequant_kernel(q_ptr, s_ptr, out_ptr, R, C, stride_qr, stride_sr, BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    m2 = (rows < R)[:, None] & (cols < C)[None, :]
+    q = tl.load(q_ptr + rows[:, None] * stride_qr + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    e = tl.load(s_ptr + rows[:, None] * stride_sr + (cols // 32)[None, :], mask=m2, other=127).to(tl.int32)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], (q * _pow2_f32(e)).to(out_ptr.dtype.element_ty), mask=m2)
+
+
+def mx_dequant(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Rowwise dequantize of 2-D data [R, C] (last dim contiguous) with uint8 scales [R, ceil(C/32)]."""
+    R, C = data.shape
+    out = torch.empty(R, C, device=data.device, dtype=dtype)
+    if R and C:
+        grid = (triton.cdiv(R, 32), triton.cdiv(C, 128))
+        _mx_dequant_kernel[grid](data, scale_u8, out, R, C, data.stride(0), scale_u8.stride(0), BR=32, BC=128)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ GEMM
+@triton.jit
+def _dequant_tile(q, e, BR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """[BR, BK] fp8 tile and [BR, BK/32] exponents -> dequantized tile (bf16 on GPU, fp32 interpreted)."""
+    if F32:
+        s = _pow2_f32(e)
+        return tl.reshape(tl.reshape(q.to(tl.float32), [BR, BK // 32, 32]) * s[:, :, None], [BR, BK])
+    else:
+        # e8m0 byte -> bf16 2^(e-127): exponent field = e (0 -> subnormal 2^-127, 255 -> NaN)
+        b = e.to(tl.int16) << 7
+        b = tl.where(e == 0, 0x0040, b)
+        b = tl.where(e == 255, 0x7FC0, b).to(tl.int16)
+        s = b.to(tl.bfloat16, bitcast=True)
+        return tl.reshape(tl.reshape(q.to(tl.bfloat16), [BR, BK // 32, 32]) * s[:, :, None], [BR, BK])
+
+
+def _gemm_configs():
+    if INTERPRET:
+        return [triton.Config({"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 4}, num_warps=4, num_stages=1)]
+    cfgs = []
+    for bm, bn, bk, w, s in [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                             (128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (128, 128, 64, 4, 4)]:
+        cfgs.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s))
+    return cfgs
+
+
+@triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "HAS_BIAS"])
+@triton.jit
+def _mx_gemm_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M, N, K,
+    stride_am, stride_sam, stride_bn, stride_sbn, stride_cm,
+    HAS_BIAS: tl.constexpr, F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C[M, N] = sum_k deq(A)[m, k] deq(B)[n, k]; A, B fp8 with K contiguous, e8m0 scales per 32 along K."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    gm = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gm
+    pid_n = (pid % group) // gm
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rks = tl.arange(0, BK // 32)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    n_sk = tl.cdiv(K, 32)
+    for k0 in range(0, K, BK):
+        kmask = (k0 + rk) < K
+        smask = (k0 // 32 + rks) < n_sk
+        a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 + rk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        ea = tl.load(sa_ptr + rm[:, None] * stride_sam + (k0 // 32 + rks)[None, :],
+                     mask=mmask[:, None] & smask[None, :], other=127).to(tl.int32)
+        eb = tl.load(sb_ptr + rn[:, None] * stride_sbn + (k0 // 32 + rks)[None, :],
+                     mask=nmask[:, None] & smask[None, :], other=127).to(tl.int32)
+        ad = _dequant_tile(a, ea, BM, BK, F32)
+        bd = _dequant_tile(b, eb, BN, BK, F32)
+        if F32:
+            acc = tl.dot(ad, tl.trans(bd), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(ad, tl.trans(bd), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, k: int | None = None,
+            bias: torch.Tensor | None = None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """A [M, >=K] x B [N, >=K]^T over the first K columns, MX along K (uint8 scales). -> [M, N]."""
+    M, N = a.shape[0], b.shape[0]
+    K = a.shape[1] if k is None else k
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("mx_gemm needs the contraction dim contiguous in both operands")
+    c = torch.empty(M, N, device=a.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_() if bias is None else c.copy_(bias.expand(M, N))
+    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+    _mx_gemm_kernel[grid](
+        a, sa, b, sb, c, bias if bias is not None else c, M, N, K,
+        a.stride(0), sa.stride(0), b.stride(0), sb.stride(0), c.stride(0),
+        HAS_BIAS=bias is not None, F32=INTERPRET,
+    )
+    return c
