@@ -80,7 +80,8 @@ def _mx_cast_kernel(
     cq_ptr, cs_ptr, cdq_ptr, RP,      # columnwise (transposed): data [C, RP], scale [C, RP/32], dequant [C, RP]
     h_ptr, h_mult,                    # RHT for the columnwise outputs: [32, 32] block-diagonal +-1 matrix
     ROW_Q: tl.constexpr, ROW_DQ: tl.constexpr, COL_Q: tl.constexpr, COL_DQ: tl.constexpr,
-    RHT: tl.constexpr, EMAX: tl.constexpr, ELEM: tl.constexpr, F32: tl.constexpr, BC: tl.constexpr,
+    RHT: tl.constexpr, EMAX: tl.constexpr, ELEM: tl.constexpr, F32: tl.constexpr, IN_BF16: tl.constexpr,
+    BC: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -89,8 +90,11 @@ def _mx_cast_kernel(
     rmask = rows < R
     cmask = cols < C
     m2 = rmask[:, None] & cmask[None, :]
-    x_raw = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m2, other=0.0)
-    x = x_raw.to(tl.float32)
+    x_raw = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m2, other=0)
+    if IN_BF16:  # bf16 arrives as int16 bits: widen exactly (the interpreter flushes bf16 subnormals)
+        x = (x_raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x_raw.to(tl.float32)
     nsb: tl.constexpr = BC // 32
 
     if ROW_Q or ROW_DQ:
@@ -117,7 +121,7 @@ def _mx_cast_kernel(
             if F32:
                 xc = tl.dot(h.to(tl.float32), x, input_precision="ieee") * h_mult
             else:  # +-1 times bf16 is exact; fp32 accumulation on the tensor cores
-                xc = tl.dot(h.to(tl.bfloat16), x_raw.to(tl.bfloat16)) * h_mult
+                xc = tl.dot(h.to(tl.bfloat16), x.to(tl.bfloat16)) * h_mult
         amax = tl.max(tl.abs(xc), axis=0)
         nan = tl.max((xc != xc).to(tl.int32), axis=0) > 0
         e = _mx_exponent(amax, nan, EMAX)
@@ -169,10 +173,11 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
     bc = block_c or _CAST_BC
     if R > 0 and C > 0:
         grid = (triton.cdiv(R, 32), triton.cdiv(C, bc))
+        in_bf16 = x.dtype == torch.bfloat16
         _mx_cast_kernel[grid](
-            x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq, RP, h, mult,
+            x.view(torch.int16) if in_bf16 else x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq, RP, h, mult,
             ROW_Q=row_q, ROW_DQ=row_dq, COL_Q=col_q, COL_DQ=col_dq, RHT=rht is not None,
-            EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], F32=INTERPRET, BC=bc,
+            EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], F32=INTERPRET, IN_BF16=in_bf16, BC=bc,
             num_warps=4,
         )
     if row_q:

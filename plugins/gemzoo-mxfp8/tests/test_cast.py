@@ -1,0 +1,136 @@
+"""Casts: bit-exact against the plain-torch MX rule (gemzoo.mx) on the CPU path and the Triton kernels."""
+
+import pytest
+import torch
+from cases import ELEMS, edge_tensor
+
+import gemzoo.mx as ref
+from gemzoo_mxfp8 import dequantize_mx, quantize_mx
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same_mx(got, want):
+    (gd, gs), (wd, ws) = got, want
+    assert gd.shape == wd.shape and gs.shape == ws.shape, (gd.shape, wd.shape, gs.shape, ws.shape)
+    assert gs.dtype == torch.float8_e8m0fnu
+    bad_s = (bits(gs) != bits(ws)).sum().item()
+    both_nan = gd.float().isnan() & wd.float().isnan()  # any NaN encoding is the NaN element
+    bad_d = ((bits(gd) != bits(wd)) & ~both_nan).sum().item()
+    assert bad_s == 0 and bad_d == 0, f"{bad_s} scales and {bad_d} elements differ"
+
+
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(24, 96), (40, 70)])  # 70: a trailing partial block
+def test_cpu_cast_bit_exact(elem, axis, dtype, shape):
+    x = edge_tensor(*shape, seed=shape[1], elem=elem).to(dtype)
+    if axis == 0:
+        x = x.t().contiguous()
+    got = quantize_mx(x, axis=axis, elem=elem)
+    want = ref.quantize_mx_torch(x, axis=axis, elem=elem)
+    assert_same_mx(got, want)
+    back = dequantize_mx(*got, axis=axis)
+    assert torch.equal(back.nan_to_num(7.0), ref.dequantize_mx_torch(*want, axis=axis).nan_to_num(7.0))
+
+
+def test_cpu_cast_3d_middle_axis():
+    x = torch.randn(3, 50, 8)
+    assert_same_mx(quantize_mx(x, axis=1), ref.quantize_mx_torch(x, axis=1))
+
+
+def test_rejects_bad_element_type():
+    with pytest.raises(ValueError, match="float8_e4m3fn or torch.float8_e5m2"):
+        quantize_mx(torch.randn(4, 32), elem=torch.float16)
+
+
+# ----------------------------------------------------------------------------- Triton (interpreter on CPU)
+def _dev():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 64), (37, 70)])
+def test_triton_cast_bit_exact(elem, dtype, shape):
+    from gemzoo_mxfp8.triton_kernels import mx_cast
+
+    x = edge_tensor(*shape, seed=7 + shape[0], elem=elem).to(dtype)
+    out = mx_cast(x.to(_dev()), row_q=True, col_q=True, row_dq=True, col_dq=True, elem=elem, dq_dtype=torch.float32)
+    rd, rs = out["row"]
+    assert_same_mx((rd.cpu(), rs.cpu().view(torch.float8_e8m0fnu)), ref.quantize_mx_torch(x, axis=-1, elem=elem))
+    cd, cs = out["col"]  # transposed: [C, R padded to 32]
+    r = shape[0]
+    want_d, want_s = ref.quantize_mx_torch(x, axis=0, elem=elem)
+    assert_same_mx((cd[:, :r].t().cpu(), cs.t().cpu().view(torch.float8_e8m0fnu)), (want_d, want_s))
+    assert torch.all(bits(cd[:, r:]) == 0), "padded rows must quantize to +0"
+    rdq = ref.dequantize_mx_torch(*ref.quantize_mx_torch(x, axis=-1, elem=elem))
+    assert torch.equal(out["row_dq"].cpu().nan_to_num(3.0), rdq.nan_to_num(3.0))
+    cdq = ref.dequantize_mx_torch(want_d, want_s, axis=0)
+    assert torch.equal(out["col_dq"][:, :r].t().cpu().nan_to_num(3.0), cdq.nan_to_num(3.0))
+
+
+@pytest.mark.parametrize("block", [16, 32])
+def test_triton_rht_cast_matches_cpu(block):
+    import torch.nn.functional as F
+
+    from gemzoo_mxfp8.rht import hadamard_transform_torch, rht_signs
+    from gemzoo_mxfp8.triton_kernels import hadamard_sign_matrix, mx_cast
+
+    x = torch.randn(45, 64, generator=torch.Generator().manual_seed(block))
+    signs = rht_signs(block, seed=11)
+    out = mx_cast(x.to(_dev()), col_q=True, rht=hadamard_sign_matrix(signs, block, _dev()))
+    xt = hadamard_transform_torch(F.pad(x, (0, 0, 0, 19)).t().contiguous(), block, signs)  # [C, 64]
+    want_d, want_s = ref.quantize_mx_torch(xt)
+    got_d, got_s = out["col"]
+    assert torch.equal(bits(got_s.cpu()), bits(want_s))
+    # the GPU sums in another order: allow a rare 1-ulp difference, never more
+    got_f, want_f = got_d.cpu().float(), want_d.float()  # e4m3 values before scaling
+    one_ulp = (want_f.abs() * 2**-3).clamp_min(2**-9)
+    assert ((got_f - want_f).abs() <= one_ulp).all()
+    assert (got_f != want_f).float().mean() < 0.01
+
+
+def test_triton_dequant():
+    from gemzoo_mxfp8.triton_kernels import mx_dequant
+
+    x = edge_tensor(16, 80, seed=3)
+    d, s = ref.quantize_mx_torch(x)
+    got = mx_dequant(d.to(_dev()), s.view(torch.uint8).to(_dev()), torch.float32).cpu()
+    assert torch.equal(got.nan_to_num(1.0), ref.dequantize_mx_torch(d, s).nan_to_num(1.0))
+
+
+@pytest.mark.parametrize("m,n,k,bias", [(48, 40, 96, True), (33, 17, 80, False)])  # 80: partial K block
+def test_triton_gemm_exact_mx(m, n, k, bias):
+    from gemzoo_mxfp8.triton_kernels import mx_gemm
+
+    gen = torch.Generator().manual_seed(m)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 1e-3
+    bvec = torch.randn(n, generator=gen) if bias else None
+    (ad, as_), (bd, bs) = ref.quantize_mx_torch(a), ref.quantize_mx_torch(b)
+    dev = _dev()
+    c = mx_gemm(ad.to(dev), as_.view(torch.uint8).to(dev), bd.to(dev), bs.view(torch.uint8).to(dev),
+                bias=None if bvec is None else bvec.to(dev), out_dtype=torch.float32).cpu()
+    want = ref.dequantize_mx_torch(ad, as_).double() @ ref.dequantize_mx_torch(bd, bs).double().t()
+    if bias:
+        want = want + bvec.double()
+    assert torch.isfinite(c).all()
+    assert ((c.double() - want).norm() / want.norm()).item() < 1e-6  # only the fp32 summation order differs
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+@cuda
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_cuda_quantize_mx_bit_exact(elem, axis):
+    x = edge_tensor(96, 160, seed=5, elem=elem).view(96, 4, 40).bfloat16()
+    got = quantize_mx(x.cuda(), axis=axis, elem=elem)
+    want = ref.quantize_mx_torch(x, axis=axis, elem=elem)
+    assert_same_mx((got[0].cpu(), got[1].cpu()), want)
+    back = dequantize_mx(*got, axis=axis).cpu()
+    assert torch.equal(back.nan_to_num(2.0), ref.dequantize_mx_torch(*want, axis=axis).nan_to_num(2.0))
