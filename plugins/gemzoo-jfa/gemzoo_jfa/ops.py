@@ -42,9 +42,9 @@ def default_configs(head_dim: int, device_type: str) -> Configs:
         c = KernelConfig(16, 16, 1, 1)
         return Configs(c, c, c)
     if head_dim <= 64:
-        return Configs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3))
+        return Configs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(128, 64, 4, 3))
     if head_dim <= 128:
-        return Configs(KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2))
+        return Configs(KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 8, 2), KernelConfig(128, 64, 8, 3))
     return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
 
 

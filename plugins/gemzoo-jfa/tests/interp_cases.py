@@ -1,0 +1,130 @@
+"""Run the Triton kernels under TRITON_INTERPRET=1 on tiny shapes; print one JSON line of results.
+
+Run as a subprocess by test_interpreter.py, so the variable is set before Triton is first imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from gemzoo.builtin.attention import reference_attention  # noqa: E402
+from gemzoo.jagged import lengths_to_offsets  # noqa: E402
+
+# (name, q lengths, k lengths or None, causal, window, head dim, value head dim, dtype)
+CASES = [
+    ("causal", [5, 0, 37, 16], None, True, None, 32, 32, "float32"),
+    ("full", [5, 0, 37, 16], None, False, None, 32, 32, "float32"),
+    ("asym-causal", [5, 0, 37, 16], [9, 4, 20, 40], True, None, 32, 32, "float32"),
+    ("asym-full", [5, 0, 37, 16], [9, 4, 20, 40], False, None, 32, 32, "float32"),
+    ("window", [5, 0, 37, 16], None, True, 7, 32, 32, "float32"),
+    ("asym-window", [5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32"),
+    ("full-window-emptyk", [5, 3, 37, 16], [0, 4, 20, 40], False, 9, 32, 32, "float32"),
+    ("causal-lk<lq", [30, 17], [3, 17], True, None, 16, 16, "float32"),
+    ("d24-dv16", [21, 0, 9], None, True, None, 24, 16, "float32"),
+    ("bf16", [33, 0, 20], None, True, None, 32, 32, "bfloat16"),
+    ("fp16", [33, 20, 0], None, False, None, 32, 32, "float16"),
+]
+
+
+def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt"):
+    from gemzoo_jfa import jfa_triton
+    from gemzoo_jfa.ops import using
+
+    gen = torch.Generator().manual_seed(hash((tuple(q_lens), causal, window, d)) % 2**31)
+    q_lens = torch.tensor(q_lens)
+    k_lens = q_lens if k_lens is None else torch.tensor(k_lens)
+    q_off, k_off = lengths_to_offsets(q_lens), lengths_to_offsets(k_lens)
+    h = 2
+    dt = getattr(torch, dtype)
+    q = torch.randn(int(q_lens.sum()), h, d, generator=gen).to(dt).requires_grad_()
+    k = torch.randn(int(k_lens.sum()), h, d, generator=gen).to(dt).requires_grad_()
+    v = torch.randn(int(k_lens.sum()), h, dv, generator=gen).to(dt).requires_grad_()
+    kw = dict(causal=causal, window=window)
+    with using(order=order):
+        out = jfa_triton(q, k, v, q_off, k_off, **kw)
+        grad = torch.randn(out.shape, generator=gen).to(dt)
+        out.backward(grad)
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*refs, q_off, k_off, **kw)
+    ref.backward(grad.double())
+    errors = {}
+    for name, mine, theirs in (("out", out, ref), ("dq", q.grad, refs[0].grad), ("dk", k.grad, refs[1].grad),
+                               ("dv", v.grad, refs[2].grad)):
+        mine, theirs = mine.detach().double(), theirs.detach()
+        errors[name] = float((mine - theirs).norm() / theirs.norm().clamp_min(1e-6))
+        errors[name + "_finite"] = bool(torch.isfinite(mine).all())
+    errors["dtype_ok"] = out.dtype == dt and q.grad.dtype == dt
+    return errors
+
+
+def conformance():
+    """The shared gemzoo conformance suite, run on the Triton path itself (CPU tensors, interpreter)."""
+    from gemzoo.interfaces.attention import FunctionKernel
+    from gemzoo.testing import attention_cases, check_attention
+    from gemzoo_jfa import jfa_triton
+    from gemzoo_jfa.plugin import KERNEL
+
+    triton_kernel = FunctionKernel(jfa_triton, KERNEL.capabilities)
+    results = {}
+    for case in attention_cases(KERNEL.capabilities):
+        try:
+            results[str(case)] = {"ok": True, **check_attention(triton_kernel, case, device="cpu")}
+        except AssertionError as exc:
+            results[str(case)] = {"ok": False, "error": str(exc)}
+    return results
+
+
+def compile_check():
+    """torch.compile(fullgraph=True) traces the custom op (fake impl + autograd), then runs it."""
+    from gemzoo_jfa import jfa_triton
+
+    lens = torch.tensor([7, 0, 19])
+    off = lengths_to_offsets(lens)
+    q, k, v = (torch.randn(26, 2, 16, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        return jfa_triton(q, k, v, off, causal=True).square().sum()
+
+    eager = f(q, k, v)
+    eager.backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    compiled.backward()
+    same = torch.allclose(eager, compiled, atol=1e-5) and all(
+        torch.allclose(g, t.grad, atol=1e-5) for g, t in zip(grads, (q, k, v)))
+    return {"ok": bool(same)}
+
+
+def opcheck():
+    from gemzoo_jfa.ops import jfa_fwd
+
+    off = lengths_to_offsets(torch.tensor([5, 0, 11]))
+    q, k, v = (torch.randn(16, 2, 16, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(jfa_fwd, (q, k, v, off, off, True, 0.25, -1),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    return {"ok": True}
+
+
+def main(which: str) -> None:
+    if which == "cases":
+        res = {name: run_case(*args) for name, *args in CASES}
+        res["natural-order"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", order="natural")
+    elif which == "conformance":
+        res = conformance()
+    elif which == "compile":
+        res = {"compile": compile_check(), "opcheck": opcheck()}
+    else:
+        raise SystemExit(f"unknown group {which!r}")
+    print("RESULT " + json.dumps(res))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,111 @@
+"""Registration, capabilities, CPU dispatch (shared conformance suite), input errors, schedules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemzoo
+from gemzoo.errors import JaggedShapeError
+from gemzoo.interfaces.attention import AttentionRequest
+from gemzoo.jagged import lengths_to_offsets
+from gemzoo.testing import attention_cases, check_attention
+from gemzoo_jfa.plugin import KERNEL
+from gemzoo_jfa.schedule import build_schedule, capacity
+
+
+def test_entry_point_registers_jfa():
+    assert "jfa" in gemzoo.registry.names("attention")
+    entry = gemzoo.registry.entry("attention", "jfa")
+    assert entry.obj is KERNEL
+    assert entry.distribution == "gemzoo-jfa"
+
+
+def test_capabilities_are_honest():
+    caps = KERNEL.capabilities
+    assert caps.activations == {"softmax"}
+    assert caps.window and not caps.block
+    assert caps.missing(AttentionRequest(activation="silu")) == ["activation='silu'"]
+    assert caps.missing(AttentionRequest(block=True)) == ["block_size"]
+    assert not caps.missing(AttentionRequest(asymmetric=True, window=True, head_dim=256, device="cuda"))
+    assert caps.missing(AttentionRequest(head_dim=512))
+
+
+@pytest.mark.parametrize("case", attention_cases(KERNEL.capabilities), ids=str)
+def test_conformance_cpu_dispatch(case):
+    check_attention(KERNEL, case, device="cpu")
+
+
+def test_cpu_dispatch_goes_to_cpu_kernel_or_reference(monkeypatch):
+    calls = []
+    fallback = gemzoo.registry.get("attention", "cpu" if "cpu" in gemzoo.registry.names("attention") else "reference")
+    monkeypatch.setattr(type(fallback), "__call__", lambda self, *a, **k: calls.append(1) or a[0])
+    q = torch.randn(6, 1, 8)
+    KERNEL(q, q, q, lengths_to_offsets(torch.tensor([6])))
+    assert calls == [1]
+
+
+def _inputs(lens=(3, 4)):
+    off = lengths_to_offsets(torch.tensor(lens))
+    q = torch.randn(sum(lens), 2, 16)
+    return q, off
+
+
+def test_errors_name_the_problem_and_fix():
+    from gemzoo_jfa.ops import jfa_triton
+
+    q, off = _inputs()
+    with pytest.raises(ValueError, match="softmax attention only.*gdpa"):
+        jfa_triton(q, q, q, off, activation="silu")
+    with pytest.raises(ValueError, match="block_size.*block-attention"):
+        jfa_triton(q, q, q, off, block_size=4)
+    with pytest.raises(JaggedShapeError, match="int64.*long"):
+        jfa_triton(q, q, q, off.int())
+    with pytest.raises(JaggedShapeError, match="non-decreasing"):
+        jfa_triton(q, q, q, torch.tensor([0, 5, 4, 7]))
+    with pytest.raises(JaggedShapeError, match="head dims up to 256"):
+        big = torch.randn(7, 1, 320)
+        jfa_triton(big, big, big, off)
+    with pytest.raises(TypeError, match="float32, bfloat16 and float16"):
+        jfa_triton(q.double(), q.double(), q.double(), off)
+    with pytest.raises(JaggedShapeError, match="k_offsets is required"):
+        jfa_triton(q, q[:5], q[:5], off)
+
+
+def _expected_items(lens, block):
+    return {(b, i) for b, n in enumerate(lens) for i in range((n + block - 1) // block)}
+
+
+@pytest.mark.parametrize("over", ["q", "k"])
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 100)])
+def test_schedule_covers_every_block_once_longest_first(over, causal, window):
+    gen = torch.Generator().manual_seed(3)
+    lq = torch.randint(0, 700, (37,), generator=gen)
+    lq[[0, 5]] = 0
+    lk = lq + torch.randint(0, 50, (37,), generator=gen)
+    lens = (lq if over == "q" else lk).tolist()
+    qo, ko = lengths_to_offsets(lq), lengths_to_offsets(lk)
+    total = sum(lens)
+    items = build_schedule(qo, ko, total, 64, over=over, causal=causal, window=window)
+    assert items.dtype == torch.int32 and items.shape == (2, capacity(total, 37, 64))
+    seq, blk = items.tolist()
+    real = [(s, b) for s, b in zip(seq, blk) if s >= 0]
+    assert len(real) == len(set(real)) and set(real) == _expected_items(lens, 64)
+    assert all(s < 0 for s in seq[len(real):]), "empty slots must come last"
+    # longest first: the first item belongs to the longest sequence for causal self-attention
+    if causal and over == "q" and window is None:
+        assert real[0][0] == max(range(37), key=lambda b: lk[b] - lq[b] + (lq[b] - 1) // 64 * 64 + 64
+                                 if lq[b] else -1)
+    natural = build_schedule(qo, ko, total, 64, over=over, causal=causal, window=window, order="natural")
+    assert [tuple(x) for x in natural.t().tolist() if x[0] >= 0] == sorted(real)
+
+
+def test_schedule_long_sequence_int64():
+    lens = torch.tensor([70_000, 0, 3])
+    off = lengths_to_offsets(lens)
+    items = build_schedule(off, off, 70_003, 128, over="q", causal=True, window=None)
+    seq, blk = items.tolist()
+    real = [(s, b) for s, b in zip(seq, blk) if s >= 0]
+    assert len(real) == 547 + 1 and real[0] == (0, 546)  # last block of the 70K sequence costs most
+    with pytest.raises(ValueError, match="order"):
+        build_schedule(off, off, 70_003, 128, over="q", causal=True, window=None, order="random")
