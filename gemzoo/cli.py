@@ -67,13 +67,16 @@ def cmd_plugins(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("plugin", "distribution", "version", "registers", "hooks")
+    table = Table("plugin", "distribution", "version", "registers")
     for r in rows:
         regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(r["registered"].items()))
+        name = r["name"].replace("gemzoo.builtin.", "builtin.")
+        table.add_row(name, r["distribution"], r["version"], "[red]FAILED[/red]" if r["error"] else regs)
+    console = Console()
+    console.print(table)
+    for r in rows:
         if r["error"]:
-            regs = f"[red]failed: {r['error']}[/red]"
-        table.add_row(r["name"], r["distribution"], r["version"], regs, ", ".join(h.removeprefix("gemzoo_") for h in r["hooks"]))
-    Console().print(table)
+            console.print(f"[red]{r['name']} ({r['distribution']}) failed to load:[/red] {r['error']}", soft_wrap=True)
     return 0
 
 
