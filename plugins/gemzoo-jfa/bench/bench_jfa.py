@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Benchmark jfa against FlexAttention (document+causal mask, compiled), NJT+SDPA and padded SDPA.
+
+Workloads from BENCHMARKS.md (H=4, D=128, bf16): gem_lognormal and uniform_8k; forward and forward+backward;
+median of triton.testing.do_bench(warmup=25, rep=100); TFLOP/s from useful FLOPs (fwd 2*H*D*sum L^2,
+fwd+bwd 7*H*D*sum L^2); peak memory above the inputs. Correctness first: jfa against an fp64 reference
+on mixed small shapes (outputs poisoned with NaN), and against Flex on the full workloads.
+
+    PYTHONPATH=.:plugins/gemzoo-jfa python3 plugins/gemzoo-jfa/bench/bench_jfa.py [--sweep] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gemzoo.builtin.attention import reference_attention
+from gemzoo.jagged import lengths_to_offsets
+from gemzoo_jfa.ops import Configs, KernelConfig, _launch_bwd, _launch_fwd, default_configs, jfa_triton, using
+
+H, D, DTYPE = 4, 128, torch.bfloat16
+RESULTS: dict = {"device": None, "checks": [], "workloads": {}, "sweep": {}}
+
+
+def gem_lognormal(B=64, median=1024, sigma=1.0, lo=32, hi=16384, seed=1):
+    z = torch.randn(B, generator=torch.Generator().manual_seed(seed))
+    return (median * torch.exp(sigma * z)).round().clamp(lo, hi).long()
+
+
+def uniform_8k(B=64, seed=2):
+    return torch.randint(1, 8192, (B,), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-6))
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def save(out_dir):
+    if out_dir:
+        with open(os.path.join(out_dir, "bench_jfa.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+# -- correctness -----------------------------------------------------------------------------------
+
+def check_small(n_cases=4):
+    """Mixed shapes with empty sequences, fp64 reference, every output element poisoned first."""
+    cases = [(128, True, False, None), (128, True, True, 200), (256, False, True, None), (64, False, False, 50)]
+    ok = True
+    for i, (d, causal, asym, window) in enumerate(cases[:n_cases]):
+        gen = torch.Generator().manual_seed(100 + i)
+        q_lens = torch.randint(1, 700, (11,), generator=gen)
+        q_lens[[1, 6]] = 0
+        k_lens = q_lens + torch.randint(0, 200, (11,), generator=gen) if asym else q_lens
+        q_off, k_off = lengths_to_offsets(q_lens).cuda(), lengths_to_offsets(k_lens).cuda()
+        tq, tk = int(q_lens.sum()), int(k_lens.sum())
+        q, k, v = (torch.randn(t, 3, d, generator=gen).to("cuda", DTYPE) for t in (tq, tk, tk))
+        grad = torch.randn(tq, 3, d, generator=gen).to("cuda", DTYPE)
+        scale, win = d ** -0.5, -1 if window is None else window
+        out = torch.full((tq, 3, d), float("nan"), device="cuda", dtype=DTYPE)
+        lse = torch.full((3, tq), float("nan"), device="cuda")
+        _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse)
+        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+        _launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv)
+        refs = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window)
+        ref.backward(grad.double())
+        errs = {"out": rel(out, ref.detach()), "dq": rel(dq, refs[0].grad), "dk": rel(dk, refs[1].grad),
+                "dv": rel(dv, refs[2].grad)}
+        finite = all(bool(torch.isfinite(t).all()) for t in (out, dq, dk, dv))
+        passed = finite and all(e < 1e-2 for e in errs.values())
+        ok &= passed
+        entry = {"d": d, "causal": causal, "asym": asym, "window": window, "finite": finite, **errs, "ok": passed}
+        RESULTS["checks"].append(entry)
+        log(f"check d={d} causal={causal} asym={asym} window={window}: "
+            + " ".join(f"{k}={e:.1e}" for k, e in errs.items()) + f" finite={finite} {'OK' if passed else 'FAIL'}")
+    return ok
+
+
+# -- methods ---------------------------------------------------------------------------------------
+
+class Workload:
+    def __init__(self, name, lens):
+        self.name, self.lens = name, lens
+        self.B = lens.numel()
+        self.T = int(lens.sum())
+        self.Lmax = int(lens.max())
+        self.sum_l2 = float((lens.double() ** 2).sum())
+        self.offsets = lengths_to_offsets(lens).cuda()
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        self.q, self.k, self.v = (torch.randn(self.T, H, D, device="cuda", dtype=DTYPE, generator=gen)
+                                  .requires_grad_() for _ in range(3))
+        self.grad = torch.randn(self.T, H, D, device="cuda", dtype=DTYPE, generator=gen)
+
+    def leaves(self):
+        return [self.q, self.k, self.v]
+
+
+def make_jfa(w):
+    return (lambda: jfa_triton(w.q, w.k, w.v, w.offsets, causal=True)), w.leaves(), w.grad
+
+
+def make_flex(w):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from gemzoo.jagged import positions, seq_ids
+
+    doc = seq_ids(w.offsets, w.T)
+    pos = positions(w.offsets, w.T)
+
+    def mask_mod(b, h, qi, kj):
+        return (doc[qi] == doc[kj]) & (pos[kj] <= pos[qi])
+
+    block_mask = create_block_mask(mask_mod, None, None, w.T, w.T, device="cuda", _compile=True)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def fn():
+        out = flex(w.q.transpose(0, 1).unsqueeze(0), w.k.transpose(0, 1).unsqueeze(0),
+                   w.v.transpose(0, 1).unsqueeze(0), block_mask=block_mask)
+        return out.squeeze(0).transpose(0, 1)
+
+    return fn, w.leaves(), w.grad
+
+
+def make_njt(w):
+    lmin, lmax = int(w.lens.min()), w.Lmax
+
+    def nt(t):
+        return torch.nested.nested_tensor_from_jagged(t, w.offsets, min_seqlen=lmin, max_seqlen=lmax).transpose(1, 2)
+
+    def fn():
+        out = F.scaled_dot_product_attention(nt(w.q), nt(w.k), nt(w.v), is_causal=True)
+        return out.transpose(1, 2).values()
+
+    return fn, w.leaves(), w.grad
+
+
+def make_padded(w):
+    """Pre-padded [B, H, Lmax, D] leaves, SDPA is_causal (flash): padding never reaches real rows."""
+    from gemzoo.jagged import jagged_to_padded
+
+    pads = [jagged_to_padded(t.detach(), w.offsets, w.Lmax).transpose(1, 2).contiguous().requires_grad_()
+            for t in w.leaves()]
+    grad = jagged_to_padded(w.grad, w.offsets, w.Lmax).transpose(1, 2).contiguous()
+
+    def fn():
+        return F.scaled_dot_product_attention(*pads, is_causal=True)
+
+    return fn, pads, grad
+
+
+METHODS = {"jfa": make_jfa, "flex": make_flex, "njt_sdpa": make_njt, "padded_sdpa": make_padded}
+
+
+def bench(fn, leaves, grad, warmup=25, rep=100):
+    from triton.testing import do_bench
+
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        fn().backward(grad)
+
+    t_fwd = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
+    t_fb = do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for t in leaves:
+        t.grad = None
+    return t_fwd, t_fb, peak
+
+
+def run_workload(w, methods):
+    res = {"B": w.B, "T": w.T, "Lmax": w.Lmax, "sum_L2": w.sum_l2,
+           "padding_waste": 1 - w.sum_l2 / (w.B * w.Lmax ** 2), "methods": {}}
+    RESULTS["workloads"][w.name] = res
+    fl_fwd, fl_fb = 2 * H * D * w.sum_l2, 7 * H * D * w.sum_l2
+    outs = {}
+    for name in methods:
+        t0 = time.time()
+        try:
+            fn, leaves, grad = METHODS[name](w)
+            if name in ("jfa", "flex", "njt_sdpa"):  # same layout: cross-check outputs and grads
+                out = fn()
+                out.backward(grad)
+                outs[name] = [out.detach().clone()] + [t.grad.clone() for t in leaves]
+                for t in leaves:
+                    t.grad = None
+            t_fwd, t_fb, peak = bench(fn, leaves, grad)
+        except Exception as exc:  # a baseline that fails is reported, not fatal
+            res["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            log(f"{w.name} {name}: FAILED {exc}")
+            continue
+        res["methods"][name] = {"fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "fwd_tflops": fl_fwd / t_fwd / 1e9,
+                                "fwd_bwd_tflops": fl_fb / t_fb / 1e9, "peak_mem_gb": peak / 1e9,
+                                "setup_s": time.time() - t0}
+        log(f"{w.name} {name}: fwd {t_fwd:.3f} ms ({fl_fwd / t_fwd / 1e9:.0f} TF/s)  fwd+bwd {t_fb:.3f} ms "
+            f"({fl_fb / t_fb / 1e9:.0f} TF/s)  peak {peak / 1e9:.2f} GB")
+    if "jfa" in outs:
+        for other in ("flex", "njt_sdpa"):
+            if other in outs:
+                errs = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), outs["jfa"], outs[other])}
+                res[f"jfa_vs_{other}"] = errs
+                log(f"{w.name} jfa vs {other}: " + " ".join(f"{k}={e:.1e}" for k, e in errs.items()))
+    return res
+
+
+def sweep(workloads, deadline):
+    """Block shapes / warps / stages per kernel, and longest-first vs natural order."""
+    from triton.testing import do_bench
+
+    base = default_configs(D, "cuda")
+    fwd_cfgs = [base.fwd, KernelConfig(128, 32, 8, 3), KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3),
+                KernelConfig(128, 64, 8, 4)]
+    dkdv_cfgs = [base.dkdv, KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(32, 64, 4, 3),
+                 KernelConfig(64, 64, 8, 3)]
+    dq_cfgs = [base.dq, KernelConfig(128, 32, 8, 2), KernelConfig(64, 32, 4, 3), KernelConfig(128, 64, 8, 2)]
+    out = RESULTS["sweep"]
+
+    def timed(w, cfgs, mode, order="lpt"):
+        with using(cfgs, order=order):
+            fn, leaves, grad = make_jfa(w)
+            if mode == "fwd":
+                def run():
+                    with torch.no_grad():
+                        fn()
+                return do_bench(run, warmup=10, rep=50, return_mode="median")
+            return do_bench(lambda: fn().backward(grad), warmup=10, rep=50, grad_to_none=leaves,
+                            return_mode="median")
+
+    for kind, cfgs in (("fwd", fwd_cfgs), ("dkdv", dkdv_cfgs), ("dq", dq_cfgs)):
+        for c in cfgs:
+            if time.time() > deadline:
+                log("sweep: out of time budget, stopping")
+                return
+            full = Configs(**{**base.__dict__, kind: c})
+            key = f"{kind} BM{c.block_m} BN{c.block_n} w{c.num_warps} s{c.num_stages}"
+            try:
+                out[key] = {w.name: timed(w, full, "fwd" if kind == "fwd" else "fwd_bwd") for w in workloads}
+            except Exception as exc:
+                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            log(f"sweep {key}: {out[key]}")
+    for order in ("lpt", "natural"):
+        if time.time() > deadline:
+            return
+        key = f"order {order}"
+        out[key] = {w.name: {"fwd": timed(w, base, "fwd", order), "fwd_bwd": timed(w, base, "fwd_bwd", order)}
+                    for w in workloads}
+        log(f"sweep {key}: {out[key]}")
+
+
+def table():
+    lines = ["", f"jfa benchmark on {RESULTS['device']} (H={H}, D={D}, bf16; median ms of do_bench)",
+             f"{'workload':14} {'method':12} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5} {'peak GB':>8} "
+             f"{'jfa x fwd':>9} {'jfa x f+b':>9}"]
+    for wname, res in RESULTS["workloads"].items():
+        j = res["methods"].get("jfa", {})
+        for name, m in res["methods"].items():
+            if "error" in m:
+                lines.append(f"{wname:14} {name:12} ERROR {m['error'][:60]}")
+                continue
+            sf = m["fwd_ms"] / j["fwd_ms"] if "fwd_ms" in j else float("nan")
+            sb = m["fwd_bwd_ms"] / j["fwd_bwd_ms"] if "fwd_bwd_ms" in j else float("nan")
+            lines.append(f"{wname:14} {name:12} {m['fwd_ms']:8.3f} {m['fwd_tflops']:5.0f} {m['fwd_bwd_ms']:8.3f} "
+                         f"{m['fwd_bwd_tflops']:5.0f} {m['peak_mem_gb']:8.2f} {sf:9.2f} {sb:9.2f}")
+        lines.append(f"{'':14} T={res['T']} Lmax={res['Lmax']} padding waste={res['padding_waste']:.0%}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_jfa.json ($OUT)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep block configs and schedule order")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")
+    ap.add_argument("--checks", type=int, default=4, help="how many small correctness cases to run (1-4)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_jfa needs a CUDA device")
+    import triton
+
+    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
+    RESULTS["command"] = " ".join(sys.argv)
+    t0 = time.time()
+    ok = check_small(args.checks)
+    save(args.out)
+    if not ok:
+        print("jfa FAILED its correctness checks; not timing it", flush=True)
+        sys.exit(1)
+    workloads = [Workload("gem_lognormal", gem_lognormal()), Workload("uniform_8k", uniform_8k())]
+    for w in workloads:
+        run_workload(w, args.methods.split(","))
+        save(args.out)
+        log(f"[{time.time() - t0:.0f}s]")
+    if args.sweep:
+        sweep(workloads, t0 + args.budget)
+        save(args.out)
+    print(table(), flush=True)
+    with open(os.path.join(args.out, "table.txt"), "w") if args.out else open(os.devnull, "w") as f:
+        f.write(table() + "\n")
+
+
+if __name__ == "__main__":
+    main()
