@@ -10,6 +10,7 @@ Backends (same numerics, exact MX: dequantized values are exact in bf16, product
   cpu     dequantize to fp32, fp32 matmul
   triton  MX tiles dequantized in registers into bf16 MMA (gemzoo_mxfp8.triton_kernels.mx_gemm)
   cublas  the cast kernel also writes the exact bf16 dequantization; the GEMM is cuBLAS bf16
+  hybrid  cublas for forward and dgrad, triton for wgrad (reads the saved MX X directly)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from gemzoo_mxfp8.cast import cast2d, dequant2d
 from gemzoo_mxfp8.rht import rht_signs
 
-BACKENDS = ("auto", "triton", "cublas")
+BACKENDS = ("auto", "triton", "cublas", "hybrid")
 AUTO_BACKEND = "cublas"  # the faster of the two on the H200 (see README's benchmark table)
 
 
@@ -68,7 +69,7 @@ class MXLinearFunction(torch.autograd.Function):
             xo = cast2d(x2, row_q=True, col_q=need_w, elem=cfg.elem, rht=rht)
             wr = cast2d(weight, row_q=True, elem=cfg.elem)["row"]
             y = mx_gemm(*xo["row"], *wr, bias=bias, out_dtype=x.dtype)
-        else:
+        else:  # cublas, hybrid
             xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]
             y = F.linear(xo["row_dq"], wdq, None if bias is None else bias.to(torch.bfloat16))
@@ -104,11 +105,17 @@ class MXLinearFunction(torch.autograd.Function):
             if need_w:
                 dw = mx_gemm(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
         else:
-            do = cast2d(dy2, row_dq=need_x, col_dq=need_w, elem=cfg.grad_elem, rht=rht)
+            hybrid = cfg.cuda_backend() == "hybrid"
+            do = cast2d(dy2, row_dq=need_x, col_dq=need_w and not hybrid, col_q=need_w and hybrid,
+                        elem=cfg.grad_elem, rht=rht)
             if need_x:
                 wc = cast2d(weight, col_dq=True, elem=cfg.elem)["col_dq"]
                 dx = do["row_dq"] @ wc[:, :n].t()
-            if need_w:
+            if need_w and hybrid:
+                from gemzoo_mxfp8.triton_kernels import mx_gemm
+
+                dw = mx_gemm(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
+            elif need_w:
                 dw = do["col_dq"] @ dequant2d(xc_data, xc_scale, torch.bfloat16).t()
         if need_x:
             dx = dx.to(ctx.x_dtype).view(ctx.x_shape)

@@ -73,6 +73,13 @@ def _round_to_elem(y, ELEM: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------------ cast
+def _cast_configs():
+    if INTERPRET:
+        return [triton.Config({"BC": 64}, num_warps=4)]
+    return [triton.Config({"BC": bc}, num_warps=w) for bc in (64, 128, 256) for w in (4, 8)]
+
+
+@triton.autotune(configs=_cast_configs(), key=["R", "C", "ROW_Q", "ROW_DQ", "COL_Q", "COL_DQ", "RHT", "IN_BF16"])
 @triton.jit
 def _mx_cast_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
@@ -118,7 +125,7 @@ def _mx_cast_kernel(
         xc = x
         if RHT:
             h = tl.load(h_ptr + tl.arange(0, 32)[:, None] * 32 + tl.arange(0, 32)[None, :])
-            if F32:
+            if F32 or not IN_BF16:  # fp32 inputs keep fp32 sums
                 xc = tl.dot(h.to(tl.float32), x, input_precision="ieee") * h_mult
             else:  # +-1 times bf16 is exact; fp32 accumulation on the tensor cores
                 xc = tl.dot(h.to(tl.bfloat16), x.to(tl.bfloat16)) * h_mult
@@ -145,12 +152,9 @@ def hadamard_sign_matrix(signs: torch.Tensor, block: int, device) -> tuple[torch
     return m.to(device=device, dtype=torch.float32).contiguous(), block ** -0.5
 
 
-_CAST_BC = 128 if not INTERPRET else 64
-
-
 def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=False,
             elem=torch.float8_e4m3fn, rht: tuple[torch.Tensor, float] | None = None,
-            dq_dtype=torch.bfloat16, block_c: int | None = None):
+            dq_dtype=torch.bfloat16):
     """One pass over a 2-D x. Returns a dict with the outputs asked for:
     row: (data [R, C], scale uint8 [R, ceil(C/32)]), row_dq [R, C];
     col: (data [C, RP], scale uint8 [C, RP/32]) with RP = R rounded up to 32 (x quantized along R and
@@ -170,15 +174,13 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
     cs = torch.empty(C, RP // 32, device=dev, dtype=e8) if col_q else empty
     cdq = torch.empty(C, RP, device=dev, dtype=dq_dtype) if col_dq else empty
     h, mult = rht if rht is not None else (empty, 1.0)
-    bc = block_c or _CAST_BC
     if R > 0 and C > 0:
-        grid = (triton.cdiv(R, 32), triton.cdiv(C, bc))
+        grid = lambda meta: (triton.cdiv(R, 32), triton.cdiv(C, meta["BC"]))  # noqa: E731
         in_bf16 = x.dtype == torch.bfloat16
         _mx_cast_kernel[grid](
             x.view(torch.int16) if in_bf16 else x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq, RP, h, mult,
             ROW_Q=row_q, ROW_DQ=row_dq, COL_Q=col_q, COL_DQ=col_dq, RHT=rht is not None,
-            EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], F32=INTERPRET, IN_BF16=in_bf16, BC=bc,
-            num_warps=4,
+            EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], F32=INTERPRET, IN_BF16=in_bf16,
         )
     if row_q:
         out["row"] = (rq.view(elem), rs)
@@ -214,37 +216,87 @@ def mx_dequant(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.float32) 
 
 # ------------------------------------------------------------------------------------------------ GEMM
 @triton.jit
+def _pow2_bf16(e):
+    """e8m0 byte (int32) -> bf16 2^(e-127): exponent field = e (0 -> subnormal 2^-127, 255 -> NaN)."""
+    b = e << 7
+    b = tl.where(e == 0, 0x0040, b)
+    b = tl.where(e == 255, 0x7FC0, b)
+    return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _dequant_tile(q, e, BR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """[BR, BK] fp8 tile and [BR, BK/32] exponents -> dequantized tile (bf16 on GPU, fp32 interpreted)."""
     if F32:
         s = _pow2_f32(e)
         return tl.reshape(tl.reshape(q.to(tl.float32), [BR, BK // 32, 32]) * s[:, :, None], [BR, BK])
     else:
-        # e8m0 byte -> bf16 2^(e-127): exponent field = e (0 -> subnormal 2^-127, 255 -> NaN)
-        b = e.to(tl.int16) << 7
-        b = tl.where(e == 0, 0x0040, b)
-        b = tl.where(e == 255, 0x7FC0, b).to(tl.int16)
-        s = b.to(tl.bfloat16, bitcast=True)
+        s = _pow2_bf16(e)
         return tl.reshape(tl.reshape(q.to(tl.bfloat16), [BR, BK // 32, 32]) * s[:, :, None], [BR, BK])
+
+
+@triton.jit
+def _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
+                 stride_am, stride_sam, stride_bn, stride_sbn,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """One BK step: load [BM, BK] / [BN, BK] fp8 tiles, dequantize through a [.., BK/32, 32] reshape."""
+    rk = tl.arange(0, BK)
+    rks = tl.arange(0, BK // 32)
+    kmask = (k0 + rk) < K
+    smask = (k0 // 32 + rks) < n_sk
+    a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+    b = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 + rk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    ea = tl.load(sa_ptr + rm[:, None] * stride_sam + (k0 // 32 + rks)[None, :],
+                 mask=mmask[:, None] & smask[None, :], other=127).to(tl.int32)
+    eb = tl.load(sb_ptr + rn[:, None] * stride_sbn + (k0 // 32 + rks)[None, :],
+                 mask=nmask[:, None] & smask[None, :], other=127).to(tl.int32)
+    ad = _dequant_tile(a, ea, BM, BK, F32)
+    bd = _dequant_tile(b, eb, BN, BK, F32)
+    if F32:
+        return tl.dot(ad, tl.trans(bd), acc, input_precision="ieee")
+    return tl.dot(ad, tl.trans(bd), acc)
+
+
+@triton.jit
+def _k_step_blocks(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
+                   stride_am, stride_sam, stride_bn, stride_sbn, BK: tl.constexpr, F32: tl.constexpr):
+    """One BK step as BK/32 MX blocks: per-row scales broadcast without reshapes, K=32 dots."""
+    for j in tl.static_range(BK // 32):
+        kk = k0 + j * 32 + tl.arange(0, 32)
+        km = kk < K
+        ks = k0 // 32 + j
+        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=mmask[:, None] & km[None, :], other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * stride_bn + kk[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
+        ea = tl.load(sa_ptr + rm * stride_sam + ks, mask=mmask & (ks < n_sk), other=127).to(tl.int32)
+        eb = tl.load(sb_ptr + rn * stride_sbn + ks, mask=nmask & (ks < n_sk), other=127).to(tl.int32)
+        if F32:
+            ad = a.to(tl.float32) * _pow2_f32(ea)[:, None]
+            bd = b.to(tl.float32) * _pow2_f32(eb)[:, None]
+            acc = tl.dot(ad, tl.trans(bd), acc, input_precision="ieee")
+        else:
+            ad = a.to(tl.bfloat16) * _pow2_bf16(ea)[:, None]
+            bd = b.to(tl.bfloat16) * _pow2_bf16(eb)[:, None]
+            acc = tl.dot(ad, tl.trans(bd), acc)
+    return acc
 
 
 def _gemm_configs():
     if INTERPRET:
-        return [triton.Config({"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 4}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 4, "SUB": 0}, num_warps=4, num_stages=1)]
     cfgs = []
-    for bm, bn, bk, w, s in [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                             (128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (128, 128, 64, 4, 4)]:
-        cfgs.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s))
+    for bm, bn, bk, w, s, sub in [(128, 128, 64, 8, 4, 0), (128, 256, 64, 8, 3, 0), (256, 128, 64, 8, 3, 0),
+                                  (128, 128, 128, 8, 3, 0), (128, 256, 128, 8, 3, 0), (128, 128, 64, 4, 4, 0),
+                                  (128, 128, 64, 8, 4, 1), (128, 256, 64, 8, 3, 1), (128, 256, 128, 8, 3, 1)]:
+        cfgs.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "SUB": sub}, num_warps=w, num_stages=s))
     return cfgs
 
 
-@triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "HAS_BIAS"])
 @triton.jit
 def _mx_gemm_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M, N, K,
     stride_am, stride_sam, stride_bn, stride_sbn, stride_cm,
     HAS_BIAS: tl.constexpr, F32: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SUB: tl.constexpr,
 ):
     """C[M, N] = sum_k deq(A)[m, k] deq(B)[n, k]; A, B fp8 with K contiguous, e8m0 scales per 32 along K."""
     pid = tl.program_id(0)
@@ -257,36 +309,31 @@ def _mx_gemm_kernel(
     pid_n = (pid % group) // gm
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    rks = tl.arange(0, BK // 32)
     mmask = rm < M
     nmask = rn < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     n_sk = tl.cdiv(K, 32)
     for k0 in range(0, K, BK):
-        kmask = (k0 + rk) < K
-        smask = (k0 // 32 + rks) < n_sk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 + rk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        ea = tl.load(sa_ptr + rm[:, None] * stride_sam + (k0 // 32 + rks)[None, :],
-                     mask=mmask[:, None] & smask[None, :], other=127).to(tl.int32)
-        eb = tl.load(sb_ptr + rn[:, None] * stride_sbn + (k0 // 32 + rks)[None, :],
-                     mask=nmask[:, None] & smask[None, :], other=127).to(tl.int32)
-        ad = _dequant_tile(a, ea, BM, BK, F32)
-        bd = _dequant_tile(b, eb, BN, BK, F32)
-        if F32:
-            acc = tl.dot(ad, tl.trans(bd), acc, input_precision="ieee")
+        if SUB:
+            acc = _k_step_blocks(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
+                                 stride_am, stride_sam, stride_bn, stride_sbn, BK, F32)
         else:
-            acc = tl.dot(ad, tl.trans(bd), acc)
+            acc = _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
+                               stride_am, stride_sam, stride_bn, stride_sbn, BM, BN, BK, F32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
+_mx_gemm_autotuned = triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "HAS_BIAS"])(_mx_gemm_kernel)
+
+
 def mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, k: int | None = None,
-            bias: torch.Tensor | None = None, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """A [M, >=K] x B [N, >=K]^T over the first K columns, MX along K (uint8 scales). -> [M, N]."""
+            bias: torch.Tensor | None = None, out_dtype=torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """A [M, >=K] x B [N, >=K]^T over the first K columns, MX along K (uint8 scales). -> [M, N].
+
+    ``config`` (BM, BN, BK, GROUP_M, SUB, num_warps, num_stages) skips the autotuner."""
     M, N = a.shape[0], b.shape[0]
     K = a.shape[1] if k is None else k
     if a.stride(1) != 1 or b.stride(1) != 1:
@@ -297,9 +344,39 @@ def mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
     if K == 0:
         return c.zero_() if bias is None else c.copy_(bias.expand(M, N))
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
-    _mx_gemm_kernel[grid](
+    if config is None and a.is_cuda:
+        prune_gemm_configs(a.device)
+    kernel = _mx_gemm_autotuned if config is None else _mx_gemm_kernel
+    kernel[grid](
         a, sa, b, sb, c, bias if bias is not None else c, M, N, K,
         a.stride(0), sa.stride(0), b.stride(0), sb.stride(0), c.stride(0),
-        HAS_BIAS=bias is not None, F32=INTERPRET,
+        HAS_BIAS=bias is not None, F32=INTERPRET, **(config or {}),
     )
     return c
+
+
+_pruned: set = set()
+
+
+def prune_gemm_configs(device) -> list[str]:
+    """Drop autotune configs that fail to compile or run on this GPU (once per process); returns the errors."""
+    key = str(device)
+    if key in _pruned:
+        return []
+    _pruned.add(key)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(256, 256, device=device, generator=gen).to(torch.float8_e4m3fn)
+    s = torch.full((256, 8), 127, device=device, dtype=torch.uint8)
+    good, errors = [], []
+    for cfg in _mx_gemm_autotuned.configs:
+        meta = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        try:
+            mx_gemm(a, s, a, s, config=meta)
+            torch.cuda.synchronize(device)
+            good.append(cfg)
+        except Exception as exc:  # a config this Triton/GPU cannot build: tune over the others
+            errors.append(f"{meta}: {type(exc).__name__}: {str(exc)[:200]}")
+    if not good:
+        raise RuntimeError("no MX GEMM config compiles on this device:\n" + "\n".join(errors))
+    _mx_gemm_autotuned.configs = good
+    return errors

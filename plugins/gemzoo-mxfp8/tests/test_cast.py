@@ -105,8 +105,9 @@ def test_triton_dequant():
     assert torch.equal(got.nan_to_num(1.0), ref.dequantize_mx_torch(d, s).nan_to_num(1.0))
 
 
+@pytest.mark.parametrize("sub", [0, 1])
 @pytest.mark.parametrize("m,n,k,bias", [(48, 40, 96, True), (33, 17, 80, False)])  # 80: partial K block
-def test_triton_gemm_exact_mx(m, n, k, bias):
+def test_triton_gemm_exact_mx(m, n, k, bias, sub):
     from gemzoo_mxfp8.triton_kernels import mx_gemm
 
     gen = torch.Generator().manual_seed(m)
@@ -115,7 +116,8 @@ def test_triton_gemm_exact_mx(m, n, k, bias):
     (ad, as_), (bd, bs) = ref.quantize_mx_torch(a), ref.quantize_mx_torch(b)
     dev = _dev()
     c = mx_gemm(ad.to(dev), as_.view(torch.uint8).to(dev), bd.to(dev), bs.view(torch.uint8).to(dev),
-                bias=None if bvec is None else bvec.to(dev), out_dtype=torch.float32).cpu()
+                bias=None if bvec is None else bvec.to(dev), out_dtype=torch.float32,
+                config=dict(BM=32, BN=32, BK=64, GROUP_M=2, SUB=sub, num_warps=4, num_stages=2)).cpu()
     want = ref.dequantize_mx_torch(ad, as_).double() @ ref.dequantize_mx_torch(bd, bs).double().t()
     if bias:
         want = want + bvec.double()
