@@ -17,9 +17,15 @@ if os.environ.get("GEMZOO_NO_EXTENSION", "0") in ("", "0"):
     here = os.path.dirname(os.path.abspath(__file__))
     cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cuda = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
-    with_cuda = torch.cuda.is_available() or os.environ.get("GEMZOO_FORCE_CUDA") == "1"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    # CUDA sources wherever torch itself is a CUDA build and nvcc exists (no GPU needed at build time)
+    with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None) or os.environ.get("GEMZOO_FORCE_CUDA") == "1"
+    if os.environ.get("GEMZOO_NO_CUDA", "0") not in ("", "0"):
+        with_cuda = False
     extra = {
-        "cxx": ["-O3", "-fopenmp", "-std=c++17", f'-DGEMZOO_TORCH_VERSION="{torch.__version__}"'],
+        # the torch version travels as bare tokens and is stringified in csrc/gemzoo_ops.cpp (no shell quoting)
+        "cxx": ["-O3", "-fopenmp", "-std=c++17", f"-DGEMZOO_TORCH_VERSION_TOKENS={torch.__version__}"],
         "nvcc": ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=sm_80"],
     }
     if cpp:

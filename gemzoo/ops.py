@@ -362,6 +362,7 @@ def _register_fakes_and_autograd() -> None:
     def attn_setup(ctx, inputs, output):
         q, k, v, q_offsets, k_offsets, *rest = inputs
         out, lse = output
+        ctx.mark_non_differentiable(lse)
         ctx.rest = rest
         ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
 

@@ -20,6 +20,7 @@ ENTRY_POINT_GROUP = "gemzoo"
 
 BUILTIN_MODULES = (
     "gemzoo.builtin.attention",
+    "gemzoo.builtin.cpu_attention",
     "gemzoo.builtin.precision",
     "gemzoo.builtin.planner",
     "gemzoo.builtin.comms",

@@ -1,0 +1,102 @@
+"""Benchmark: the ``cpu`` attention kernel (gemzoo._C) against ``reference`` and ``sdpa-padded`` on CPU.
+
+gem-tiny's shapes: B=32 sequences, gem-lognormal lengths (median 64, sigma 1, clamped to [32, 256]), H=2, D=64,
+fp32, causal softmax (plus HSTU-style silu). Forward and forward+backward, median wall time of --reps runs
+(triton's do_bench needs a GPU). Prints a table and writes JSON (to $OUT/cpu_attention.json when $OUT is set).
+
+    .venv/bin/python bench/cpu_attention.py [--reps 20] [--json path]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import gemzoo
+from gemzoo import ops
+from gemzoo.jagged import lengths_to_offsets
+
+
+def gem_lognormal(B=64, median=1024, sigma=1.0, lo=32, hi=16384, seed=1):
+    z = torch.randn(B, generator=torch.Generator().manual_seed(seed))
+    return (median * torch.exp(sigma * z)).round().clamp(lo, hi).long()
+
+
+def median_ms(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    lengths = gem_lognormal(B=32, median=64, hi=256)
+    offsets = lengths_to_offsets(lengths)
+    T, H, D = int(lengths.sum()), 2, 64
+    q, k, v = (torch.randn(T, H, D) for _ in range(3))
+    grad = torch.randn(T, H, D)
+    sum_l2 = int((lengths.double() ** 2).sum())
+    flops_fwd, flops_fb = 2 * H * D * sum_l2, 7 * H * D * sum_l2  # causal, real tokens (BENCHMARKS.md)
+
+    rows = []
+    for activation, norm in (("softmax", None), ("silu", float(lengths.max()))):
+        kw = dict(causal=True, activation=activation, norm=norm)
+        ref_out = None
+        for name in ("reference", "sdpa-padded", "cpu"):
+            kernel = gemzoo.registry.get("attention", name)
+            out = kernel(q, k, v, offsets, **kw)
+            if ref_out is None:
+                ref_out = out
+            err = float((out - ref_out).norm() / ref_out.norm())
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+
+            def fwd():
+                with torch.no_grad():
+                    kernel(q, k, v, offsets, **kw)
+
+            def fwd_bwd():
+                for t in leaves:
+                    t.grad = None
+                kernel(*leaves, offsets, **kw).backward(grad)
+
+            t_f, t_fb = median_ms(fwd, args.reps), median_ms(fwd_bwd, args.reps)
+            rows.append(dict(activation=activation, kernel=name, fwd_ms=t_f, fwd_bwd_ms=t_fb, rel_err=err,
+                             fwd_gflops=flops_fwd / t_f / 1e6, fwd_bwd_gflops=flops_fb / t_fb / 1e6))
+        base = {r["kernel"]: r for r in rows if r["activation"] == activation}["reference"]
+        for r in rows:
+            if r["activation"] == activation:
+                r["fwd_speedup_vs_reference"] = base["fwd_ms"] / r["fwd_ms"]
+                r["fwd_bwd_speedup_vs_reference"] = base["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+
+    info = dict(B=32, T=T, H=H, D=D, dtype="float32", lengths="gem_lognormal(B=32, median=64, lo=32, hi=256)",
+                max_len=int(lengths.max()), threads=torch.get_num_threads(), torch=torch.__version__,
+                extension=ops.extension_info()["loaded"], reps=args.reps)
+    print(f"# {info}")
+    print(f"{'act':8} {'kernel':12} {'fwd ms':>8} {'x ref':>6} {'fwd+bwd ms':>11} {'x ref':>6} {'GF/s f+b':>8} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['activation']:8} {r['kernel']:12} {r['fwd_ms']:8.2f} {r['fwd_speedup_vs_reference']:6.1f} "
+              f"{r['fwd_bwd_ms']:11.2f} {r['fwd_bwd_speedup_vs_reference']:6.1f} {r['fwd_bwd_gflops']:8.1f} "
+              f"{r['rel_err']:8.1e}")
+    path = args.json or (os.path.join(os.environ["OUT"], "cpu_attention.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,456 @@
+// CPU jagged attention, forward and backward, with the full DESIGN.md semantics:
+// softmax / silu / gelu / relu / identity (÷ norm), causal bottom-right, window, block, Lq != Lk.
+//
+// FlashAttention-style blocking: each work item is (sequence, head[, query tile]); it walks tiles of
+// BQ queries x BK keys, skipping tiles with no allowed pair, with tile matmuls in BLAS (MKL's sgemm
+// from libtorch when present, plain loops otherwise) and an online softmax. Only the logsumexp
+// [H, Tq] is saved for backward; scratch is per thread and O(BQ x BK), never B x Lmax^2.
+// Work items are sorted by cost and handed out dynamically, so skewed lengths balance across threads.
+#include "common.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// MKL's Fortran sgemm, exported by libtorch_cpu on x86 builds. Weak: absent -> portable loops.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+namespace gemzoo {
+namespace {
+
+constexpr int64_t BQ = 64;
+constexpr int64_t BK = 64;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+enum Activation { SOFTMAX = 0, SILU = 1, GELU = 2, RELU = 3, IDENTITY = 4 };
+
+// Row-major C[M,N] = alpha * op(A) op(B) + beta * C, op = transpose when the flag is set.
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (sgemm_ != nullptr) {
+    // row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T
+    const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+    const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+    const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+    sgemm_(&tB, &tA, &m, &n, &k, &alpha, B, &lb, A, &la, &beta, C, &lc);
+    return;
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    float* c = C + i * ldc;
+    if (beta == 0.0f)
+      std::fill(c, c + N, 0.0f);
+    else if (beta != 1.0f)
+      for (int64_t j = 0; j < N; ++j) c[j] *= beta;
+    for (int64_t p = 0; p < K; ++p) {
+      const float a = alpha * (ta ? A[p * lda + i] : A[i * lda + p]);
+      if (a == 0.0f) continue;
+      if (!tb) {
+        const float* b = B + p * ldb;
+        for (int64_t j = 0; j < N; ++j) c[j] += a * b[j];
+      } else {
+        for (int64_t j = 0; j < N; ++j) c[j] += a * B[j * ldb + p];
+      }
+    }
+  }
+}
+
+// exp with ~2 ulp error, branch-free so loops over it vectorize; exp(-inf) and tiny inputs give 0.
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = xc * 1.44269504088896341f + 12582912.0f;  // round(x / ln2) via the 1.5 * 2^23 trick
+  const float n = t - 12582912.0f;
+  float f = xc - n * 0.693359375f;
+  f = f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 127]
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+struct Params {
+  bool causal;
+  int64_t act;
+  float scale;
+  float inv_norm;
+  int64_t window;  // <= 0: off
+  int64_t block;   // <= 0: off
+  int64_t H, D, Dv;
+};
+
+struct Seq {
+  int64_t qs, lq, ks, lk;
+  int64_t shift() const { return lk - lq; }
+};
+
+inline bool allowed(int64_t ii, int64_t j, const Params& p) {
+  if (p.causal && j > ii) return false;
+  if (p.window > 0 && ii - j >= p.window) return false;
+  if (p.block > 0 && floordiv(ii, p.block) != j / p.block) return false;
+  return true;
+}
+
+// Keys [lo, hi) that some query in [i0, i1) may see.
+inline void key_range(const Seq& s, int64_t i0, int64_t i1, const Params& p, int64_t& lo, int64_t& hi) {
+  const int64_t a = i0 + s.shift(), b = i1 - 1 + s.shift();
+  lo = 0;
+  hi = s.lk;
+  if (p.causal) hi = std::min(hi, b + 1);
+  if (p.window > 0) lo = std::max(lo, a - p.window + 1);
+  if (p.block > 0) {
+    lo = std::max(lo, floordiv(a, p.block) * p.block);
+    hi = std::min(hi, (floordiv(b, p.block) + 1) * p.block);
+  }
+}
+
+// Queries [lo, hi) that may see some key in [j0, j1).
+inline void query_range(const Seq& s, int64_t j0, int64_t j1, const Params& p, int64_t& lo, int64_t& hi) {
+  const int64_t sh = s.shift();
+  lo = 0;
+  hi = s.lq;
+  if (p.causal) lo = std::max(lo, j0 - sh);
+  if (p.window > 0) hi = std::min(hi, j1 - 1 + p.window - sh);
+  if (p.block > 0) {
+    lo = std::max(lo, (j0 / p.block) * p.block - sh);
+    hi = std::min(hi, ((j1 - 1) / p.block + 1) * p.block - sh);
+  }
+  hi = std::max(hi, lo);
+}
+
+// Every pair of the tile allowed? (then no per-element mask is needed)
+inline bool tile_full(const Seq& s, int64_t i0, int64_t i1, int64_t j0, int64_t j1, const Params& p) {
+  const int64_t a = i0 + s.shift(), b = i1 - 1 + s.shift();
+  if (p.causal && j1 - 1 > a) return false;
+  if (p.window > 0 && b - j0 >= p.window) return false;
+  if (p.block > 0) {
+    const int64_t qb = floordiv(a, p.block);
+    if (floordiv(b, p.block) != qb || j0 / p.block != qb || (j1 - 1) / p.block != qb) return false;
+  }
+  return true;
+}
+
+// Pointwise activations and their derivatives (gelu is the exact erf form, as torch's default).
+inline float act_fwd(float x, int64_t act) {
+  switch (act) {
+    case SILU: return x / (1.0f + std::exp(-x));
+    case GELU: return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
+    case RELU: return x > 0.0f ? x : 0.0f;
+    default: return x;
+  }
+}
+inline float act_grad(float x, int64_t act) {
+  switch (act) {
+    case SILU: {
+      const float sg = 1.0f / (1.0f + std::exp(-x));
+      return sg * (1.0f + x * (1.0f - sg));
+    }
+    case GELU:
+      return 0.5f * (1.0f + std::erf(x * 0.70710678118654752f)) +
+             x * 0.39894228040143268f * std::exp(-0.5f * x * x);
+    case RELU: return x > 0.0f ? 1.0f : 0.0f;
+    default: return 1.0f;
+  }
+}
+
+// Mask a tile of scores in place: disallowed entries become `fill`.
+void mask_tile(float* S, int64_t ldS, const Seq& s, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+               const Params& p, float fill) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t ii = i0 + r + s.shift();
+    float* row = S + r * ldS;
+    for (int64_t c = 0; c < cols; ++c)
+      if (!allowed(ii, j0 + c, p)) row[c] = fill;
+  }
+}
+
+// Run work(item) over items (sorted by decreasing cost) with dynamic hand-out across threads.
+template <typename F>
+void run_items(int64_t n, const F& work) {
+  if (n == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t it = next.fetch_add(1); it < n; it = next.fetch_add(1)) work(it);
+  });
+}
+
+std::vector<Seq> sequences(const at::Tensor& q_offsets, const at::Tensor& k_offsets, int64_t tq, int64_t tk) {
+  check_offsets(q_offsets, "q_offsets");
+  check_offsets(k_offsets, "k_offsets");
+  TORCH_CHECK(q_offsets.numel() == k_offsets.numel(), "q_offsets has ", q_offsets.numel() - 1,
+              " sequences but k_offsets has ", k_offsets.numel() - 1);
+  auto qo = q_offsets.contiguous(), ko = k_offsets.contiguous();
+  const int64_t* a = qo.const_data_ptr<int64_t>();
+  const int64_t* b = ko.const_data_ptr<int64_t>();
+  const int64_t n = qo.numel() - 1;
+  TORCH_CHECK(a[0] == 0 && a[n] == tq, "q_offsets must start at 0 and end at Tq=", tq);
+  TORCH_CHECK(b[0] == 0 && b[n] == tk, "k_offsets must start at 0 and end at Tk=", tk);
+  std::vector<Seq> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(a[i + 1] >= a[i] && b[i + 1] >= b[i], "offsets must be non-decreasing at index ", i + 1);
+    out[i] = {a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]};
+  }
+  return out;
+}
+
+Params make_params(const at::Tensor& q, const at::Tensor& v, bool causal, int64_t act, double scale, double norm,
+                   int64_t window, int64_t block) {
+  TORCH_CHECK(act >= SOFTMAX && act <= IDENTITY, "activation code must be 0..4, got ", act);
+  TORCH_CHECK(norm != 0.0, "norm must be non-zero");
+  return {causal, act, static_cast<float>(scale), static_cast<float>(1.0 / norm), window, block,
+          q.size(1), q.size(2), v.size(2)};
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, H, D]");
+  TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1), "k and v must agree on [Tk, H]");
+  TORCH_CHECK(q.size(1) == k.size(1) && q.size(2) == k.size(2), "q and k must agree on H and D");
+  for (const auto* t : {&q, &k, &v}) {
+    const auto dt = t->scalar_type();
+    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+                "the cpu attention kernel takes float32, bfloat16 or float16, got ", dt);
+  }
+}
+
+struct Item {
+  int64_t seq, head, i0, i1;
+  double cost;
+};
+
+std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                            const at::Tensor& v_in, const at::Tensor& q_offsets,
+                                                            const at::Tensor& k_offsets, bool causal, int64_t act,
+                                                            double scale, double norm, int64_t window,
+                                                            int64_t block) {
+  check_qkv(q_in, k_in, v_in);
+  const auto seqs = sequences(q_offsets, k_offsets, q_in.size(0), k_in.size(0));
+  const Params p = make_params(q_in, v_in, causal, act, scale, norm, window, block);
+  const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat).contiguous(),
+             v = v_in.to(at::kFloat).contiguous();
+  const int64_t tq = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
+  auto out = at::zeros({tq, H, Dv}, q.options());
+  auto lse = at::full({H, tq}, act == SOFTMAX ? NEG_INF : 0.0f, q.options());
+
+  std::vector<Item> items;
+  for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b) {
+    const Seq& s = seqs[b];
+    for (int64_t i0 = 0; i0 < s.lq; i0 += BQ) {
+      const int64_t i1 = std::min(s.lq, i0 + BQ);
+      int64_t lo, hi;
+      key_range(s, i0, i1, p, lo, hi);
+      if (hi <= lo) continue;
+      for (int64_t h = 0; h < H; ++h) items.push_back({b, h, i0, i1, double(i1 - i0) * double(hi - lo)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = k.const_data_ptr<float>();
+  const float* vp = v.const_data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t ldq = H * D, ldv = H * Dv;
+
+  run_items(static_cast<int64_t>(items.size()), [&](int64_t it) {
+    thread_local std::vector<float> S;
+    S.resize(BQ * BK);
+    float m_run[BQ], l_run[BQ];
+    const Item& w = items[it];
+    const Seq& s = seqs[w.seq];
+    const int64_t rows = w.i1 - w.i0, h = w.head;
+    const float* Q = qp + (s.qs + w.i0) * ldq + h * D;
+    float* O = op + (s.qs + w.i0) * ldv + h * Dv;
+    int64_t lo, hi;
+    key_range(s, w.i0, w.i1, p, lo, hi);
+    std::fill(m_run, m_run + rows, NEG_INF);
+    std::fill(l_run, l_run + rows, 0.0f);
+    for (int64_t j0 = lo; j0 < hi; j0 += BK) {
+      const int64_t cols = std::min(hi, j0 + BK) - j0;
+      const float* K = kp + (s.ks + j0) * ldq + h * D;
+      const float* V = vp + (s.ks + j0) * ldv + h * Dv;
+      gemm(false, true, rows, cols, D, p.scale, Q, ldq, K, ldq, 0.0f, S.data(), BK);
+      const bool full = tile_full(s, w.i0, w.i1, j0, j0 + cols, p);
+      if (p.act == SOFTMAX) {
+        if (!full) mask_tile(S.data(), BK, s, w.i0, rows, j0, cols, p, NEG_INF);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = S.data() + r * BK;
+          float mx = m_run[r];
+          for (int64_t c = 0; c < cols; ++c) mx = std::max(mx, row[c]);
+          if (mx == NEG_INF) {  // nothing allowed yet in this row
+            std::fill(row, row + cols, 0.0f);
+            continue;
+          }
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t c = 0; c < cols; ++c) {
+            const float e = fast_exp(row[c] - mx);
+            row[c] = e;
+            sum += e;
+          }
+          const float alpha = fast_exp(m_run[r] - mx);
+          if (alpha != 1.0f) {
+            float* o = O + r * ldv;
+            for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
+          }
+          l_run[r] = l_run[r] * alpha + sum;
+          m_run[r] = mx;
+        }
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = S.data() + r * BK;
+          for (int64_t c = 0; c < cols; ++c) row[c] = act_fwd(row[c], p.act) * p.inv_norm;
+        }
+        if (!full) mask_tile(S.data(), BK, s, w.i0, rows, j0, cols, p, 0.0f);
+      }
+      gemm(false, false, rows, Dv, cols, 1.0f, S.data(), BK, V, ldv, 1.0f, O, ldv);
+    }
+    if (p.act == SOFTMAX) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* o = O + r * ldv;
+        if (l_run[r] > 0.0f) {
+          const float inv = 1.0f / l_run[r];
+          for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
+          lp[h * tq + s.qs + w.i0 + r] = m_run[r] + std::log(l_run[r]);
+        } else {
+          std::fill(o, o + Dv, 0.0f);
+        }
+      }
+    }
+  });
+  return {out.to(q_in.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
+    const at::Tensor& grad_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& q_offsets, const at::Tensor& k_offsets,
+    bool causal, int64_t act, double scale, double norm, int64_t window, int64_t block) {
+  check_qkv(q_in, k_in, v_in);
+  const auto seqs = sequences(q_offsets, k_offsets, q_in.size(0), k_in.size(0));
+  const Params p = make_params(q_in, v_in, causal, act, scale, norm, window, block);
+  const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat).contiguous(),
+             v = v_in.to(at::kFloat).contiguous();
+  const auto dout = grad_in.to(at::kFloat).contiguous();
+  const int64_t tq = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef({tq, H, Dv}), "grad_out must be [Tq, H, Dv]");
+  auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  // softmax: Di = rowsum(dO * O), per (query, head)
+  at::Tensor delta, lse;
+  if (act == SOFTMAX) {
+    delta = (dout * out_in.to(at::kFloat)).sum(-1).t().contiguous();  // [H, Tq]
+    lse = lse_in.to(at::kFloat).contiguous();
+    TORCH_CHECK(lse.sizes() == at::IntArrayRef({H, tq}), "lse must be [H, Tq]");
+  }
+
+  std::vector<Item> items;
+  for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b) {
+    const Seq& s = seqs[b];
+    if (s.lq == 0 || s.lk == 0) continue;
+    for (int64_t h = 0; h < H; ++h) items.push_back({b, h, 0, s.lq, double(s.lq) * double(s.lk)});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = k.const_data_ptr<float>();
+  const float* vp = v.const_data_ptr<float>();
+  const float* gp = dout.const_data_ptr<float>();
+  const float* lp = act == SOFTMAX ? lse.const_data_ptr<float>() : nullptr;
+  const float* dp = act == SOFTMAX ? delta.const_data_ptr<float>() : nullptr;
+  float* dqp = dq.data_ptr<float>();
+  float* dkp = dk.data_ptr<float>();
+  float* dvp = dv.data_ptr<float>();
+  const int64_t ldq = H * D, ldv = H * Dv;
+
+  run_items(static_cast<int64_t>(items.size()), [&](int64_t it) {
+    thread_local std::vector<float> P, dP, S;
+    P.resize(BQ * BK);
+    dP.resize(BQ * BK);
+    S.resize(BQ * BK);
+    const Item& w = items[it];
+    const Seq& s = seqs[w.seq];
+    const int64_t h = w.head;
+    for (int64_t j0 = 0; j0 < s.lk; j0 += BK) {
+      const int64_t cols = std::min(s.lk, j0 + BK) - j0;
+      const float* K = kp + (s.ks + j0) * ldq + h * D;
+      const float* V = vp + (s.ks + j0) * ldv + h * Dv;
+      float* dK = dkp + (s.ks + j0) * ldq + h * D;
+      float* dV = dvp + (s.ks + j0) * ldv + h * Dv;
+      int64_t qlo, qhi;
+      query_range(s, j0, j0 + cols, p, qlo, qhi);
+      for (int64_t i0 = qlo; i0 < qhi; i0 += BQ) {
+        const int64_t rows = std::min(qhi, i0 + BQ) - i0;
+        int64_t klo, khi;
+        key_range(s, i0, i0 + rows, p, klo, khi);
+        if (khi <= j0 || klo >= j0 + cols) continue;
+        const float* Q = qp + (s.qs + i0) * ldq + h * D;
+        const float* dO = gp + (s.qs + i0) * ldv + h * Dv;
+        float* dQ = dqp + (s.qs + i0) * ldq + h * D;
+        const bool full = tile_full(s, i0, i0 + rows, j0, j0 + cols, p);
+        gemm(false, true, rows, cols, D, p.scale, Q, ldq, K, ldq, 0.0f, S.data(), BK);
+        if (p.act == SOFTMAX) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const float l = lp[h * tq + s.qs + i0 + r];
+            const float* srow = S.data() + r * BK;
+            float* prow = P.data() + r * BK;
+            if (l == NEG_INF) {
+              std::fill(prow, prow + cols, 0.0f);
+              continue;
+            }
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) prow[c] = fast_exp(srow[c] - l);
+          }
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* srow = S.data() + r * BK;
+            float* prow = P.data() + r * BK;
+            for (int64_t c = 0; c < cols; ++c) prow[c] = act_fwd(srow[c], p.act) * p.inv_norm;
+          }
+        }
+        if (!full) mask_tile(P.data(), BK, s, i0, rows, j0, cols, p, 0.0f);
+        // dV += P^T dO ; dP = dO V^T
+        gemm(true, false, cols, Dv, rows, 1.0f, P.data(), BK, dO, ldv, 1.0f, dV, ldv);
+        gemm(false, true, rows, cols, Dv, 1.0f, dO, ldv, V, ldv, 0.0f, dP.data(), BK);
+        if (p.act == SOFTMAX) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const float di = dp[h * tq + s.qs + i0 + r];
+            float* g = dP.data() + r * BK;
+            const float* prow = P.data() + r * BK;
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) g[c] = prow[c] * (g[c] - di);
+          }
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            float* g = dP.data() + r * BK;
+            const float* srow = S.data() + r * BK;
+            for (int64_t c = 0; c < cols; ++c) g[c] *= act_grad(srow[c], p.act) * p.inv_norm;
+          }
+          if (!full) mask_tile(dP.data(), BK, s, i0, rows, j0, cols, p, 0.0f);
+        }
+        // dQ += scale dS K ; dK += scale dS^T Q
+        gemm(false, false, rows, D, cols, p.scale, dP.data(), BK, K, ldq, 1.0f, dQ, ldq);
+        gemm(true, false, cols, D, rows, p.scale, dP.data(), BK, Q, ldq, 1.0f, dK, ldq);
+      }
+    }
+  });
+  const auto dt = q_in.scalar_type();
+  return {dq.to(dt), dk.to(k_in.scalar_type()), dv.to(v_in.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gemzoo, CPU, m) {
+  m.impl("jagged_attention_fwd", &jagged_attention_fwd_cpu);
+  m.impl("jagged_attention_bwd", &jagged_attention_bwd_cpu);
+}
+
+}  // namespace gemzoo

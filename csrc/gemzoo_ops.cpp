@@ -1,0 +1,44 @@
+// The gemzoo op library: schemas (TORCH_LIBRARY) and the Python module gemzoo._C.
+// Kernels live by family in jagged/, mx/, hadamard/, attention/; fake kernels and autograd are
+// registered in Python (gemzoo/ops.py).
+#include <Python.h>
+#include <torch/library.h>
+
+#define GEMZOO_STR2(x) #x
+#define GEMZOO_STR(x) GEMZOO_STR2(x)
+#ifdef GEMZOO_TORCH_VERSION_TOKENS
+#define GEMZOO_TORCH_VERSION GEMZOO_STR(GEMZOO_TORCH_VERSION_TOKENS)
+#else
+#define GEMZOO_TORCH_VERSION "unknown"
+#endif
+
+TORCH_LIBRARY(gemzoo, m) {
+  m.def("jagged_to_padded(Tensor values, Tensor offsets, SymInt max_len, float pad) -> Tensor");
+  m.def("padded_to_jagged(Tensor padded, Tensor offsets, SymInt total) -> Tensor");
+  m.def("quantize_mx(Tensor x, int axis, int block, ScalarType elem) -> (Tensor, Tensor)");
+  m.def("dequantize_mx(Tensor data, Tensor scale, int axis, int block, ScalarType dtype) -> Tensor");
+  m.def("hadamard_transform(Tensor x, int block, Tensor? signs, bool inverse) -> Tensor");
+  // activation: 0 softmax, 1 silu, 2 gelu, 3 relu, 4 identity; window/block_size -1 = off.
+  // Returns out [Tq, H, Dv] and the softmax logsumexp [H, Tq] (fp32) saved for backward.
+  m.def("jagged_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor k_offsets, bool causal, "
+        "int activation, float scale, float norm, int window, int block_size) -> (Tensor, Tensor)");
+  m.def("jagged_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor q_offsets, Tensor k_offsets, bool causal, int activation, float scale, float norm, int window, "
+        "int block_size) -> (Tensor, Tensor, Tensor)");
+}
+
+static struct PyModuleDef gemzoo_module = {PyModuleDef_HEAD_INIT, "_C",
+                                           "gemzoo C++/CUDA ops (registered under torch.ops.gemzoo)", -1,
+                                           nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* mod = PyModule_Create(&gemzoo_module);
+  if (mod == nullptr) return nullptr;
+  PyModule_AddStringConstant(mod, "TORCH_VERSION", GEMZOO_TORCH_VERSION);
+#ifdef GEMZOO_WITH_CUDA
+  PyModule_AddIntConstant(mod, "WITH_CUDA", 1);
+#else
+  PyModule_AddIntConstant(mod, "WITH_CUDA", 0);
+#endif
+  return mod;
+}

@@ -1,0 +1,35 @@
+"""Built-in attention kernel ``cpu``: the C++ CPU jagged attention of gemzoo._C (csrc/attention/).
+
+Full DESIGN.md semantics (every activation with norm; causal bottom-right, window, block; Lq != Lk),
+forward and backward, fp32/bf16/fp16 inputs computed in fp32. GEM attention plugins dispatch to it for
+CPU tensors. Without the extension (or for tensors on another device) it runs the ``reference`` oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, FunctionKernel
+from gemzoo.plugins import hookimpl
+
+
+def cpu_attention(q, k, v, q_offsets, k_offsets=None, **kw):
+    from gemzoo import ops
+
+    return ops.jagged_attention(q, k, v, q_offsets, k_offsets, **kw)
+
+
+CPU = FunctionKernel(
+    cpu_attention,
+    AttentionCapabilities(
+        activations=frozenset(ACTIVATIONS), window=True, block=True,
+        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+        devices=frozenset({"cpu"}), backward_devices=frozenset({"cpu"}),
+    ),
+    "C++ blocked jagged attention with online softmax (gemzoo._C); torch reference when not built",
+)
+
+
+@hookimpl
+def gemzoo_register_attention(register):
+    register("cpu", CPU)
