@@ -56,7 +56,8 @@ class FP8RowwiseFunction(torch.autograd.Function):
         y = _mm(xq, sx, wq, sw, torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        saved = _quant(x2.t()) if weight.requires_grad else (None, None)  # X^T along tokens: [K, M]
+        # X^T quantized along tokens [K, M] for wgrad (empty placeholders when W needs no grad)
+        saved = _quant(x2.t()) if weight.requires_grad else (x2.new_empty(0), x2.new_empty(0))
         ctx.save_for_backward(weight, *saved)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,367 @@
+"""MXFP8 benchmark: correctness first, then the mxfp8 / fp8-rowwise / MX-cast rows of BENCHMARKS.md.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=.:plugins/gemzoo-mxfp8 python3 plugins/gemzoo-mxfp8/bench/bench_mxfp8.py
+
+Baselines in the same run: bf16 nn.Linear MLP (torch.compile'd, cuBLAS) and eager torch casts (gemzoo.mx).
+Times are medians of triton.testing.do_bench(warmup=25, rep=100). JSON goes to $OUT (or ./bench_out).
+On a machine without CUDA it runs a tiny dry run (Triton interpreter) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import gemzoo.mx as ref  # noqa: E402
+from gemzoo_mxfp8 import dequantize_mx, quantize_mx  # noqa: E402
+from gemzoo_mxfp8 import triton_kernels as tk  # noqa: E402
+from gemzoo_mxfp8.linear import MXLinear, MXLinearConfig  # noqa: E402
+from gemzoo_mxfp8.rowwise import FP8RowwiseLinear  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+OUT = os.environ.get("OUT", os.path.join(os.getcwd(), "bench_out"))
+os.makedirs(OUT, exist_ok=True)
+T0 = time.time()
+RESULTS: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)", "torch": torch.__version__,
+                 "checks": {}, "cast": {}, "gemm": {}, "mlp": {}, "notes": []}
+TOKENS = 65536 if CUDA else 256
+SIZES = [(1024, 4096), (2048, 8192)] if CUDA else [(64, 128)]
+CAST_SHAPE = (65536, 4096) if CUDA else (64, 128)
+
+
+def log(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def save():
+    with open(os.path.join(OUT, "bench_mxfp8.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def bench(fn, grad_to_none=None):
+    """Median ms."""
+    if CUDA:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+    fn()
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def guarded(name):
+    def deco(f):
+        def run(*a, **k):
+            try:
+                return f(*a, **k)
+            except Exception as exc:  # keep going: one broken variant must not hide the others
+                log(f"FAILED {name}: {type(exc).__name__}: {exc}")
+                traceback.print_exc(limit=4)
+                RESULTS["notes"].append(f"{name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                save()
+                return None
+        return run
+    return deco
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+def same_mx(got, want):
+    (gd, gs), (wd, ws) = got, want
+    nan = gd.float().cpu().isnan() & wd.float().cpu().isnan()
+    return int(((bits(gd) != bits(wd)) & ~nan).sum()) + int((bits(gs) != bits(ws)).sum())
+
+
+# ------------------------------------------------------------------------------------------ correctness
+@guarded("cast checks")
+def check_casts():
+    from cases import ELEMS, edge_tensor
+
+    bad = 0
+    n = 0
+    for elem in ELEMS:
+        for dtype in (torch.bfloat16, torch.float32):
+            for seed, shape in enumerate([(96, 160), (37, 70), (256, 512)]):
+                x = edge_tensor(*shape, seed=seed, elem=elem).to(dtype)
+                if shape == (256, 512):
+                    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+                for axis in (-1, 0):
+                    got = quantize_mx(x.to(DEV), axis=axis, elem=elem)
+                    want = ref.quantize_mx_torch(x, axis=axis, elem=elem)
+                    bad += same_mx(got, want)
+                    back = dequantize_mx(*got, axis=axis).cpu()
+                    bad += int((back.nan_to_num(9.0) != ref.dequantize_mx_torch(*want, axis=axis).nan_to_num(9.0)).sum())
+                    n += 1
+    # fused multi-output cast on a bf16 activation, against the reference on the same bytes
+    x = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
+    o = tk.mx_cast(x.to(DEV), row_q=True, col_q=True, row_dq=True, col_dq=True)
+    bad += same_mx((o["row"][0], o["row"][1].view(torch.float8_e8m0fnu)), ref.quantize_mx_torch(x, -1))
+    wd, ws = ref.quantize_mx_torch(x, 0)
+    bad += same_mx((o["col"][0].t(), o["col"][1].t().view(torch.float8_e8m0fnu)), (wd, ws))
+    bad += int((o["row_dq"].cpu() != ref.dequantize_mx_torch(*ref.quantize_mx_torch(x, -1)).bfloat16()).sum())
+    bad += int((o["col_dq"].t().cpu() != ref.dequantize_mx_torch(wd, ws, axis=0).bfloat16()).sum())
+    # RHT columnwise vs the CPU transform: same scales, data within one e4m3 step (summation order)
+    from gemzoo_mxfp8.rht import hadamard_transform_torch, rht_signs
+
+    rht_diff = {}
+    for blk in (16, 32):
+        signs = rht_signs(blk, 1)
+        o = tk.mx_cast(x.to(DEV), col_q=True, rht=tk.hadamard_sign_matrix(signs, blk, DEV))
+        d, s = ref.quantize_mx_torch(hadamard_transform_torch(x.float().t().contiguous(), blk, signs))
+        same_scale = int((bits(o["col"][1]) != bits(s)).sum())
+        rht_diff[blk] = {"scale_mismatches": same_scale,
+                         "elem_diff_frac": float((o["col"][0].float().cpu() != d.float()).float().mean())}
+    RESULTS["checks"]["cast"] = {"cases": n, "mismatches": bad, "rht": rht_diff}
+    log(f"casts: {n} cases, {bad} mismatching bytes; RHT {rht_diff}")
+
+
+@guarded("gemm checks")
+def check_gemm_configs():
+    errs = tk.prune_gemm_configs(torch.device(DEV)) if CUDA else []
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = (512, 384, 1024) if CUDA else (64, 32, 96)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    (ad, as_), (bd, bs) = ref.quantize_mx_torch(a), ref.quantize_mx_torch(b)
+    want = ref.dequantize_mx_torch(ad, as_).double() @ ref.dequantize_mx_torch(bd, bs).double().t()
+    out = {"compile_errors": errs, "configs": {}}
+    good = []
+    cfgs = tk._mx_gemm_autotuned.configs if CUDA else [tk._gemm_configs()[0]]
+    for cfg in cfgs:
+        meta = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        c = tk.mx_gemm(ad.to(DEV), as_.view(torch.uint8).to(DEV), bd.to(DEV), bs.view(torch.uint8).to(DEV),
+                       out_dtype=torch.float32, config=meta)
+        e = rel(c, want)
+        out["configs"][str(meta)] = e
+        if e < 1e-5:
+            good.append(cfg)
+    if CUDA:
+        tk._mx_gemm_autotuned.configs = good or tk._mx_gemm_autotuned.configs
+    RESULTS["checks"]["gemm"] = out
+    log(f"MX GEMM vs fp64 of the dequantized operands: {out}")
+
+
+@guarded("linear checks")
+def check_linears():
+    gen = torch.Generator().manual_seed(4)
+    m, k, n = (4096, 1024, 768) if CUDA else (96, 64, 48)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    bias = torch.randn(n, generator=gen)
+    g = torch.randn(m, n, generator=gen)
+
+    def run(make, dev, dtype):
+        lin = torch.nn.Linear(k, n).to(dev)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            lin.bias.copy_(bias)
+        mod = make(lin) if make else lin
+        mod = mod.to(dtype)
+        xx = x.to(dev, dtype).detach().clone().requires_grad_()
+        y = mod(xx)
+        y.float().backward(g.to(dev))
+        return y.float().cpu(), xx.grad.float().cpu(), mod.weight.grad.float().cpu()
+
+    fp32 = run(None, "cpu", torch.float32)
+    out = {}
+    for rht in (False, True):
+        cpu_path = run(lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=rht)), "cpu", torch.float32)
+        for backend in (("triton", "cublas", "hybrid") if CUDA else ()):
+            got = run(lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=rht, backend=backend)), DEV, torch.bfloat16)
+            out[f"mx-{backend}{'-rht' if rht else ''}"] = {
+                "vs_cpu_mx_path": [rel(a, b) for a, b in zip(got, cpu_path)],
+                "vs_fp32": [rel(a, b) for a, b in zip(got, fp32)]}
+        out[f"mx-cpu{'-rht' if rht else ''}"] = {"vs_fp32": [rel(a, b) for a, b in zip(cpu_path, fp32)]}
+    got = run(FP8RowwiseLinear.from_linear, DEV, torch.bfloat16)
+    out["fp8-rowwise"] = {"vs_fp32": [rel(a, b) for a, b in zip(got, fp32)]}
+    RESULTS["checks"]["linear"] = out
+    for name, v in out.items():
+        log(f"linear {name} (y, dx, dw): " + ", ".join(f"{kk}={[round(e, 5) for e in vv]}" for kk, vv in v.items()))
+
+
+# -------------------------------------------------------------------------------------------- benchmarks
+@guarded("copy ceiling")
+def bench_copy():
+    x = torch.empty(1 << 29, dtype=torch.uint8, device=DEV).random_() if CUDA else torch.ones(1 << 16)
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    RESULTS["copy_tbs"] = 2 * x.numel() * x.element_size() / ms / 1e9
+    log(f"copy: {RESULTS['copy_tbs']:.2f} TB/s")
+
+
+@guarded("cast bench")
+def bench_casts():
+    r, c = CAST_SHAPE
+    x = torch.randn(r, c, device=DEV, dtype=torch.bfloat16)
+    n = r * c
+    read = 2 * n
+    one = n + n // 32  # one fp8 copy + its scales
+    res = {}
+    sweep = {}
+    for cfg in ([{"BC": 64, "num_warps": 4}, {"BC": 128, "num_warps": 4}, {"BC": 128, "num_warps": 8},
+                 {"BC": 256, "num_warps": 8}] if CUDA else [tk.CAST_CONFIG]):
+        try:
+            ms = bench(lambda: tk.mx_cast(x, row_q=True, col_q=True, config=cfg))
+            sweep[str(cfg)] = (read + 2 * one) / ms / 1e9
+        except Exception as exc:
+            sweep[str(cfg)] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    best = max((k for k, v in sweep.items() if isinstance(v, float)), key=lambda k: sweep[k])
+    best_cfg = eval(best)  # noqa: S307  (our own dict repr)
+    tk.CAST_CONFIG.update(best_cfg)
+    res["sweep_row+col_TBs"] = sweep
+    res["config"] = best_cfg
+    signs = tk.hadamard_sign_matrix(torch.tensor([1.0, -1.0] * 16), 32, DEV)
+    cases = {
+        "rowwise": (dict(row_q=True), read + one),
+        "columnwise (transposed)": (dict(col_q=True), read + one),
+        "row+col fused": (dict(row_q=True, col_q=True), read + 2 * one),
+        "columnwise + RHT32": (dict(col_q=True, rht=signs), read + one),
+        "row dq bf16 + col (linear fwd)": (dict(row_dq=True, col_q=True), read + 2 * n + one),
+    }
+    for name, (kw, nbytes) in cases.items():
+        ms = bench(lambda: tk.mx_cast(x, **kw))
+        res[name] = {"ms": ms, "TBs": nbytes / ms / 1e9}
+    for name, axis in (("eager torch rowwise", -1), ("eager torch columnwise", 0)):
+        ms = bench(lambda: ref.quantize_mx_torch(x, axis=axis))
+        res[name] = {"ms": ms, "TBs": (read + one) / ms / 1e9}
+    RESULTS["cast"] = res
+    log("cast: " + json.dumps(res, default=str))
+    save()
+
+
+@guarded("gemm bench")
+def bench_gemms():
+    for d, h in SIZES:
+        for m, n, k in ((TOKENS, h, d), (TOKENS, d, h), (h, d, TOKENS)):
+            a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+            flops = 2 * m * n * k
+            ms_bf16 = bench(lambda: a @ b.t())
+            qa, qb = tk.mx_cast(a, row_q=True)["row"], tk.mx_cast(b, row_q=True)["row"]
+            ms_mx = bench(lambda: tk.mx_gemm(*qa, *qb))
+            best = str(getattr(tk._mx_gemm_autotuned, "best_config", None))
+            RESULTS["gemm"][f"{m}x{n}x{k}"] = {"bf16_cublas_tflops": flops / ms_bf16 / 1e9,
+                                                "mx_triton_tflops": flops / ms_mx / 1e9, "mx_config": best}
+            log(f"gemm {m}x{n}x{k}: cuBLAS bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, "
+                f"MX Triton {flops / ms_mx / 1e9:.0f} TFLOP/s ({best})")
+            del a, b, qa, qb
+    save()
+
+
+def make_mlp(d, h, kind):
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.Linear(h, d)).to(DEV, torch.bfloat16)
+    if kind.startswith("mx-"):
+        cfg = MXLinearConfig(backend=kind.split("-")[1], rht=kind.endswith("rht"))
+        mlp = torch.nn.Sequential(*[MXLinear.from_linear(lin, cfg) for lin in mlp])
+    elif kind.startswith("fp8-rowwise"):
+        mlp = torch.nn.Sequential(*[FP8RowwiseLinear.from_linear(lin) for lin in mlp])
+    return mlp
+
+
+@guarded("mlp bench")
+def bench_mlp(d, h, kinds):
+    x = torch.randn(TOKENS, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(TOKENS, d, device=DEV, dtype=torch.bfloat16)
+    flops = 3 * 2 * (2 * TOKENS * d * h)  # two linears, fwd + dgrad + wgrad
+    res = RESULTS["mlp"].setdefault(f"{d}->{h}->{d}", {})
+    for kind in kinds:
+        try:
+            mlp = make_mlp(d, h, kind)
+            compiled = kind in ("bf16", "fp8-rowwise")
+            fn = torch.compile(mlp) if compiled else mlp
+            params = list(mlp.parameters())
+
+            def step():
+                fn(x).backward(g)
+
+            def fwd():
+                with torch.no_grad():
+                    fn(x)
+
+            step()
+            if CUDA:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            ms = bench(step, grad_to_none=[x, *params])
+            peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0
+            ms_f = bench(fwd) if kind in ("bf16", "mx-cublas", "mx-triton", "fp8-rowwise") else None
+            res[kind] = {"ms": ms, "tflops": flops / ms / 1e9, "fwd_ms": ms_f, "peak_gib": peak,
+                         "compiled": compiled}
+            log(f"mlp {d}->{h}->{d} {kind}: {ms:.3f} ms fwd+bwd ({flops / ms / 1e9:.0f} TFLOP/s), fwd {ms_f}, "
+                f"peak {peak:.1f} GiB")
+        except Exception as exc:
+            log(f"FAILED mlp {kind}: {type(exc).__name__}: {exc}")
+            traceback.print_exc(limit=3)
+            res[kind] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        save()
+        if CUDA:
+            torch.cuda.empty_cache()
+    base = res.get("bf16", {}).get("ms")
+    for kind, v in res.items():
+        if base and "ms" in v:
+            v["speedup_vs_bf16"] = base / v["ms"]
+
+
+def table():
+    lines = ["", f"device: {RESULTS['device']}  torch {RESULTS['torch']}  copy {RESULTS.get('copy_tbs', 0):.2f} TB/s",
+             f"{'MLP fwd+bwd, tokens ' + str(TOKENS):<44}{'ms':>9}{'TFLOP/s':>9}{'x bf16':>8}{'GiB':>7}"]
+    for size, rows in RESULTS["mlp"].items():
+        for kind, v in rows.items():
+            if "ms" in v:
+                lines.append(f"  {size + ' ' + kind:<42}{v['ms']:>9.3f}{v['tflops']:>9.0f}"
+                             f"{v.get('speedup_vs_bf16', 0):>8.2f}{v['peak_gib']:>7.1f}")
+            else:
+                lines.append(f"  {size + ' ' + kind:<42} {v.get('error', '?')[:60]}")
+    lines.append(f"{'GEMM (M x N x K)':<44}{'bf16':>9}{'MX':>9}  TFLOP/s")
+    for shape, v in RESULTS["gemm"].items():
+        lines.append(f"  {shape:<42}{v['bf16_cublas_tflops']:>9.0f}{v['mx_triton_tflops']:>9.0f}")
+    lines.append(f"{'MX cast ' + 'x'.join(map(str, CAST_SHAPE)) + ' bf16':<44}{'ms':>9}{'TB/s':>9}")
+    for name, v in RESULTS["cast"].items():
+        if isinstance(v, dict) and "ms" in v:
+            lines.append(f"  {name:<42}{v['ms']:>9.3f}{v['TBs']:>9.2f}")
+    c = RESULTS["checks"]
+    lines.append(f"checks: casts {c.get('cast', {}).get('mismatches', '?')} mismatches over "
+                 f"{c.get('cast', {}).get('cases', '?')} cases; notes: {len(RESULTS['notes'])}")
+    print("\n".join(lines), flush=True)
+    with open(os.path.join(OUT, "table.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    log(f"device {RESULTS['device']}, torch {torch.__version__}")
+    check_casts()
+    check_gemm_configs()
+    check_linears()
+    save()
+    bench_copy()
+    bench_casts()
+    bench_gemms()
+    kinds = ["bf16", "mx-cublas", "mx-hybrid", "mx-triton", "mx-cublas-rht", "fp8-rowwise"]
+    for d, h in SIZES:
+        bench_mlp(d, h, kinds)
+    save()
+    table()
+
+
+if __name__ == "__main__":
+    main()
