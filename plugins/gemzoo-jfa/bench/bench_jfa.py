@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from gemzoo.builtin.attention import reference_attention
 from gemzoo.jagged import lengths_to_offsets
+from gemzoo_jfa import ops as jfa_ops
 from gemzoo_jfa.ops import Configs, KernelConfig, _launch_bwd, _launch_fwd, default_configs, jfa_triton, using
 
 H, D, DTYPE = 4, 128, torch.bfloat16
@@ -223,16 +224,44 @@ def run_workload(w, methods):
     return res
 
 
+def breakdown(w):
+    """Per-kernel times of jfa's fwd+bwd (ms), schedules included."""
+    from triton.testing import do_bench
+
+    off = w.offsets
+    q, k, v = (t.detach() for t in (w.q, w.k, w.v))
+    scale = D ** -0.5
+    out = torch.empty_like(q)
+    lse = torch.empty(H, w.T, device="cuda")
+    _launch_fwd(q, k, v, off, off, True, scale, -1, out, lse)
+    delta = jfa_ops._launch_preprocess(out, w.grad)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    parts = {
+        "schedule": lambda: jfa_ops.build_schedule(off, off, w.T, 128, over="q", causal=True, window=None),
+        "fwd": lambda: _launch_fwd(q, k, v, off, off, True, scale, -1, out, lse),
+        "preprocess": lambda: jfa_ops._launch_preprocess(out, w.grad),
+        "dkdv": lambda: jfa_ops._launch_dkdv(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dk, dv),
+        "dq": lambda: jfa_ops._launch_dq(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dq),
+    }
+    res = {name: do_bench(fn, warmup=10, rep=50, return_mode="median") for name, fn in parts.items()}
+    fl = H * D * w.sum_l2
+    res["dkdv_tflops"] = 8 * fl / 2 / res["dkdv"] / 1e9  # 4 matmuls over the causal half
+    res["dq_tflops"] = 6 * fl / 2 / res["dq"] / 1e9  # 3 matmuls
+    RESULTS["workloads"][w.name]["jfa_breakdown_ms"] = res
+    log(f"{w.name} jfa breakdown: " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
+
+
 def sweep(workloads, deadline):
     """Block shapes / warps / stages per kernel, and longest-first vs natural order."""
     from triton.testing import do_bench
 
     base = default_configs(D, "cuda")
-    fwd_cfgs = [base.fwd, KernelConfig(128, 32, 8, 3), KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3),
-                KernelConfig(128, 64, 8, 4)]
-    dkdv_cfgs = [base.dkdv, KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(32, 64, 4, 3),
-                 KernelConfig(64, 64, 8, 3)]
-    dq_cfgs = [base.dq, KernelConfig(128, 32, 8, 2), KernelConfig(64, 32, 4, 3), KernelConfig(128, 64, 8, 2)]
+    fwd_cfgs = [base.fwd, KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 128, 4, 3),
+                KernelConfig(64, 128, 4, 3)]
+    dkdv_cfgs = [base.dkdv, KernelConfig(64, 128, 8, 3), KernelConfig(32, 128, 8, 3), KernelConfig(128, 64, 8, 2),
+                 KernelConfig(64, 128, 8, 1)]
+    dq_cfgs = [base.dq, KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3),
+               KernelConfig(128, 32, 8, 3)]
     out = RESULTS["sweep"]
 
     def timed(w, cfgs, mode, order="lpt"):
@@ -258,7 +287,7 @@ def sweep(workloads, deadline):
             except Exception as exc:
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             log(f"sweep {key}: {out[key]}")
-    for order in ("lpt", "natural"):
+    for order in ("lpt", "item", "natural"):
         if time.time() > deadline:
             return
         key = f"order {order}"
@@ -309,6 +338,8 @@ def main():
     workloads = [Workload("gem_lognormal", gem_lognormal()), Workload("uniform_8k", uniform_8k())]
     for w in workloads:
         run_workload(w, args.methods.split(","))
+        if "jfa" in args.methods:
+            breakdown(w)
         save(args.out)
         log(f"[{time.time() - t0:.0f}s]")
     if args.sweep:

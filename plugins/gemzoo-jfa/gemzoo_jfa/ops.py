@@ -42,9 +42,9 @@ def default_configs(head_dim: int, device_type: str) -> Configs:
         c = KernelConfig(16, 16, 1, 1)
         return Configs(c, c, c)
     if head_dim <= 64:
-        return Configs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(128, 64, 4, 3))
+        return Configs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 3))
     if head_dim <= 128:
-        return Configs(KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 8, 2), KernelConfig(128, 64, 8, 3))
+        return Configs(KernelConfig(128, 128, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 3))
     return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
 
 
@@ -73,6 +73,12 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
+def build_schedule(*args, **kw):
+    from gemzoo_jfa.schedule import build_schedule as _build
+
+    return _build(*args, **kw)
+
+
 def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse):
     from gemzoo_jfa import kernels
     from gemzoo_jfa.schedule import build_schedule
@@ -93,38 +99,61 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse):
 
 
 def _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv_):
-    from gemzoo_jfa import kernels
-    from gemzoo_jfa.schedule import build_schedule
+    delta = _launch_preprocess(out, do)
+    _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_)
+    _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq)
 
-    cfgs = _configs(q)
-    tq, h, d = q.shape
-    tk, dv = k.shape[0], v.shape[2]
-    upcast = q.device.type != "cuda"
-    win = None if window < 0 else window
-    delta = torch.empty(h, tq, device=q.device, dtype=torch.float32)
+
+def _launch_preprocess(out, do):
+    """delta [H, Tq] = rowsum(out * do) in fp32."""
+    from gemzoo_jfa import kernels
+
+    tq, h, dv = out.shape
+    upcast = out.device.type != "cuda"
+    delta = torch.empty(h, tq, device=out.device, dtype=torch.float32)
     bt = 64 if upcast else 128
     kernels.jfa_bwd_preprocess[(triton_cdiv(tq, bt), h)](
         out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
-        DV=dv, BDV=_pow2(dv), BT=bt, num_warps=4 if not upcast else 1,
+        DV=dv, BDV=_pow2(dv), BT=bt, num_warps=1 if upcast else 4,
     )
-    common = dict(H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), CAUSAL=causal, WINDOWED=window >= 0, UPCAST=upcast)
-    c = cfgs.dkdv
-    items = build_schedule(q_offsets, k_offsets, tk, c.block_n, over="k", causal=causal, window=win, order=_order)
+    return delta
+
+
+def _common(q, v, causal, window):
+    d, dv = q.shape[2], v.shape[2]
+    return dict(H=q.shape[1], D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), CAUSAL=causal, WINDOWED=window >= 0,
+                UPCAST=q.device.type != "cuda")
+
+
+def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_):
+    from gemzoo_jfa import kernels
+    from gemzoo_jfa.schedule import build_schedule
+
+    c = _configs(q).dkdv
+    items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
+                           window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
-    kernels.jfa_bwd_dkdv_kernel[(cap * h,)](
-        q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, cap, tq, scale * LOG2E, scale, max(window, 0),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
-        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+    kernels.jfa_bwd_dkdv_kernel[(cap * q.shape[1],)](
+        q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, cap, q.shape[0], scale * LOG2E, scale,
+        max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
+        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **_common(q, v, causal, window),
     )
-    c = cfgs.dq
-    items = build_schedule(q_offsets, k_offsets, tq, c.block_m, over="q", causal=causal, window=win, order=_order)
+
+
+def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq):
+    from gemzoo_jfa import kernels
+    from gemzoo_jfa.schedule import build_schedule
+
+    c = _configs(q).dq
+    items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal,
+                           window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
-    kernels.jfa_bwd_dq_kernel[(cap * h,)](
-        q, k, v, do, lse, delta, dq, q_offsets, k_offsets, items, cap, tq, scale * LOG2E, scale, max(window, 0),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dq.stride(0), dq.stride(1),
-        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+    kernels.jfa_bwd_dq_kernel[(cap * q.shape[1],)](
+        q, k, v, do, lse, delta, dq, q_offsets, k_offsets, items, cap, q.shape[0], scale * LOG2E, scale,
+        max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **_common(q, v, causal, window),
     )
 
 

@@ -5,17 +5,21 @@ Sequences contribute ceil(L / block) items each, so no program covers padding. T
 at most ceil(T / block) + B, which the host knows from shapes alone; the schedule tensor has that many
 slots and slots past the real count hold sequence -1 (their programs exit on the first load).
 
-Items are sorted by their cost (the number of keys or queries they visit, plus one block of fixed
-cost), longest first: GPU blocks are issued in launch order, so the long items of the longest
-sequences start first and the short ones fill the tail (LPT scheduling), instead of a long
-sequence's last blocks starting late and straggling.
+Orders (GPU blocks are issued in launch order):
+  ``lpt``     (default) sequences longest first, and inside each sequence its items costliest first
+              (cost = keys or queries visited, plus one block of fixed cost). The longest sequences
+              start first and the short ones fill the tail, so no long sequence straggles, while the
+              blocks of one sequence still run side by side and share its K/V in L2.
+  ``item``    every item by its own cost, longest first, sequences interleaved (pure LPT).
+  ``natural`` sequence by sequence, block by block, as laid out in memory.
+The bench measures all three (see the README).
 """
 
 from __future__ import annotations
 
 import torch
 
-ORDERS = ("lpt", "natural")
+ORDERS = ("lpt", "item", "natural")
 
 
 def capacity(total: int, batch: int, block: int) -> int:
@@ -57,7 +61,10 @@ def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int,
         hi = torch.minimum(lq_s, last - shift + window) if window is not None else lq_s
     cost = torch.where(valid, (hi - lo).clamp_min(0) + block, -1)
     items = torch.stack([torch.where(valid, seq, -1), blk])
-    if order == "lpt":
+    if order in ("lpt", "item"):
         perm = torch.sort(cost, descending=True, stable=True).indices
+        if order == "lpt":  # then group by sequence, longest sequence first (stable: keeps cost order inside)
+            seq_key = torch.where(valid, (lq_s + lk_s) * (batch + 1) + seq_c, -1)[perm]
+            perm = perm[torch.sort(seq_key, descending=True, stable=True).indices]
         items = items[:, perm]
     return items.to(torch.int32).contiguous()

@@ -92,12 +92,19 @@ def test_schedule_covers_every_block_once_longest_first(over, causal, window):
     real = [(s, b) for s, b in zip(seq, blk) if s >= 0]
     assert len(real) == len(set(real)) and set(real) == _expected_items(lens, 64)
     assert all(s < 0 for s in seq[len(real):]), "empty slots must come last"
-    # longest first: the first item belongs to the longest sequence for causal self-attention
-    if causal and over == "q" and window is None:
-        assert real[0][0] == max(range(37), key=lambda b: lk[b] - lq[b] + (lq[b] - 1) // 64 * 64 + 64
-                                 if lq[b] else -1)
+    # lpt: sequences longest first, each sequence's items contiguous
+    seq_order = [s for i, s in enumerate(x[0] for x in real) if i == 0 or real[i - 1][0] != s]
+    assert len(seq_order) == len(set(seq_order)), "a sequence's items must be contiguous"
+    sizes = (lq + lk).tolist()
+    assert [sizes[s] for s in seq_order] == sorted((sizes[s] for s in seq_order), reverse=True)
     natural = build_schedule(qo, ko, total, 64, over=over, causal=causal, window=window, order="natural")
     assert [tuple(x) for x in natural.t().tolist() if x[0] >= 0] == sorted(real)
+    item = build_schedule(qo, ko, total, 64, over=over, causal=causal, window=window, order="item")
+    item_real = [tuple(x) for x in item.t().tolist() if x[0] >= 0]
+    assert sorted(item_real) == sorted(real)
+    if causal and window is None and over == "q":  # costliest item first: the longest last block
+        costs = [lk[s] - lq[s] + min(b * 64 + 64, lq[s]) for s, b in item_real]
+        assert costs == sorted(costs, reverse=True)
 
 
 def test_schedule_long_sequence_int64():
@@ -107,5 +114,6 @@ def test_schedule_long_sequence_int64():
     seq, blk = items.tolist()
     real = [(s, b) for s, b in zip(seq, blk) if s >= 0]
     assert len(real) == 547 + 1 and real[0] == (0, 546)  # last block of the 70K sequence costs most
+    assert real[-1] == (2, 0)
     with pytest.raises(ValueError, match="order"):
         build_schedule(off, off, 70_003, 128, over="q", causal=True, window=None, order="random")
