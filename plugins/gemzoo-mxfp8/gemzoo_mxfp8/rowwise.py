@@ -22,11 +22,12 @@ def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12):
 
 
 _compiled = {}
+COMPILE_CASTS = True  # eager CUDA use compiles the cast (one fused kernel per shape)
 
 
 def _quant(x: torch.Tensor):
     """quantize_rowwise, compiled on CUDA (one fused kernel) unless we are already being compiled."""
-    if x.is_cuda and not torch.compiler.is_compiling():
+    if x.is_cuda and COMPILE_CASTS and not torch.compiler.is_compiling():
         fn = _compiled.get("q")
         if fn is None:
             fn = _compiled["q"] = torch.compile(quantize_rowwise, dynamic=False)

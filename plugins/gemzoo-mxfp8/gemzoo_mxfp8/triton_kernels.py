@@ -11,6 +11,7 @@ compute in fp32 (exact too) instead of bf16.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,6 +22,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 TL_ELEM = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 ELEM_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+ELEM_MANT = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}  # mantissa bits
+ELEM_EMIN = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}  # smallest normal exponent
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -50,18 +53,12 @@ def _inv_scale(e):
 
 
 @triton.jit
-def _round_to_elem(y, ELEM: tl.constexpr):
+def _round_to_elem(y, ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """Bits (uint8) of fp32 y (|y| <= the element max) rounded to the nearest-even value of ELEM.
 
     Done by hand with the (y + M) - M trick because the interpreter's fp8 cast drops the carry when
     rounding crosses a power of two; on GPU this matches cvt.rn.satfinite exactly.
     """
-    if ELEM == tl.float8e4nv:
-        MANT: tl.constexpr = 3
-        EMIN: tl.constexpr = -6
-    else:
-        MANT: tl.constexpr = 2
-        EMIN: tl.constexpr = -14
     a = tl.abs(y)
     ex = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     ulp_e = tl.maximum(ex, EMIN) - MANT
@@ -85,7 +82,8 @@ def _mx_cast_kernel(
     cq_ptr, cs_ptr, cdq_ptr, RP,      # columnwise (transposed): data [C, RP], scale [C, RP/32], dequant [C, RP]
     h_ptr, h_mult,                    # RHT for the columnwise outputs: [32, 32] block-diagonal +-1 matrix
     ROW_Q: tl.constexpr, ROW_DQ: tl.constexpr, COL_Q: tl.constexpr, COL_DQ: tl.constexpr,
-    RHT: tl.constexpr, EMAX: tl.constexpr, ELEM: tl.constexpr, F32: tl.constexpr, IN_BF16: tl.constexpr,
+    RHT: tl.constexpr, EMAX: tl.constexpr, ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+    F32: tl.constexpr, IN_BF16: tl.constexpr,
     BC: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
@@ -108,7 +106,7 @@ def _mx_cast_kernel(
         nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
         e = _mx_exponent(amax, nan, EMAX)
         y = tl.reshape(x3 * _inv_scale(e)[:, :, None], [32, BC])
-        q = _round_to_elem(y, ELEM)
+        q = _round_to_elem(y, ELEM, MANT, EMIN)
         sblocks = pid_c * nsb + tl.arange(0, nsb)
         n_sb = (C + 31) // 32
         if ROW_Q:
@@ -130,7 +128,7 @@ def _mx_cast_kernel(
         amax = tl.max(tl.abs(xc), axis=0)
         nan = tl.max((xc != xc).to(tl.int32), axis=0) > 0
         e = _mx_exponent(amax, nan, EMAX)
-        q = _round_to_elem(xc * _inv_scale(e)[None, :], ELEM)
+        q = _round_to_elem(xc * _inv_scale(e)[None, :], ELEM, MANT, EMIN)
         prow = rows < RP  # padded rows are written too (zeros, or RHT mixes) so RP % 32 == 0 is dense
         if COL_Q:
             tl.store(cq_ptr + cols[None, :] * RP + rows[:, None], q, mask=prow[:, None] & cmask[None, :])
@@ -143,9 +141,14 @@ def _mx_cast_kernel(
 
 def hadamard_sign_matrix(signs: torch.Tensor, block: int, device) -> tuple[torch.Tensor, float]:
     """[32, 32] block-diagonal matrix M (+-1 entries) and multiplier c with c*M = blockdiag(H diag(signs))."""
+    return _hadamard_sign_matrix(tuple(signs.tolist()), block, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _hadamard_sign_matrix(signs: tuple, block: int, device: str):
     from gemzoo_mxfp8.rht import hadamard_matrix
 
-    h = hadamard_matrix(block, normalized=False) * signs.float().view(1, -1)  # H diag(s), +-1
+    h = hadamard_matrix(block, normalized=False) * torch.tensor(signs).float().view(1, -1)  # H diag(s), +-1
     m = torch.block_diag(*([h] * (32 // block)))
     return m.to(device=device, dtype=torch.float32).contiguous(), block ** -0.5
 
@@ -179,7 +182,8 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
         _mx_cast_kernel[grid](
             x.view(torch.int16) if in_bf16 else x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq, RP, h, mult,
             ROW_Q=row_q, ROW_DQ=row_dq, COL_Q=col_q, COL_DQ=col_dq, RHT=rht is not None,
-            EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], F32=INTERPRET, IN_BF16=in_bf16, **cfg,
+            EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], MANT=ELEM_MANT[elem], EMIN=ELEM_EMIN[elem],
+            F32=INTERPRET, IN_BF16=in_bf16, **cfg,
         )
     if row_q:
         out["row"] = (rq.view(elem), rs)
