@@ -1,11 +1,15 @@
-"""Pieces shared by model families: the attention call site and the block marker."""
+"""Pieces shared by model families: the attention call site, transformer blocks, init and metrics."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import AttentionRequest
+from gemzoo.jagged import positions, seq_ids
+from gemzoo.train.flops import attention_flops, attention_pairs, linear_flops
 
 
 class JaggedAttention(nn.Module):
@@ -43,3 +47,181 @@ class JaggedAttention(nn.Module):
 
 def attention_sites(model: nn.Module) -> dict[str, JaggedAttention]:
     return {name: m for name, m in model.named_modules() if isinstance(m, JaggedAttention)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared building blocks. Every linear is a plain nn.Linear with a stable name (precision policies
+# swap them by name), and every linear output is cast back to the residual dtype, so a bf16-compute
+# linear (the bf16 policy) works anywhere.
+# ---------------------------------------------------------------------------------------------
+
+
+
+def reverse_positions(offsets: torch.Tensor, total: int, max_len: int) -> torch.Tensor:
+    """Distance of each row from the end of its sequence (0 = most recent), clamped to max_len - 1."""
+    ids = seq_ids(offsets, total)
+    lengths = offsets[1:] - offsets[:-1]
+    return (lengths[ids] - 1 - positions(offsets, total)).clamp(max=max_len - 1)
+
+
+def check_heads(d_model: int, num_heads: int, head_dim: int | None, where: str) -> int:
+    if num_heads < 1:
+        raise ConfigError(f"[model] num_heads must be >= 1, got {num_heads}")
+    if head_dim is None:
+        if d_model % num_heads:
+            raise ConfigError(
+                f"[model] d_model={d_model} is not divisible by num_heads={num_heads} ({where}); "
+                "change one of them or set head_dim"
+            )
+        return d_model // num_heads
+    if head_dim < 1:
+        raise ConfigError(f"[model] head_dim must be >= 1, got {head_dim}")
+    return head_dim
+
+
+class SelfAttention(nn.Module):
+    """Fused qkv projection, jagged attention, output projection: ``qkv``, ``attn``, ``out``."""
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, request: AttentionRequest, **options):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        inner = num_heads * head_dim
+        self.qkv = nn.Linear(d_model, 3 * inner)
+        self.attn = JaggedAttention(request.replace(head_dim=head_dim), **options)
+        self.out = nn.Linear(inner, d_model)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        o = self.attn(q, k, v, offsets, max_q_len=max_len, max_k_len=max_len)
+        return self.out(o.reshape(t, -1)).to(x.dtype)
+
+    def flops(self, lengths: torch.Tensor) -> int:
+        tokens = int(lengths.sum())
+        inner = self.num_heads * self.head_dim
+        pairs = attention_pairs(lengths, causal=self.attn.request.causal)
+        return (linear_flops(tokens, self.qkv.in_features, 3 * inner) + linear_flops(tokens, inner, self.out.out_features)
+                + attention_flops(pairs, self.num_heads, self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, hidden: int, activation: str = "gelu", dropout: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.fc2 = nn.Linear(hidden, d_model)
+        self.act = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[activation]
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x).to(x.dtype))
+        return self.fc2(self.dropout(h)).to(x.dtype)
+
+    def flops(self, tokens: int) -> int:
+        return linear_flops(tokens, self.fc1.in_features, self.fc1.out_features) + linear_flops(
+            tokens, self.fc2.in_features, self.fc2.out_features)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block over a jagged batch: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    is_transformer_block = True
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, ffn_hidden: int, *, request: AttentionRequest,
+                 dropout: float = 0.0, activation: str = "gelu"):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attn = SelfAttention(d_model, num_heads, head_dim, request)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model, ffn_hidden, activation, dropout)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x), offsets, max_len))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+    def flops(self, lengths: torch.Tensor) -> int:
+        return self.attn.flops(lengths) + self.mlp.flops(int(lengths.sum()))
+
+
+class MLP(nn.Module):
+    """Linear + activation stack: ``layers.0``, ``layers.1``... (the last layer has an activation too)."""
+
+    def __init__(self, dims: list[int], activation: str = "relu", dropout: float = 0.0):
+        super().__init__()
+        if len(dims) < 2:
+            raise ConfigError(f"an MLP needs at least input and output sizes, got {dims}")
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.act = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[activation]
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        for layer in self.layers:
+            x = self.dropout(self.act(layer(x).to(dtype)))
+        return x
+
+    def flops(self, tokens: int) -> int:
+        return sum(linear_flops(tokens, m.in_features, m.out_features) for m in self.layers)
+
+
+def init_weights(module: nn.Module, *, std: float = 0.02, embedding_std: float | None = None,
+                 skip: tuple[nn.Module, ...] = ()) -> None:
+    """Deterministically (re)initialise every parameter and buffer of ``module`` from torch's global RNG.
+
+    Linear: truncated normal(std; std <= 0 means 1/sqrt(fan_in)), zero bias. LayerNorm: ones / zeros. Embedding / EmbeddingBag:
+    normal(embedding_std, default std). Modules listed in ``skip`` are initialised by their owner. Anything else with
+    parameters raises, so a new module type cannot silently keep uninitialised (to_empty) memory.
+    """
+    done: set[int] = set()
+    for m in skip:
+        done.update(id(p) for p in m.parameters())
+        done.update(id(b) for b in m.buffers())
+    with torch.no_grad():
+        for name, m in module.named_modules():
+            if any(m is s for s in skip):
+                continue
+            if isinstance(m, nn.Linear):
+                s = std if std > 0 else m.in_features ** -0.5
+                nn.init.trunc_normal_(m.weight, std=s, a=-2 * s, b=2 * s)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.LayerNorm):
+                if m.weight is not None:
+                    m.weight.fill_(1.0)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+                m.weight.normal_(0.0, std if embedding_std is None else embedding_std)
+            else:
+                continue
+            done.update(id(p) for p in m.parameters(recurse=False))
+    missing = [n for n, p in module.named_parameters() if id(p) not in done]
+    missing += [n for n, b in module.named_buffers() if id(b) not in done]
+    if missing:
+        raise RuntimeError(f"init_weights does not know how to initialise: {', '.join(missing)}")
+
+
+def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """ROC AUC from ranks (Mann-Whitney U), ties counted as one half. NaN if a class is absent."""
+    scores = scores.detach().double().flatten().cpu()
+    labels = labels.detach().flatten().cpu() > 0.5
+    n_pos = int(labels.sum())
+    n_neg = labels.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    uniq, inverse, counts = torch.unique(scores, return_inverse=True, return_counts=True)
+    # average 1-based rank of each distinct score: (first rank + last rank) / 2
+    last = torch.cumsum(counts, 0).double()
+    avg_rank = last - (counts.double() - 1) / 2
+    rank_sum = avg_rank[inverse][labels].sum().item()
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def log2_discount(rank: torch.Tensor) -> torch.Tensor:
+    return 1.0 / torch.log2(rank.double() + 2.0)
+
+
+__all__ = [
+    "JaggedAttention", "attention_sites", "reverse_positions", "check_heads", "SelfAttention", "FeedForward",
+    "TransformerBlock", "MLP", "init_weights", "binary_auc", "log2_discount",
+]

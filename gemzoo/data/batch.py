@@ -1,0 +1,90 @@
+"""Batch types. Every tensor field moves with ``.to(device)``; jagged fields are values + int64 offsets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+class _Movable:
+    def to(self, device, non_blocking: bool = False):
+        changes = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **changes)
+
+    def pin_memory(self):
+        changes = {f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class GemBatch(_Movable):
+    """One batch of B users for ranking.
+
+    history_items [T] / history_offsets [B+1]: each user's item-id history, oldest first (may be empty).
+    cand_items [C] / cand_offsets [B+1]: each user's candidates (1..K); click, conversion [C] in {0, 1}.
+    sparse_keys / sparse_values [N] / sparse_lengths [F*B]: pooled sparse features, KeyedJaggedTensor
+    layout (key-major).
+    """
+
+    history_items: torch.Tensor
+    history_offsets: torch.Tensor
+    cand_items: torch.Tensor
+    cand_offsets: torch.Tensor
+    click: torch.Tensor
+    conversion: torch.Tensor
+    sparse_keys: tuple[str, ...]
+    sparse_values: torch.Tensor
+    sparse_lengths: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return self.history_offsets.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Real history events (the sequence tower's tokens)."""
+        return self.history_items.numel()
+
+    @property
+    def num_candidates(self) -> int:
+        return self.cand_items.numel()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.history_offsets[1:] - self.history_offsets[:-1]
+
+    @property
+    def cand_lengths(self) -> torch.Tensor:
+        return self.cand_offsets[1:] - self.cand_offsets[:-1]
+
+
+@dataclass
+class SeqBatch(_Movable):
+    """One batch of B user sequences for next-item retrieval.
+
+    items [T] / offsets [B+1]: input items, oldest first. targets [T]: the item that follows each input
+    position, or -1 where there is nothing to predict (evaluation batches set only the last position).
+    """
+
+    items: torch.Tensor
+    offsets: torch.Tensor
+    targets: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.items.numel()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]

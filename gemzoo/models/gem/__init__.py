@@ -1,0 +1,222 @@
+"""``gem``: a GEM-like ranking model.
+
+    history items --item_emb--> tower.input + recency positions --> tower.blocks (pre-norm, causal)
+    candidates    --item_emb--> cand_proj --> cross (candidates attend to their user's history)
+    sparse features --SparseArch (torchrec EBC or plain EmbeddingBag)--> sparse_proj
+    [cand, cross, cand*cross, sparse, cand*sparse] --> interaction MLP --> head.click, head.conversion
+
+Both attention sites go through JaggedAttention: the tower asks for causal softmax self-attention, the
+cross attention for non-causal asymmetric attention (q = a user's candidates, k/v = their history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemzoo.embedding import SparseArch, TableConfig
+from gemzoo.errors import ConfigError
+from gemzoo.interfaces.attention import AttentionRequest
+from gemzoo.interfaces.models import ModelOutput, ModelSpec
+from gemzoo.jagged import max_length, seq_ids
+from gemzoo.models.common import (
+    MLP,
+    JaggedAttention,
+    TransformerBlock,
+    binary_auc,
+    check_heads,
+    init_weights,
+    reverse_positions,
+)
+from gemzoo.train.flops import attention_flops, linear_flops
+
+
+@dataclass
+class GemConfig:
+    family: str = "gem"
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 0  # 0: d_model // num_heads
+    ffn_mult: int = 4
+    embedding_dim: int = 32  # item and sparse table width
+    mlp_dims: list[int] = field(default_factory=lambda: [128, 64])
+    dropout: float = 0.0
+    conversion_weight: float = 1.0
+    init_std: float = 0.0  # linears; 0: 1/sqrt(fan_in)
+    embedding_init_std: float = 0.1  # item and position embeddings
+
+
+class SequenceTower(nn.Module):
+    def __init__(self, cfg: GemConfig, head_dim: int):
+        super().__init__()
+        d = cfg.d_model
+        self.input = nn.Linear(cfg.embedding_dim, d)
+        request = AttentionRequest(activation="softmax", causal=True)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d, cfg.num_heads, head_dim, cfg.ffn_mult * d, request=request, dropout=cfg.dropout)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = nn.LayerNorm(d)
+
+
+class CrossAttention(nn.Module):
+    """Each candidate attends to its own user's (encoded) history: non-causal, Lq != Lk."""
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        inner = num_heads * head_dim
+        self.q = nn.Linear(d_model, inner)
+        self.kv = nn.Linear(d_model, 2 * inner)
+        self.attn = JaggedAttention(AttentionRequest(activation="softmax", causal=False, asymmetric=True,
+                                                     head_dim=head_dim))
+        self.out = nn.Linear(inner, d_model)
+
+    def forward(self, cand, hist, cand_offsets, hist_offsets, max_cand: int, max_hist: int):
+        c, t = cand.shape[0], hist.shape[0]
+        q = self.q(cand).view(c, self.num_heads, self.head_dim)
+        k, v = self.kv(hist).view(t, 2, self.num_heads, self.head_dim).unbind(1)
+        o = self.attn(q, k, v, cand_offsets, hist_offsets, max_q_len=max_cand, max_k_len=max_hist)
+        return self.out(o.reshape(c, -1)).to(cand.dtype)
+
+
+class GemModel(nn.Module):
+    def __init__(self, cfg: GemConfig, data_info: dict):
+        super().__init__()
+        for key in ("num_items", "max_len"):
+            if key not in data_info:
+                raise ConfigError(f"model 'gem' needs data info {key!r}; use a ranking dataset such as synthetic-gem")
+        if cfg.d_model < 1 or cfg.num_layers < 0 or cfg.embedding_dim < 1 or cfg.ffn_mult < 1:
+            raise ConfigError(
+                f"[model] needs d_model, embedding_dim, ffn_mult >= 1 and num_layers >= 0; got d_model={cfg.d_model}, "
+                f"embedding_dim={cfg.embedding_dim}, ffn_mult={cfg.ffn_mult}, num_layers={cfg.num_layers}"
+            )
+        if not cfg.mlp_dims or min(cfg.mlp_dims) < 1:
+            raise ConfigError(f"[model] mlp_dims must list positive hidden sizes, e.g. [128, 64]; got {cfg.mlp_dims}")
+        self.cfg = cfg
+        d = cfg.d_model
+        head_dim = check_heads(d, cfg.num_heads, cfg.head_dim or None, "gem")
+        self.max_len = int(data_info["max_len"])
+        self.item_emb = nn.Embedding(int(data_info["num_items"]), cfg.embedding_dim)
+        self.pos_emb = nn.Embedding(self.max_len, d)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.tower = SequenceTower(cfg, head_dim)
+        self.cand_proj = nn.Linear(cfg.embedding_dim, d)
+        self.cross = CrossAttention(d, cfg.num_heads, head_dim)
+        self.tables = [
+            TableConfig(t["name"], int(t["num_embeddings"]), cfg.embedding_dim, list(t["feature_names"]))
+            for t in data_info.get("sparse_tables", [])
+        ]
+        if self.tables:
+            self.sparse_arch = SparseArch(self.tables)
+            self.sparse_proj = nn.Linear(cfg.embedding_dim * len(self.tables), d)
+        else:
+            self.sparse_arch = None
+            self.sparse_proj = None
+        n_feat = 5 if self.tables else 3
+        self.interaction = MLP([n_feat * d, *cfg.mlp_dims], dropout=cfg.dropout)
+        last = cfg.mlp_dims[-1]
+        self.head = nn.ModuleDict({"click": nn.Linear(last, 1), "conversion": nn.Linear(last, 1)})
+
+    # -- trainer API -------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        skip = (self.sparse_arch,) if self.sparse_arch is not None else ()
+        init_weights(self, std=self.cfg.init_std, embedding_std=self.cfg.embedding_init_std, skip=skip)
+        if self.sparse_arch is not None:
+            self.sparse_arch.init_weights()
+
+    def embedding_tables(self) -> list:
+        from gemzoo.embedding import torchrec_available
+
+        if self.sparse_arch is not None and self.sparse_arch.engine == "torchrec" and torchrec_available():
+            return [t.to_torchrec() for t in self.tables]
+        return list(self.tables)
+
+    def logits(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.pos_emb.weight.dtype
+        hist, hist_off = batch.history_items, batch.history_offsets
+        cand, cand_off = batch.cand_items, batch.cand_offsets
+        t, c = hist.numel(), cand.numel()
+        max_hist, max_cand = max_length(hist_off), max_length(cand_off)
+        if max_hist > self.max_len:
+            raise ConfigError(
+                f"a history has {max_hist} events but the model was built for max_len={self.max_len}; "
+                "raise [data] max_len or truncate the histories"
+            )
+        x = self.tower.input(self.item_emb(hist)).to(dtype)
+        x = self.dropout(x + self.pos_emb(reverse_positions(hist_off, t, self.max_len)))
+        for block in self.tower.blocks:
+            x = block(x, hist_off, max_hist)
+        h = self.tower.norm(x)
+
+        ce = self.cand_proj(self.item_emb(cand)).to(dtype)
+        cross = self.cross(ce, h, cand_off, hist_off, max_cand, max_hist)
+        feats = [ce, cross, ce * cross]
+        if self.sparse_arch is not None:
+            pooled = self.sparse_arch(batch.sparse_keys, batch.sparse_values, batch.sparse_lengths).to(dtype)
+            s = self.sparse_proj(pooled).to(dtype)[seq_ids(cand_off, c)]
+            feats += [s, ce * s]
+        z = self.interaction(torch.cat(feats, dim=1))
+        return self.head["click"](z).to(dtype).squeeze(1), self.head["conversion"](z).to(dtype).squeeze(1)
+
+    def forward(self, batch) -> ModelOutput:
+        click_logit, conv_logit = self.logits(batch)
+        loss_click = F.binary_cross_entropy_with_logits(click_logit, batch.click.to(click_logit.dtype))
+        loss_conv = F.binary_cross_entropy_with_logits(conv_logit, batch.conversion.to(conv_logit.dtype))
+        loss = loss_click + self.cfg.conversion_weight * loss_conv
+        return ModelOutput(loss, {"loss_click": float(loss_click.detach()), "loss_conversion": float(loss_conv.detach())})
+
+    def flops(self, batch) -> int:
+        cfg, d = self.cfg, self.cfg.d_model
+        lengths = batch.lengths.cpu()
+        cand_lengths = (batch.cand_offsets[1:] - batch.cand_offsets[:-1]).cpu()
+        t, c, b = int(lengths.sum()), int(cand_lengths.sum()), lengths.numel()
+        f = linear_flops(t, cfg.embedding_dim, d) + sum(blk.flops(lengths) for blk in self.tower.blocks)
+        x = self.cross
+        inner = x.num_heads * x.head_dim
+        f += linear_flops(c, cfg.embedding_dim, d) + linear_flops(c, d, inner) + linear_flops(t, d, 2 * inner)
+        f += linear_flops(c, inner, d) + attention_flops(int((cand_lengths * lengths).sum()), x.num_heads, x.head_dim)
+        if self.sparse_proj is not None:
+            f += linear_flops(b, self.sparse_proj.in_features, d)
+        f += self.interaction.flops(c) + sum(linear_flops(c, h.in_features, 1) for h in self.head.values())
+        return int(f)
+
+    def evaluator(self) -> "GemEvaluator":
+        return GemEvaluator(self)
+
+
+class GemEvaluator:
+    """Held-out AUC (rank-based, ties count one half) and log loss for each task."""
+
+    def __init__(self, model: GemModel):
+        self.model = model
+        self.scores: dict[str, list[torch.Tensor]] = {"click": [], "conversion": []}
+        self.labels: dict[str, list[torch.Tensor]] = {"click": [], "conversion": []}
+
+    def update(self, batch) -> None:
+        click_logit, conv_logit = self.model.logits(batch)
+        for task, logit in (("click", click_logit), ("conversion", conv_logit)):
+            self.scores[task].append(logit.detach().float().cpu())
+            self.labels[task].append(getattr(batch, task).detach().float().cpu())
+
+    def compute(self) -> dict[str, float]:
+        out = {}
+        for task in ("click", "conversion"):
+            if not self.scores[task]:
+                continue
+            s, y = torch.cat(self.scores[task]), torch.cat(self.labels[task])
+            out[f"auc_{task}"] = binary_auc(s, y)
+            out[f"logloss_{task}"] = float(F.binary_cross_entropy_with_logits(s, y))
+        return out
+
+
+def build(cfg: GemConfig, data_info: dict) -> GemModel:
+    return GemModel(cfg, data_info)
+
+
+SPEC = ModelSpec(GemConfig, build, "GEM-like ranking: jagged history tower, target-aware cross attention, "
+                                   "pooled sparse features, click + conversion heads")

@@ -1,0 +1,169 @@
+"""Next-item retrieval shared by ``hstu`` and ``sasrec``: the input embedding, the sampled-softmax head and
+full-ranking evaluation. A family only supplies its blocks (and optionally an output norm).
+
+Training: at every position with a target, the L2-normalised user state is scored against the target's
+and ``num_negatives`` uniformly sampled items' normalised embeddings (cosine / temperature), with
+accidental hits of the target masked out; the loss is the softmax cross-entropy of the target. One set
+of negatives is shared by the whole batch (memory stays O(positions x negatives)).
+
+Evaluation: the user state at each evaluated position is scored against every item; HR@K and NDCG@K
+(K in ``eval_ks``) use the target's rank, ties counted at their average rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gemzoo.errors import ConfigError
+from gemzoo.interfaces.models import ModelOutput
+from gemzoo.jagged import max_length
+from gemzoo.models.common import init_weights, log2_discount, reverse_positions
+from gemzoo.train.flops import linear_flops
+
+
+@dataclass
+class RetrievalConfig:
+    """Fields shared by every retrieval family (each family's dataclass adds ``family`` and its own)."""
+
+    embedding_dim: int = 50
+    num_layers: int = 2
+    num_heads: int = 1
+    dropout: float = 0.2
+    num_negatives: int = 128
+    temperature: float = 0.05
+    eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])
+    init_std: float = 0.02
+
+
+def check_retrieval_config(cfg: RetrievalConfig, family: str) -> None:
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"[model] ({family}): {what}")
+
+    need(cfg.embedding_dim >= 1, f"embedding_dim must be >= 1, got {cfg.embedding_dim}")
+    need(cfg.num_layers >= 0, f"num_layers must be >= 0, got {cfg.num_layers}")
+    need(cfg.num_heads >= 1, f"num_heads must be >= 1, got {cfg.num_heads}")
+    need(0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}")
+    need(cfg.num_negatives >= 1, f"num_negatives must be >= 1, got {cfg.num_negatives}")
+    need(cfg.temperature > 0, f"temperature must be > 0, got {cfg.temperature}")
+    need(bool(cfg.eval_ks) and min(cfg.eval_ks) >= 1, f"eval_ks must list positive cut-offs, got {cfg.eval_ks}")
+
+
+class RetrievalModel(nn.Module):
+    """Item + recency-position embeddings -> ``self.blocks`` -> ``self.output_norm`` -> retrieval head."""
+
+    family = "retrieval"
+
+    def __init__(self, cfg: RetrievalConfig, data_info: dict):
+        super().__init__()
+        check_retrieval_config(cfg, self.family)
+        for key in ("num_items", "max_len"):
+            if key not in data_info:
+                raise ConfigError(
+                    f"model {self.family!r} needs data info {key!r}; use a sequence dataset such as movielens"
+                )
+        self.cfg = cfg
+        self.num_items, self.max_len = int(data_info["num_items"]), int(data_info["max_len"])
+        d = cfg.embedding_dim
+        self.item_emb = nn.Embedding(self.num_items, d)
+        self.pos_emb = nn.Embedding(self.max_len, d)
+        self.input_dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList()  # filled by the family
+        self.output_norm: nn.Module = nn.Identity()
+        self.sparse_arch = None
+
+    # -- trainer API -------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        init_weights(self, std=self.cfg.init_std)
+
+    def embedding_tables(self) -> list:
+        return []
+
+    def encode(self, batch) -> torch.Tensor:
+        """User state at every input position, [T, embedding_dim]."""
+        items, offsets = batch.items, batch.offsets
+        t = items.numel()
+        longest = max_length(offsets)
+        if longest > self.max_len:
+            raise ConfigError(
+                f"a sequence has {longest} items but the model was built for max_len={self.max_len}; "
+                "raise [data] max_len"
+            )
+        dtype = self.item_emb.weight.dtype
+        x = self.item_emb(items) * self.cfg.embedding_dim ** 0.5
+        x = self.input_dropout(x + self.pos_emb(reverse_positions(offsets, t, self.max_len))).to(dtype)
+        for block in self.blocks:
+            x = block(x, offsets, longest)
+        return self.output_norm(x)
+
+    def forward(self, batch) -> ModelOutput:
+        h = self.encode(batch)
+        keep = batch.targets >= 0
+        user = F.normalize(h[keep].float(), dim=-1)
+        target = batch.targets[keep]
+        negatives = torch.randint(self.num_items, (self.cfg.num_negatives,), device=user.device)
+        pos = F.normalize(self.item_emb(target).float(), dim=-1)
+        neg = F.normalize(self.item_emb(negatives).float(), dim=-1)
+        pos_logit = (user * pos).sum(-1, keepdim=True)
+        neg_logit = (user @ neg.T).masked_fill(negatives.unsqueeze(0) == target.unsqueeze(1), float("-inf"))
+        logits = torch.cat([pos_logit, neg_logit], dim=1) / self.cfg.temperature
+        loss = F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
+        return ModelOutput(loss, {"positions": float(target.numel())})
+
+    def block_flops(self, lengths: torch.Tensor) -> int:
+        return sum(block.flops(lengths) for block in self.blocks)
+
+    def flops(self, batch) -> int:
+        lengths = batch.lengths.cpu()
+        positions = int((batch.targets >= 0).sum())
+        head = linear_flops(positions, self.cfg.embedding_dim, 1 + self.cfg.num_negatives)
+        return int(self.block_flops(lengths) + head)
+
+    def evaluator(self) -> "RankingEvaluator":
+        return RankingEvaluator(self)
+
+
+class RankingEvaluator:
+    """Full ranking over all items: ``hr@K``, ``ndcg@K`` for K in ``eval_ks``, and ``mrr``."""
+
+    def __init__(self, model: RetrievalModel, chunk: int = 1024):
+        self.model, self.chunk = model, chunk
+        self.ks = sorted(set(model.cfg.eval_ks))
+        self.hits = {k: 0.0 for k in self.ks}
+        self.ndcg = {k: 0.0 for k in self.ks}
+        self.rr = 0.0
+        self.count = 0
+
+    def update(self, batch) -> None:
+        h = self.model.encode(batch)
+        keep = batch.targets >= 0
+        user = F.normalize(h[keep].float(), dim=-1)
+        target = batch.targets[keep]
+        items = F.normalize(self.model.item_emb.weight.float(), dim=-1)
+        for start in range(0, user.shape[0], self.chunk):
+            u, tgt = user[start:start + self.chunk], target[start:start + self.chunk]
+            scores = u @ items.T  # [n, num_items]
+            own = scores.gather(1, tgt.unsqueeze(1))
+            greater = (scores > own).sum(1).double()
+            ties = (scores == own).sum(1).double() - 1  # other items with exactly the target's score
+            rank = (greater + ties / 2).cpu()  # 0-based, ties at their average rank
+            for k in self.ks:
+                hit = rank < k
+                self.hits[k] += float(hit.sum())
+                self.ndcg[k] += float((log2_discount(rank) * hit).sum())
+            self.rr += float((1.0 / (rank + 1)).sum())
+            self.count += int(tgt.numel())
+
+    def compute(self) -> dict[str, float]:
+        n = max(self.count, 1)
+        out = {}
+        for k in self.ks:
+            out[f"hr@{k}"] = self.hits[k] / n
+            out[f"ndcg@{k}"] = self.ndcg[k] / n
+        out["mrr"] = self.rr / n
+        out["eval_users"] = float(self.count)
+        return out
