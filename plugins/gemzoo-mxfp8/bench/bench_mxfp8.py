@@ -274,6 +274,9 @@ def make_mlp(d, h, kind):
         cfg = MXLinearConfig(backend=kind.split("-")[1], rht=kind.endswith("rht"))
         mlp = torch.nn.Sequential(*[MXLinear.from_linear(lin, cfg) for lin in mlp])
     elif kind.startswith("fp8-rowwise"):
+        import gemzoo_mxfp8.rowwise as rw
+
+        rw.CAST_BACKEND = "triton" if kind == "fp8-rowwise-triton" else "torch"
         mlp = torch.nn.Sequential(*[FP8RowwiseLinear.from_linear(lin) for lin in mlp])
     return mlp
 
@@ -305,7 +308,7 @@ def bench_mlp(d, h, kinds):
                 torch.cuda.reset_peak_memory_stats()
             ms = bench(step, grad_to_none=[x, *params])
             peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0
-            ms_f = bench(fwd) if kind in ("bf16", "mx-cublas", "mx-triton", "fp8-rowwise") else None
+            ms_f = bench(fwd) if kind in ("bf16", "mx-cublas", "mx-triton", "fp8-rowwise", "fp8-rowwise-triton") else None
             res[kind] = {"ms": ms, "tflops": flops / ms / 1e9, "fwd_ms": ms_f, "peak_gib": peak,
                          "compiled": compiled}
             log(f"mlp {d}->{h}->{d} {kind}: {ms:.3f} ms fwd+bwd ({flops / ms / 1e9:.0f} TFLOP/s), fwd {ms_f}, "
@@ -361,7 +364,7 @@ def main():
     save()
     bench_copy()
     bench_casts()
-    kinds = ["bf16", "mx-cublas", "mx-hybrid", "mx-triton", "mx-cublas-rht", "fp8-rowwise"]
+    kinds = ["bf16", "mx-cublas", "mx-hybrid", "mx-triton", "mx-cublas-rht", "fp8-rowwise", "fp8-rowwise-triton"]
     for d, h in SIZES:
         bench_mlp(d, h, kinds)
     table()

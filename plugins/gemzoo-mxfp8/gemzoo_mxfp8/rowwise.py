@@ -47,18 +47,33 @@ def _mm(a, sa, b_t, sb, out_dtype):
         return ((a.float() @ b_t.float().t()) * sa * sb.view(1, -1)).to(out_dtype)
 
 
+# "torch": casts in torch ops (fused by torch.compile); "triton": gemzoo_mxfp8's two-pass Triton casts
+# (row quantization and column amax in one pass, transposed column quantization in the second).
+CAST_BACKEND = "torch"
+
+
+def _casts(x2: torch.Tensor, row: bool, col: bool):
+    """(row (data, scale [R,1]) or None, col-of-transpose (data [C,R], scale [C,1]) or None)."""
+    if x2.is_cuda and CAST_BACKEND == "triton" and not torch.compiler.is_compiling():
+        from gemzoo_mxfp8.triton_kernels import rowwise_cast
+
+        out = rowwise_cast(x2.contiguous(), row=row, col=col)
+        return out.get("row"), out.get("col")
+    return (_quant(x2) if row else None), (_quant(x2.t()) if col else None)
+
+
 class FP8RowwiseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        xq, sx = _quant(x2)
-        wq, sw = _quant(weight)
+        (xq, sx), xt = _casts(x2, True, weight.requires_grad)
+        (wq, sw), _ = _casts(weight, True, False)
         y = _mm(xq, sx, wq, sw, torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
         if bias is not None:
             y = y + bias.to(y.dtype)
         # X^T quantized along tokens [K, M] for wgrad (empty placeholders when W needs no grad)
-        saved = _quant(x2.t()) if weight.requires_grad else (x2.new_empty(0), x2.new_empty(0))
+        saved = xt if xt is not None else (x2.new_empty(0), x2.new_empty(0))
         ctx.save_for_backward(weight, *saved)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -71,13 +86,12 @@ class FP8RowwiseFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         out32 = torch.float32
         dx = dw = db = None
+        drow, dcol = _casts(dy2, need_x, need_w)  # dY along N (dgrad); dY^T [N, M] along tokens (wgrad)
         if need_x:
-            dq, sd = _quant(dy2)
-            wtq, swt = _quant(weight.t())  # W^T [K, N] along N
-            dx = _mm(dq, sd, wtq, swt, out32).to(ctx.x_dtype).view(ctx.x_shape)
+            _, (wtq, swt) = _casts(weight, False, True)  # W^T [K, N] along N
+            dx = _mm(*drow, wtq, swt, out32).to(ctx.x_dtype).view(ctx.x_shape)
         if need_w:
-            dtq, sdt = _quant(dy2.t())  # dY^T [N, M] along tokens
-            dw = _mm(dtq, sdt, xtq, sxt, out32).to(weight.dtype)
+            dw = _mm(*dcol, xtq, sxt, out32).to(weight.dtype)
         if need_b and ctx.has_bias:
             db = dy2.float().sum(0)
         return dx, dw, db

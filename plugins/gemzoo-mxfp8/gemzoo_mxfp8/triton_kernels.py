@@ -382,3 +382,70 @@ def prune_gemm_configs(device) -> list[str]:
         raise RuntimeError("no MX GEMM config compiles on this device:\n" + "\n".join(errors))
     _mx_gemm_autotuned.configs = good
     return errors
+
+
+# ------------------------------------------------------------------------------- fp8-rowwise casts (GPU)
+@triton.jit
+def _rowwise_q_kernel(x_ptr, q_ptr, s_ptr, camax_ptr, R, C, stride_xr,
+                      COL_AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Per-row e4m3 quantization of BR rows (scale = amax / 448), plus the per-column amax (atomic max)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    amax = tl.zeros([BR], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        cols = c0 + tl.arange(0, BC)
+        m2 = rmask[:, None] & (cols < C)[None, :]
+        a = tl.abs(tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=m2, other=0.0).to(tl.float32))
+        amax = tl.maximum(amax, tl.max(a, axis=1))
+        if COL_AMAX:
+            tl.atomic_max(camax_ptr + cols, tl.max(a, axis=0), mask=cols < C)
+    scale = tl.maximum(amax, 1e-12) / 448.0
+    tl.store(s_ptr + rows, scale, mask=rmask)
+    for c0 in range(0, C, BC):  # second pass hits L2
+        cols = c0 + tl.arange(0, BC)
+        m2 = rmask[:, None] & (cols < C)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        q = _round_to_elem(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), tl.float8e4nv, 3, -6)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=m2)
+
+
+@triton.jit
+def _colwise_q_kernel(x_ptr, camax_ptr, q_ptr, s_ptr, R, C, stride_xr, BR: tl.constexpr, BC: tl.constexpr):
+    """Per-column e4m3 quantization with precomputed column amax; writes the transpose q [C, R]."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    m2 = (rows < R)[:, None] & cmask[None, :]
+    scale = tl.maximum(tl.load(camax_ptr + cols, mask=cmask, other=1.0), 1e-12) / 448.0
+    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    q = _round_to_elem(tl.minimum(tl.maximum(x / scale[None, :], -448.0), 448.0), tl.float8e4nv, 3, -6)
+    tl.store(q_ptr + cols[None, :] * R + rows[:, None], q, mask=m2)
+    if tl.program_id(0) == 0:
+        tl.store(s_ptr + cols, scale, mask=cmask)
+
+
+def rowwise_cast(x: torch.Tensor, *, row=True, col=False):
+    """fp8-rowwise casts of a 2-D x [R, C] (last dim contiguous) in at most two passes:
+    row -> (e4m3 [R, C], fp32 scale [R, 1]); col -> (e4m3 x^T [C, R], fp32 scale [C, 1]) quantized along R."""
+    R, C = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("rowwise_cast needs the last dim contiguous")
+    dev = x.device
+    out = {}
+    camax = torch.zeros(C, device=dev, dtype=torch.float32) if col else torch.empty(0, device=dev)
+    if row or col:
+        q = torch.empty(R, C, device=dev, dtype=torch.float8_e4m3fn) if row else torch.empty(0, device=dev, dtype=torch.float8_e4m3fn)
+        s = torch.empty(R, 1, device=dev, dtype=torch.float32)
+        if row:
+            _rowwise_q_kernel[(triton.cdiv(R, 16),)](x, q.view(torch.uint8), s, camax, R, C, x.stride(0), COL_AMAX=col, BR=16, BC=256,
+                                                     num_warps=4)
+            out["row"] = (q, s)
+        else:
+            camax = x.abs().amax(0).float()
+    if col:
+        qt = torch.empty(C, R, device=dev, dtype=torch.float8_e4m3fn)
+        st = torch.empty(C, 1, device=dev, dtype=torch.float32)
+        _colwise_q_kernel[(triton.cdiv(R, 64), triton.cdiv(C, 64))](x, camax, qt.view(torch.uint8), st, R, C, x.stride(0), BR=64, BC=64,
+                                                                   num_warps=4)
+        out["col"] = (qt, st)
+    return out
