@@ -4,7 +4,8 @@ Each user has a few favourite item clusters. Their history (gem-lognormal length
 config) is drawn mostly from those clusters; their candidates half from them, half uniformly. The
 planted click logit of a candidate is
 
-    signal * <u, e_c> / rank + b_c,   u = mean(e_h over history h) + sparse_weight * sum_t mean(s_t over ids)
+    signal * <u, e_c> / rank + b_c,   u = mean(e_h over history h) + sparse_weight * s,
+    s = sum over tables t of mean(s_t[id] over the user's ids) / sqrt(tables)
 
 with item latents e, item biases b and sparse-row latents s fixed by the seed. Conversion needs a click
 and a second logit that favours the sparse features. Learning is therefore measurable: a model that
@@ -54,7 +55,8 @@ class SyntheticGemConfig:
     median_len: int = 64  # gem_lognormal's median
     min_len: int = 2  # gem_lognormal's lo; 0 allows empty histories
     len_sigma: float = 1.0
-    max_candidates: int = 8  # each user gets 1..max_candidates candidates
+    min_candidates: int = 1
+    max_candidates: int = 8  # each user gets min_candidates..max_candidates candidates
     num_items: int = 2000
     num_sparse_tables: int = 4
     sparse_table_size: int = 1000
@@ -78,7 +80,8 @@ def _check(cfg: SyntheticGemConfig) -> None:
     need(cfg.max_len >= 1, f"max_len must be >= 1, got {cfg.max_len}")
     need(0 <= cfg.min_len <= cfg.max_len, f"need 0 <= min_len <= max_len, got min_len={cfg.min_len}, max_len={cfg.max_len}")
     need(cfg.median_len >= 1, f"median_len must be >= 1, got {cfg.median_len}")
-    need(cfg.max_candidates >= 1, f"max_candidates must be >= 1, got {cfg.max_candidates}")
+    need(1 <= cfg.min_candidates <= cfg.max_candidates,
+         f"need 1 <= min_candidates <= max_candidates, got {cfg.min_candidates} and {cfg.max_candidates}")
     need(cfg.num_clusters >= 1, f"num_clusters must be >= 1, got {cfg.num_clusters}")
     need(cfg.num_items >= cfg.num_clusters, f"num_items ({cfg.num_items}) must be >= num_clusters ({cfg.num_clusters})")
     need(1 <= cfg.favourite_clusters <= cfg.num_clusters,
@@ -144,7 +147,7 @@ class SyntheticGemDataset:
         hist_owner = seq_ids(hist_off)
         hist_items = self._mixed_items(favourites, hist_owner, cfg.history_focus, g)
 
-        cand_len = torch.randint(1, cfg.max_candidates + 1, (b,), generator=g)
+        cand_len = torch.randint(cfg.min_candidates, cfg.max_candidates + 1, (b,), generator=g)
         cand_off = lengths_to_offsets(cand_len)
         cand_owner = seq_ids(cand_off)
         cand_items = self._mixed_items(favourites, cand_owner, 0.5, g)
