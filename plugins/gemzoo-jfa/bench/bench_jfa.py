@@ -12,6 +12,7 @@ on mixed small shapes (outputs poisoned with NaN), and against Flex on the full 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -55,37 +56,55 @@ def save(out_dir):
 
 # -- correctness -----------------------------------------------------------------------------------
 
+def check_case(i, d, causal, asym, window):
+    """One mixed-length case with empty sequences, fp64 reference, every output element poisoned first."""
+    gen = torch.Generator().manual_seed(100 + i)
+    q_lens = torch.randint(1, 700, (11,), generator=gen)
+    q_lens[[1, 6]] = 0
+    k_lens = q_lens + torch.randint(0, 200, (11,), generator=gen) if asym else q_lens
+    q_off, k_off = lengths_to_offsets(q_lens).cuda(), lengths_to_offsets(k_lens).cuda()
+    tq, tk = int(q_lens.sum()), int(k_lens.sum())
+    q, k, v = (torch.randn(t, 3, d, generator=gen).to("cuda", DTYPE) for t in (tq, tk, tk))
+    grad = torch.randn(tq, 3, d, generator=gen).to("cuda", DTYPE)
+    scale, win = d ** -0.5, -1 if window is None else window
+    out = torch.full((tq, 3, d), float("nan"), device="cuda", dtype=DTYPE)
+    lse = torch.full((3, tq), float("nan"), device="cuda")
+    _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    _launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv)
+    refs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window)
+    ref.backward(grad.double())
+    errs = {"out": rel(out, ref.detach()), "dq": rel(dq, refs[0].grad), "dk": rel(dk, refs[1].grad),
+            "dv": rel(dv, refs[2].grad)}
+    finite = all(bool(torch.isfinite(t).all()) for t in (out, dq, dk, dv))
+    passed = finite and all(e < 1e-2 for e in errs.values())
+    log(f"check d={d} causal={causal} asym={asym} window={window} tma={jfa_ops._tma is not False}: "
+        + " ".join(f"{k}={e:.1e}" for k, e in errs.items()) + f" finite={finite} {'OK' if passed else 'FAIL'}")
+    return {"d": d, "causal": causal, "asym": asym, "window": window, "finite": finite, **errs, "ok": passed}
+
+
 def check_small(n_cases=4):
-    """Mixed shapes with empty sequences, fp64 reference, every output element poisoned first."""
+    """Mixed shapes with empty sequences against fp64, TMA and pointer paths."""
     cases = [(128, True, False, None), (128, True, True, 200), (256, False, True, None), (64, False, False, 50)]
     ok = True
     for i, (d, causal, asym, window) in enumerate(cases[:n_cases]):
-        gen = torch.Generator().manual_seed(100 + i)
-        q_lens = torch.randint(1, 700, (11,), generator=gen)
-        q_lens[[1, 6]] = 0
-        k_lens = q_lens + torch.randint(0, 200, (11,), generator=gen) if asym else q_lens
-        q_off, k_off = lengths_to_offsets(q_lens).cuda(), lengths_to_offsets(k_lens).cuda()
-        tq, tk = int(q_lens.sum()), int(k_lens.sum())
-        q, k, v = (torch.randn(t, 3, d, generator=gen).to("cuda", DTYPE) for t in (tq, tk, tk))
-        grad = torch.randn(tq, 3, d, generator=gen).to("cuda", DTYPE)
-        scale, win = d ** -0.5, -1 if window is None else window
-        out = torch.full((tq, 3, d), float("nan"), device="cuda", dtype=DTYPE)
-        lse = torch.full((3, tq), float("nan"), device="cuda")
-        _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse)
-        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-        _launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv)
-        refs = [t.double().requires_grad_() for t in (q, k, v)]
-        ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window)
-        ref.backward(grad.double())
-        errs = {"out": rel(out, ref.detach()), "dq": rel(dq, refs[0].grad), "dk": rel(dk, refs[1].grad),
-                "dv": rel(dv, refs[2].grad)}
-        finite = all(bool(torch.isfinite(t).all()) for t in (out, dq, dk, dv))
-        passed = finite and all(e < 1e-2 for e in errs.values())
-        ok &= passed
-        entry = {"d": d, "causal": causal, "asym": asym, "window": window, "finite": finite, **errs, "ok": passed}
-        RESULTS["checks"].append(entry)
-        log(f"check d={d} causal={causal} asym={asym} window={window}: "
-            + " ".join(f"{k}={e:.1e}" for k, e in errs.items()) + f" finite={finite} {'OK' if passed else 'FAIL'}")
+        for tma in (None, False):  # default (TMA descriptors on Hopper), then plain pointer loads
+            try:
+                with using(tma=tma):
+                    entry = check_case(i, d, causal, asym, window)
+            except Exception as exc:
+                if tma is not None:
+                    raise
+                entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            entry["tma"] = tma is None and jfa_ops._tma is not False
+            RESULTS["checks"].append(entry)
+            if tma is None and not entry["ok"]:  # TMA path broken on this stack: time the pointer path only
+                RESULTS["tma_error"] = entry.get("error", "wrong results")
+                log(f"TMA path failed ({RESULTS['tma_error']}); using pointer loads from here on")
+                jfa_ops._tma = False
+            elif not entry["ok"]:
+                ok = False
     return ok
 
 
@@ -110,6 +129,12 @@ class Workload:
 
 def make_jfa(w):
     return (lambda: jfa_triton(w.q, w.k, w.v, w.offsets, causal=True)), w.leaves(), w.grad
+
+
+def make_jfa_ptr(w):
+    """jfa with plain pointer loads instead of TMA tensor descriptors."""
+    fn, leaves, grad = make_jfa(w)
+    return fn, leaves, grad, lambda: using(tma=False)
 
 
 def make_flex(w):
@@ -161,10 +186,10 @@ def make_padded(w):
     return fn, pads, grad
 
 
-METHODS = {"jfa": make_jfa, "flex": make_flex, "njt_sdpa": make_njt, "padded_sdpa": make_padded}
+METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "flex": make_flex, "njt_sdpa": make_njt, "padded_sdpa": make_padded}
 
 
-def bench(fn, leaves, grad, warmup=25, rep=100):
+def bench(fn, leaves, grad, warmup=25, rep=100, ctx=contextlib.nullcontext):
     from triton.testing import do_bench
 
     def fwd():
@@ -174,14 +199,16 @@ def bench(fn, leaves, grad, warmup=25, rep=100):
     def fwd_bwd():
         fn().backward(grad)
 
-    t_fwd = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
-    t_fb = do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
+    with ctx():
+        t_fwd = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
+        t_fb = do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
     for t in leaves:
         t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fwd_bwd()
+    with ctx():
+        fwd_bwd()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     for t in leaves:
@@ -198,14 +225,16 @@ def run_workload(w, methods):
     for name in methods:
         t0 = time.time()
         try:
-            fn, leaves, grad = METHODS[name](w)
-            if name in ("jfa", "flex", "njt_sdpa"):  # same layout: cross-check outputs and grads
-                out = fn()
-                out.backward(grad)
+            fn, leaves, grad, *rest = METHODS[name](w)
+            ctx = rest[0] if rest else contextlib.nullcontext
+            if name in ("jfa", "jfa_ptr", "flex", "njt_sdpa"):  # same layout: cross-check outputs and grads
+                with ctx():
+                    out = fn()
+                    out.backward(grad)
                 outs[name] = [out.detach().clone()] + [t.grad.clone() for t in leaves]
                 for t in leaves:
                     t.grad = None
-            t_fwd, t_fb, peak = bench(fn, leaves, grad)
+            t_fwd, t_fb, peak = bench(fn, leaves, grad, ctx=ctx)
         except Exception as exc:  # a baseline that fails is reported, not fatal
             res["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             log(f"{w.name} {name}: FAILED {exc}")
@@ -216,7 +245,7 @@ def run_workload(w, methods):
         log(f"{w.name} {name}: fwd {t_fwd:.3f} ms ({fl_fwd / t_fwd / 1e9:.0f} TF/s)  fwd+bwd {t_fb:.3f} ms "
             f"({fl_fb / t_fb / 1e9:.0f} TF/s)  peak {peak / 1e9:.2f} GB")
     if "jfa" in outs:
-        for other in ("flex", "njt_sdpa"):
+        for other in ("jfa_ptr", "flex", "njt_sdpa"):
             if other in outs:
                 errs = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), outs["jfa"], outs[other])}
                 res[f"jfa_vs_{other}"] = errs
@@ -224,8 +253,13 @@ def run_workload(w, methods):
     return res
 
 
-def breakdown(w):
+def breakdown(w, tma=None):
     """Per-kernel times of jfa's fwd+bwd (ms), schedules included."""
+    with using(tma=tma):
+        return _breakdown(w, "jfa_ptr" if tma is False else "jfa")
+
+
+def _breakdown(w, tag):
     from triton.testing import do_bench
 
     off = w.offsets
@@ -247,11 +281,11 @@ def breakdown(w):
     fl = H * D * w.sum_l2
     res["dkdv_tflops"] = 8 * fl / 2 / res["dkdv"] / 1e9  # 4 matmuls over the causal half
     res["dq_tflops"] = 6 * fl / 2 / res["dq"] / 1e9  # 3 matmuls
-    RESULTS["workloads"][w.name]["jfa_breakdown_ms"] = res
-    log(f"{w.name} jfa breakdown: " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
+    RESULTS["workloads"][w.name][f"{tag}_breakdown_ms"] = res
+    log(f"{w.name} {tag} breakdown: " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
 
 
-def sweep(workloads, deadline):
+def sweep(workloads, deadline, parts=("configs", "order", "tma")):
     """Block shapes / warps / stages per kernel, and longest-first vs natural order."""
     from triton.testing import do_bench
 
@@ -275,25 +309,36 @@ def sweep(workloads, deadline):
             return do_bench(lambda: fn().backward(grad), warmup=10, rep=50, grad_to_none=leaves,
                             return_mode="median")
 
-    for kind, cfgs in (("fwd", fwd_cfgs), ("dkdv", dkdv_cfgs), ("dq", dq_cfgs)):
-        for c in cfgs:
+    if "configs" in parts:
+        for kind, cfgs in (("fwd", fwd_cfgs), ("dkdv", dkdv_cfgs), ("dq", dq_cfgs)):
+            for c in cfgs:
+                if time.time() > deadline:
+                    log("sweep: out of time budget, stopping")
+                    return
+                full = Configs(**{**base.__dict__, kind: c})
+                key = f"{kind} BM{c.block_m} BN{c.block_n} w{c.num_warps} s{c.num_stages}"
+                try:
+                    out[key] = {w.name: timed(w, full, "fwd" if kind == "fwd" else "fwd_bwd") for w in workloads}
+                except Exception as exc:
+                    out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                log(f"sweep {key}: {out[key]}")
+    if "order" in parts:
+        # the adversarial layout for in-memory order: sequences stored shortest first, the longest last
+        asc = Workload("gem_lognormal_ascending", torch.sort(workloads[0].lens).values)
+        for order in ("lpt", "item", "natural"):
             if time.time() > deadline:
-                log("sweep: out of time budget, stopping")
                 return
-            full = Configs(**{**base.__dict__, kind: c})
-            key = f"{kind} BM{c.block_m} BN{c.block_n} w{c.num_warps} s{c.num_stages}"
-            try:
-                out[key] = {w.name: timed(w, full, "fwd" if kind == "fwd" else "fwd_bwd") for w in workloads}
-            except Exception as exc:
-                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            key = f"order {order}"
+            out[key] = {w.name: {"fwd": timed(w, base, "fwd", order), "fwd_bwd": timed(w, base, "fwd_bwd", order)}
+                        for w in workloads + [asc]}
             log(f"sweep {key}: {out[key]}")
-    for order in ("lpt", "item", "natural"):
-        if time.time() > deadline:
-            return
-        key = f"order {order}"
-        out[key] = {w.name: {"fwd": timed(w, base, "fwd", order), "fwd_bwd": timed(w, base, "fwd_bwd", order)}
-                    for w in workloads}
-        log(f"sweep {key}: {out[key]}")
+    if "tma" in parts:
+        for fwd_c in (KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2)):
+            if time.time() > deadline:
+                return
+            key = f"fwd BM{fwd_c.block_m} BN{fwd_c.block_n} w{fwd_c.num_warps} s{fwd_c.num_stages} tma"
+            out[key] = {w.name: timed(w, Configs(**{**base.__dict__, "fwd": fwd_c}), "fwd") for w in workloads}
+            log(f"sweep {key}: {out[key]}")
 
 
 def table():
@@ -317,7 +362,7 @@ def table():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_jfa.json ($OUT)")
-    ap.add_argument("--sweep", action="store_true", help="also sweep block configs and schedule order")
+    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")
     ap.add_argument("--checks", type=int, default=4, help="how many small correctness cases to run (1-4)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
@@ -340,10 +385,11 @@ def main():
         run_workload(w, args.methods.split(","))
         if "jfa" in args.methods:
             breakdown(w)
+            breakdown(w, tma=False)
         save(args.out)
         log(f"[{time.time() - t0:.0f}s]")
     if args.sweep:
-        sweep(workloads, t0 + args.budget)
+        sweep(workloads, t0 + args.budget, args.sweep.split(","))
         save(args.out)
     print(table(), flush=True)
     with open(os.path.join(args.out, "table.txt"), "w") if args.out else open(os.devnull, "w") as f:

@@ -26,15 +26,18 @@ def _ceil_to(x, m):
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, end, rows, Lk, shift, window,
-               qk_scale, offs_n, offs_d, offs_dv,
+               qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr):
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
+               USE_TMA: tl.constexpr):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
         kt_ptrs = k_base + n.to(tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
         v_ptrs = v_base + n.to(tl.int64) * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :]
-        if MASKED:
+        if USE_TMA:  # rows past the sequence end belong to the next one: masked below (MASKED blocks only)
+            kt = tl.trans(KD.load([k_row0 + n, h, 0]).reshape(BN, BD))
+        elif MASKED:
             kt = tl.load(kt_ptrs, mask=(cols[None, :] < Lk) & (offs_d[:, None] < D), other=0.0)
         elif BD != D:
             kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
@@ -56,7 +59,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
+        if USE_TMA:
+            vv = VD.load([k_row0 + n, h, 0]).reshape(BN, BDV)
+        elif MASKED:
             vv = tl.load(v_ptrs, mask=(cols[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
         elif BDV != DV:
             vv = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
@@ -71,11 +76,11 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
 
 
 @triton.jit
-def jfa_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, n_items_cap, Tq, qk_scale, window,
+def jfa_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, qk_scale, window,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr,
-                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr):
+                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
     pid = tl.program_id(0)
     item = pid // H
     h = pid % H
@@ -104,6 +109,7 @@ def jfa_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, n_items_cap, Tq, qk_scale
         q = q.to(tl.float32)
     k_base = K + k_start * stride_kt + h * stride_kh
     v_base = V + k_start * stride_vt + h * stride_vh
+    k_row0 = k_start.to(tl.int32)
 
     # keys any row of this block may see: [lo, hi); fully-allowed blocks: [full_lo, full_hi)
     hi = Lk
@@ -127,14 +133,14 @@ def jfa_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, n_items_cap, Tq, qk_scale
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk,
-                               shift, window, qk_scale, offs_n, offs_d, offs_dv, D, DV, BD, BDV, BN,
-                               True, CAUSAL, WINDOWED, UPCAST)
+                               shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
+                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows,
-                               Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, D, DV, BD, BDV, BN,
-                               False, CAUSAL, WINDOWED, UPCAST)
+                               Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV,
+                               BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk,
-                               shift, window, qk_scale, offs_n, offs_d, offs_dv, D, DV, BD, BDV, BN,
-                               True, CAUSAL, WINDOWED, UPCAST)
+                               shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
+                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA)
 
     empty = l_i == 0.0  # no allowed key: output 0, lse +inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -164,15 +170,25 @@ def jfa_bwd_preprocess(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start, end, cols, Lq,
-                shift, window, qk_scale, offs_m, offs_d, offs_dv,
+                shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
                 D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr):
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
+                USE_TMA: tl.constexpr):
     for m in range(start, end, BM):
         m = tl.multiple_of(m, BM)
         rows = m + offs_m
         qt_ptrs = q_base + m.to(tl.int64) * stride_qt + offs_m[None, :] * stride_qt + offs_d[:, None]
         do_ptrs = do_base + m.to(tl.int64) * stride_dot + offs_m[:, None] * stride_dot + offs_dv[None, :]
-        if MASKED:
+        if USE_TMA:  # rows past the sequence end belong to the next one: their p is masked to 0
+            qt = tl.trans(QD.load([q_row0 + m, h, 0]).reshape(BM, BD))
+            do = DOD.load([q_row0 + m, h, 0]).reshape(BM, BDV)
+            if MASKED:
+                lse = tl.load(lse_base + rows, mask=rows < Lq, other=float("inf"))
+                delta = tl.load(delta_base + rows, mask=rows < Lq, other=0.0)
+            else:
+                lse = tl.load(lse_base + rows)
+                delta = tl.load(delta_base + rows)
+        elif MASKED:
             qt = tl.load(qt_ptrs, mask=(rows[None, :] < Lq) & (offs_d[:, None] < D), other=0.0)
             do = tl.load(do_ptrs, mask=(rows[:, None] < Lq) & (offs_dv[None, :] < DV), other=0.0)
             lse = tl.load(lse_base + rows, mask=rows < Lq, other=float("inf"))
@@ -208,12 +224,13 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
 
 
 @triton.jit
-def jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, n_items_cap, Tq, qk_scale, sm_scale,
+def jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD, DOD, n_items_cap, Tq, qk_scale,
+                        sm_scale,
                         window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr,
-                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr):
+                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
     pid = tl.program_id(0)
     item = pid // H
     h = pid % H
@@ -265,17 +282,18 @@ def jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, n_i
     do_base = DO + q_start * stride_dot + h * stride_doh
     lse_base = LSE + h.to(tl.int64) * Tq + q_start
     delta_base = DELTA + h.to(tl.int64) * Tq + q_start
+    q_row0 = q_start.to(tl.int32)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BDV], tl.float32)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, full_lo,
-                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, D, DV, BD, BDV, BM,
-                         True, CAUSAL, WINDOWED, UPCAST)
+                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D, DV, BD,
+                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_lo,
-                         full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, D, DV, BD, BDV, BM,
-                         False, CAUSAL, WINDOWED, UPCAST)
+                         full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D,
+                         DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_hi, hi,
-                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, D, DV, BD, BDV, BM,
-                         True, CAUSAL, WINDOWED, UPCAST)
+                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D, DV, BD,
+                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA)
     dk = dk * sm_scale
     tl.store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kmask & (offs_d[None, :] < D))
@@ -285,15 +303,19 @@ def jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, n_i
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start, end, rows, Lk, shift, window,
-              qk_scale, offs_n, offs_d, offs_dv,
+              qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr):
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
+              USE_TMA: tl.constexpr):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
         kt_ptrs = k_base + n.to(tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
         vt_ptrs = v_base + n.to(tl.int64) * stride_vt + offs_n[None, :] * stride_vt + offs_dv[:, None]
-        if MASKED:
+        if USE_TMA:  # rows past the sequence end belong to the next one: their p is masked to 0
+            kt = tl.trans(KD.load([k_row0 + n, h, 0]).reshape(BN, BD))
+            vt = tl.trans(VD.load([k_row0 + n, h, 0]).reshape(BN, BDV))
+        elif MASKED:
             kt = tl.load(kt_ptrs, mask=(cols[None, :] < Lk) & (offs_d[:, None] < D), other=0.0)
             vt = tl.load(vt_ptrs, mask=(cols[None, :] < Lk) & (offs_dv[:, None] < DV), other=0.0)
         else:
@@ -324,12 +346,13 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
 
 
 @triton.jit
-def jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, n_items_cap, Tq, qk_scale, sm_scale, window,
+def jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, qk_scale, sm_scale,
+                      window,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                       stride_dqt, stride_dqh,
                       H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr,
-                      CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr):
+                      CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
     pid = tl.program_id(0)
     item = pid // H
     h = pid % H
@@ -363,6 +386,7 @@ def jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, n_items_ca
         do = do.to(tl.float32)
     k_base = K + k_start * stride_kt + h * stride_kh
     v_base = V + k_start * stride_vt + h * stride_vh
+    k_row0 = k_start.to(tl.int32)
 
     hi = Lk
     if CAUSAL:
@@ -383,11 +407,14 @@ def jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, n_items_ca
 
     dq = tl.zeros([BM, BD], tl.float32)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk, shift, window,
-                   qk_scale, offs_n, offs_d, offs_dv, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED, UPCAST)
+                   qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
+                   UPCAST, USE_TMA)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows, Lk, shift,
-                   window, qk_scale, offs_n, offs_d, offs_dv, D, DV, BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST)
+                   window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, False, CAUSAL,
+                   WINDOWED, UPCAST, USE_TMA)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk, shift, window,
-                   qk_scale, offs_n, offs_d, offs_dv, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED, UPCAST)
+                   qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
+                   UPCAST, USE_TMA)
     dq = dq * sm_scale
     tl.store(DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & (offs_d[None, :] < D))

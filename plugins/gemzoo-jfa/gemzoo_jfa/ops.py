@@ -50,19 +50,50 @@ def default_configs(head_dim: int, device_type: str) -> Configs:
 
 _override: Configs | None = None
 _order = "lpt"
+_tma: bool | None = None  # None: use TMA (tensor descriptors) for K/V tiles where the GPU and shapes allow
 
 
 @contextlib.contextmanager
-def using(configs: Configs | None = None, *, order: str | None = None):
-    """Run with other block configs or schedule order (the bench's sweeps use this)."""
-    global _override, _order
-    saved = _override, _order
+def using(configs: Configs | None = None, *, order: str | None = None, tma: bool | None = None):
+    """Run with other block configs, schedule order or TMA setting (the bench's sweeps and tests use this)."""
+    global _override, _order, _tma
+    saved = _override, _order, _tma
     _override = configs if configs is not None else _override
     _order = order if order is not None else _order
+    _tma = tma if tma is not None else _tma
     try:
         yield
     finally:
-        _override, _order = saved
+        _override, _order, _tma = saved
+
+
+def _tma_ok(*tensors) -> bool:
+    """Tensor descriptors need Hopper+ (or the interpreter), power-of-two head dims and 16-byte strides."""
+    if _tma is False:
+        return False
+    t0 = tensors[0]
+    if t0.device.type == "cuda":
+        if _tma is None and torch.cuda.get_device_capability(t0.device)[0] < 9:
+            return False
+    elif _tma is not True:  # interpreter: only when asked for
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    for t in tensors:
+        d = t.shape[-1]
+        if d != _pow2(d) or t.shape[0] == 0 or t.data_ptr() % 16 or any(
+                (st * t.element_size()) % 16 for st in t.stride()[:2]):
+            return False
+    return True
+
+
+def _desc(t: torch.Tensor, rows: int):
+    """[T, H, D] tensor descriptor with [rows, 1, D] boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), t.stride(1), 1], [rows, 1, t.shape[2]])
 
 
 def _configs(q: torch.Tensor) -> Configs:
@@ -89,11 +120,13 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse):
     items = build_schedule(q_offsets, k_offsets, tq, cfg.block_m, over="q", causal=causal,
                            window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
+    tma = _tma_ok(k, v)
+    kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
     kernels.jfa_fwd_kernel[(cap * h,)](
-        q, k, v, out, lse, q_offsets, k_offsets, items, cap, tq, scale * LOG2E, max(window, 0),
+        q, k, v, out, lse, q_offsets, k_offsets, items, kd, vd, cap, tq, scale * LOG2E, max(window, 0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=cfg.block_m, BN=cfg.block_n,
-        CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda",
+        CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -133,11 +166,14 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
     items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
                            window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
+    tma = _tma_ok(q, do)
+    qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if tma else (q, do)
     kernels.jfa_bwd_dkdv_kernel[(cap * q.shape[1],)](
-        q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, cap, q.shape[0], scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0], scale * LOG2E, scale,
         max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
-        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **_common(q, v, causal, window),
+        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
+        **_common(q, v, causal, window),
     )
 
 
@@ -149,11 +185,14 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
     items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal,
                            window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
+    tma = _tma_ok(k, v)
+    kd, vd = (_desc(k, c.block_n), _desc(v, c.block_n)) if tma else (k, v)
     kernels.jfa_bwd_dq_kernel[(cap * q.shape[1],)](
-        q, k, v, do, lse, delta, dq, q_offsets, k_offsets, items, cap, q.shape[0], scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dq, q_offsets, k_offsets, items, kd, vd, cap, q.shape[0], scale * LOG2E, scale,
         max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **_common(q, v, causal, window),
+        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
+        **_common(q, v, causal, window),
     )
 
 

@@ -32,7 +32,7 @@ CASES = [
 ]
 
 
-def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt"):
+def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=False):
     from gemzoo_jfa import jfa_triton
     from gemzoo_jfa.ops import using
 
@@ -46,7 +46,7 @@ def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt"):
     k = torch.randn(int(k_lens.sum()), h, d, generator=gen).to(dt).requires_grad_()
     v = torch.randn(int(k_lens.sum()), h, dv, generator=gen).to(dt).requires_grad_()
     kw = dict(causal=causal, window=window)
-    with using(order=order):
+    with using(order=order, tma=tma):
         out = jfa_triton(q, k, v, q_off, k_off, **kw)
         grad = torch.randn(out.shape, generator=gen).to(dt)
         out.backward(grad)
@@ -117,6 +117,8 @@ def main(which: str) -> None:
     if which == "cases":
         res = {name: run_case(*args) for name, *args in CASES}
         res["natural-order"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", order="natural")
+        res["tma-asym-window"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", tma=True)
+        res["tma-full"] = run_case([21, 0, 40], [33, 7, 18], False, None, 16, 16, "bfloat16", tma=True)
     elif which == "conformance":
         res = conformance()
     elif which == "compile":

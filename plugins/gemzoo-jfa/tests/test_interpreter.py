@@ -34,10 +34,10 @@ def _results(group: str) -> dict:
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["natural-order"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["natural-order", "tma-asym-window", "tma-full"])
 def test_fwd_bwd_against_reference(name):
     errors = _results("cases")[name]
-    dtype = next((c[-1] for c in CASES if c[0] == name), "float32")
+    dtype = next((c[-1] for c in CASES if c[0] == name), "bfloat16" if name == "tma-full" else "float32")
     assert errors["dtype_ok"], "output or gradient dtype differs from the input dtype"
     for key in ("out", "dq", "dk", "dv"):
         assert errors[f"{key}_finite"], f"{name}: {key} has NaN/Inf"
