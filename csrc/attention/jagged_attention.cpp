@@ -94,13 +94,6 @@ struct Seq {
   int64_t shift() const { return lk - lq; }
 };
 
-inline bool allowed(int64_t ii, int64_t j, const Params& p) {
-  if (p.causal && j > ii) return false;
-  if (p.window > 0 && ii - j >= p.window) return false;
-  if (p.block > 0 && floordiv(ii, p.block) != j / p.block) return false;
-  return true;
-}
-
 // Keys [lo, hi) that some query in [i0, i1) may see.
 inline void key_range(const Seq& s, int64_t i0, int64_t i1, const Params& p, int64_t& lo, int64_t& hi) {
   const int64_t a = i0 + s.shift(), b = i1 - 1 + s.shift();
@@ -128,22 +121,25 @@ inline void query_range(const Seq& s, int64_t j0, int64_t j1, const Params& p, i
   hi = std::max(hi, lo);
 }
 
-// Every pair of the tile allowed? (then no per-element mask is needed)
-inline bool tile_full(const Seq& s, int64_t i0, int64_t i1, int64_t j0, int64_t j1, const Params& p) {
-  const int64_t a = i0 + s.shift(), b = i1 - 1 + s.shift();
-  if (p.causal && j1 - 1 > a) return false;
-  if (p.window > 0 && b - j0 >= p.window) return false;
+// Allowed keys of query row ii form one interval (each rule bounds j on one or both sides); clipped
+// to the tile [j0, j0 + cols) and returned in tile-local columns [a, b).
+inline void row_interval(int64_t ii, int64_t j0, int64_t cols, const Params& p, int64_t& a, int64_t& b) {
+  int64_t lo = j0, hi = j0 + cols;
+  if (p.causal) hi = std::min(hi, ii + 1);
+  if (p.window > 0) lo = std::max(lo, ii - p.window + 1);
   if (p.block > 0) {
-    const int64_t qb = floordiv(a, p.block);
-    if (floordiv(b, p.block) != qb || j0 / p.block != qb || (j1 - 1) / p.block != qb) return false;
+    const int64_t qb = floordiv(ii, p.block);
+    lo = std::max(lo, qb * p.block);
+    hi = std::min(hi, (qb + 1) * p.block);
   }
-  return true;
+  a = std::min(lo - j0, cols);  // lo >= j0
+  b = std::min(std::max(hi, lo) - j0, cols);
 }
 
 // Pointwise activations and their derivatives (gelu is the exact erf form, as torch's default).
 inline float act_fwd(float x, int64_t act) {
   switch (act) {
-    case SILU: return x / (1.0f + std::exp(-x));
+    case SILU: return x / (1.0f + fast_exp(-x));
     case GELU: return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
     case RELU: return x > 0.0f ? x : 0.0f;
     default: return x;
@@ -152,7 +148,7 @@ inline float act_fwd(float x, int64_t act) {
 inline float act_grad(float x, int64_t act) {
   switch (act) {
     case SILU: {
-      const float sg = 1.0f / (1.0f + std::exp(-x));
+      const float sg = 1.0f / (1.0f + fast_exp(-x));
       return sg * (1.0f + x * (1.0f - sg));
     }
     case GELU:
@@ -163,18 +159,73 @@ inline float act_grad(float x, int64_t act) {
   }
 }
 
-// Mask a tile of scores in place: disallowed entries become `fill`.
-void mask_tile(float* S, int64_t ldS, const Seq& s, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
-               const Params& p, float fill) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t ii = i0 + r + s.shift();
-    float* row = S + r * ldS;
-    for (int64_t c = 0; c < cols; ++c)
-      if (!allowed(ii, j0 + c, p)) row[c] = fill;
+// The per-element loops, cloned for AVX-512 / AVX2 and picked at load time (the GEMMs are MKL's).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#define GEMZOO_SIMD_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#else
+#define GEMZOO_SIMD_CLONES
+#endif
+
+// Online-softmax update of one row over tile columns [a, b): the row becomes P (0 outside [a, b)),
+// m (running max) is updated, alpha receives the rescale factor for earlier tiles; returns sum(P).
+GEMZOO_SIMD_CLONES
+float softmax_row(float* row, int64_t cols, int64_t a, int64_t b, float& m, float& alpha) {
+  float mx = m;
+  for (int64_t c = a; c < b; ++c) mx = std::max(mx, row[c]);
+  for (int64_t c = 0; c < a; ++c) row[c] = 0.0f;
+  for (int64_t c = std::max(a, b); c < cols; ++c) row[c] = 0.0f;
+  alpha = 1.0f;
+  if (mx == NEG_INF) {  // nothing allowed so far in this row
+    for (int64_t c = a; c < b; ++c) row[c] = 0.0f;
+    return 0.0f;
   }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = a; c < b; ++c) {
+    const float e = fast_exp(row[c] - mx);
+    row[c] = e;
+    sum += e;
+  }
+  alpha = fast_exp(m - mx);
+  m = mx;
+  return sum;
 }
 
-// Run work(item) over items (sorted by decreasing cost) with dynamic hand-out across threads.
+// Backward: P = exp(S - lse) on [a, b), 0 elsewhere.
+GEMZOO_SIMD_CLONES
+void softmax_probs_row(const float* srow, float* prow, int64_t cols, int64_t a, int64_t b, float lse) {
+  for (int64_t c = 0; c < cols; ++c) prow[c] = 0.0f;
+  if (lse == NEG_INF) return;
+#pragma omp simd
+  for (int64_t c = a; c < b; ++c) prow[c] = fast_exp(srow[c] - lse);
+}
+
+// Backward: dS = P * (dP - delta), in place of dP.
+GEMZOO_SIMD_CLONES
+void softmax_grad_row(const float* prow, float* grow, int64_t cols, float delta) {
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) grow[c] = prow[c] * (grow[c] - delta);
+}
+
+// Pointwise: P = act(S) / norm on [a, b), 0 elsewhere (srow may equal prow).
+GEMZOO_SIMD_CLONES
+void act_row(const float* srow, float* prow, int64_t cols, int64_t a, int64_t b, int64_t act, float inv_norm) {
+  for (int64_t c = a; c < b; ++c) prow[c] = act_fwd(srow[c], act) * inv_norm;
+  for (int64_t c = 0; c < a; ++c) prow[c] = 0.0f;
+  for (int64_t c = std::max(a, b); c < cols; ++c) prow[c] = 0.0f;
+}
+
+// Pointwise backward: dS = dP * act'(S) / norm on [a, b), 0 elsewhere, in place of dP.
+GEMZOO_SIMD_CLONES
+void act_grad_row(const float* srow, float* grow, int64_t cols, int64_t a, int64_t b, int64_t act,
+                  float inv_norm) {
+  for (int64_t c = a; c < b; ++c) grow[c] *= act_grad(srow[c], act) * inv_norm;
+  for (int64_t c = 0; c < a; ++c) grow[c] = 0.0f;
+  for (int64_t c = std::max(a, b); c < cols; ++c) grow[c] = 0.0f;
+}
+
+// Run work(item) over items (sorted by decreasing cost) with dynamic hand-out across threads. MKL
+// (GNU OpenMP threading) runs the tile GEMMs sequentially inside this parallel region.
 template <typename F>
 void run_items(int64_t n, const F& work) {
   if (n == 0) return;
@@ -280,38 +331,21 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
       const float* K = kp + (s.ks + j0) * ldq + h * D;
       const float* V = vp + (s.ks + j0) * ldv + h * Dv;
       gemm(false, true, rows, cols, D, p.scale, Q, ldq, K, ldq, 0.0f, S.data(), BK);
-      const bool full = tile_full(s, w.i0, w.i1, j0, j0 + cols, p);
-      if (p.act == SOFTMAX) {
-        if (!full) mask_tile(S.data(), BK, s, w.i0, rows, j0, cols, p, NEG_INF);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* row = S.data() + r * BK;
-          float mx = m_run[r];
-          for (int64_t c = 0; c < cols; ++c) mx = std::max(mx, row[c]);
-          if (mx == NEG_INF) {  // nothing allowed yet in this row
-            std::fill(row, row + cols, 0.0f);
-            continue;
-          }
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < cols; ++c) {
-            const float e = fast_exp(row[c] - mx);
-            row[c] = e;
-            sum += e;
-          }
-          const float alpha = fast_exp(m_run[r] - mx);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = S.data() + r * BK;
+        int64_t a, b;
+        row_interval(w.i0 + r + s.shift(), j0, cols, p, a, b);
+        if (p.act == SOFTMAX) {
+          float alpha;
+          const float sum = softmax_row(row, cols, a, b, m_run[r], alpha);
           if (alpha != 1.0f) {
             float* o = O + r * ldv;
             for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
           }
           l_run[r] = l_run[r] * alpha + sum;
-          m_run[r] = mx;
+        } else {
+          act_row(row, row, cols, a, b, p.act, p.inv_norm);
         }
-      } else {
-        for (int64_t r = 0; r < rows; ++r) {
-          float* row = S.data() + r * BK;
-          for (int64_t c = 0; c < cols; ++c) row[c] = act_fwd(row[c], p.act) * p.inv_norm;
-        }
-        if (!full) mask_tile(S.data(), BK, s, w.i0, rows, j0, cols, p, 0.0f);
       }
       gemm(false, false, rows, Dv, cols, 1.0f, S.data(), BK, V, ldv, 1.0f, O, ldv);
     }
@@ -395,46 +429,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
         const float* Q = qp + (s.qs + i0) * ldq + h * D;
         const float* dO = gp + (s.qs + i0) * ldv + h * Dv;
         float* dQ = dqp + (s.qs + i0) * ldq + h * D;
-        const bool full = tile_full(s, i0, i0 + rows, j0, j0 + cols, p);
         gemm(false, true, rows, cols, D, p.scale, Q, ldq, K, ldq, 0.0f, S.data(), BK);
-        if (p.act == SOFTMAX) {
-          for (int64_t r = 0; r < rows; ++r) {
-            const float l = lp[h * tq + s.qs + i0 + r];
-            const float* srow = S.data() + r * BK;
-            float* prow = P.data() + r * BK;
-            if (l == NEG_INF) {
-              std::fill(prow, prow + cols, 0.0f);
-              continue;
-            }
-#pragma omp simd
-            for (int64_t c = 0; c < cols; ++c) prow[c] = fast_exp(srow[c] - l);
-          }
-        } else {
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* srow = S.data() + r * BK;
-            float* prow = P.data() + r * BK;
-            for (int64_t c = 0; c < cols; ++c) prow[c] = act_fwd(srow[c], p.act) * p.inv_norm;
-          }
+        int64_t ra[BQ], rb[BQ];
+        for (int64_t r = 0; r < rows; ++r) {
+          row_interval(i0 + r + s.shift(), j0, cols, p, ra[r], rb[r]);
+          if (p.act == SOFTMAX)
+            softmax_probs_row(S.data() + r * BK, P.data() + r * BK, cols, ra[r], rb[r], lp[h * tq + s.qs + i0 + r]);
+          else
+            act_row(S.data() + r * BK, P.data() + r * BK, cols, ra[r], rb[r], p.act, p.inv_norm);
         }
-        if (!full) mask_tile(P.data(), BK, s, i0, rows, j0, cols, p, 0.0f);
         // dV += P^T dO ; dP = dO V^T
         gemm(true, false, cols, Dv, rows, 1.0f, P.data(), BK, dO, ldv, 1.0f, dV, ldv);
         gemm(false, true, rows, cols, Dv, 1.0f, dO, ldv, V, ldv, 0.0f, dP.data(), BK);
-        if (p.act == SOFTMAX) {
-          for (int64_t r = 0; r < rows; ++r) {
-            const float di = dp[h * tq + s.qs + i0 + r];
-            float* g = dP.data() + r * BK;
-            const float* prow = P.data() + r * BK;
-#pragma omp simd
-            for (int64_t c = 0; c < cols; ++c) g[c] = prow[c] * (g[c] - di);
-          }
-        } else {
-          for (int64_t r = 0; r < rows; ++r) {
-            float* g = dP.data() + r * BK;
-            const float* srow = S.data() + r * BK;
-            for (int64_t c = 0; c < cols; ++c) g[c] *= act_grad(srow[c], p.act) * p.inv_norm;
-          }
-          if (!full) mask_tile(dP.data(), BK, s, i0, rows, j0, cols, p, 0.0f);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (p.act == SOFTMAX)
+            softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, cols, dp[h * tq + s.qs + i0 + r]);
+          else
+            act_grad_row(S.data() + r * BK, dP.data() + r * BK, cols, ra[r], rb[r], p.act, p.inv_norm);
         }
         // dQ += scale dS K ; dK += scale dS^T Q
         gemm(false, false, rows, D, cols, p.scale, dP.data(), BK, K, ldq, 1.0f, dQ, ldq);

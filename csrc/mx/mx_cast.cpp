@@ -77,7 +77,8 @@ void quantize_kernel(const scalar_t* x, elem_t* data, uint8_t* scale, int64_t ou
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* row = xb + r * inner;
         elem_t* drow = data + (o * n + r) * inner;
-        for (int64_t c = 0; c < inner; ++c) drow[c] = elem_t(static_cast<float>(row[c]) * inv[c]);
+        for (int64_t c = 0; c < inner; ++c)  // a NaN block gets the positive quiet NaN, whatever x's NaN sign
+          drow[c] = has_nan[c] ? elem_t(nan) : elem_t(static_cast<float>(row[c]) * inv[c]);
       }
     }
   });
