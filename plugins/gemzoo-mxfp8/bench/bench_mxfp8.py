@@ -259,10 +259,15 @@ def bench_gemms():
             qa, qb = tk.mx_cast(a, row_q=True)["row"], tk.mx_cast(b, row_q=True)["row"]
             ms_mx = bench(lambda: tk.mx_gemm(*qa, *qb))
             best = str(getattr(tk._mx_gemm_autotuned, "best_config", None))
+            bdq = tk.mx_cast(b, row_dq=True)["row_dq"]
+            ms_mxb = bench(lambda: tk.mx_gemm(*qa, bdq, None))
+            best_b = str(getattr(tk._mx_gemm_autotuned, "best_config", None))
             RESULTS["gemm"][f"{m}x{n}x{k}"] = {"bf16_cublas_tflops": flops / ms_bf16 / 1e9,
-                                                "mx_triton_tflops": flops / ms_mx / 1e9, "mx_config": best}
+                                                "mx_triton_tflops": flops / ms_mx / 1e9, "mx_config": best,
+                                                "mx_x_bf16w_tflops": flops / ms_mxb / 1e9, "mx_x_bf16w_config": best_b}
             log(f"gemm {m}x{n}x{k}: cuBLAS bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, "
-                f"MX Triton {flops / ms_mx / 1e9:.0f} TFLOP/s ({best})")
+                f"MX x MX Triton {flops / ms_mx / 1e9:.0f} ({best}), MX x bf16(exact MX) {flops / ms_mxb / 1e9:.0f} "
+                f"({best_b})")
             del a, b, qa, qb
     save()
 
@@ -341,9 +346,10 @@ def table():
                              f"{v.get('speedup_vs_bf16', 0):>8.2f}{v['peak_gib']:>7.1f}")
             else:
                 lines.append(f"  {size + ' ' + kind:<42} {v.get('error', '?')[:60]}")
-    lines.append(f"{'GEMM (M x N x K)':<44}{'bf16':>9}{'MX':>9}  TFLOP/s")
+    lines.append(f"{'GEMM (M x N x K), TFLOP/s':<44}{'bf16':>9}{'MXxMX':>9}{'MXxW':>7}")
     for shape, v in RESULTS["gemm"].items():
-        lines.append(f"  {shape:<42}{v['bf16_cublas_tflops']:>9.0f}{v['mx_triton_tflops']:>9.0f}")
+        lines.append(f"  {shape:<42}{v['bf16_cublas_tflops']:>9.0f}{v['mx_triton_tflops']:>9.0f}"
+                     f"{v['mx_x_bf16w_tflops']:>7.0f}")
     lines.append(f"{'MX cast ' + 'x'.join(map(str, CAST_SHAPE)) + ' bf16':<44}{'ms':>9}{'TB/s':>9}")
     for name, v in RESULTS["cast"].items():
         if isinstance(v, dict) and "ms" in v:

@@ -8,7 +8,8 @@ Only MX tensors are saved for backward (X quantized along tokens); W is the para
 
 Backends (same numerics, exact MX: dequantized values are exact in bf16, products exact in fp32):
   cpu     dequantize to fp32, fp32 matmul
-  triton  MX tiles dequantized in registers into bf16 MMA (gemzoo_mxfp8.triton_kernels.mx_gemm)
+  triton  MX activation tiles dequantized in registers into bf16 MMA (gemzoo_mxfp8.triton_kernels.mx_gemm);
+          the weight operand is dequantized once per step (small) and read as exact bf16
   cublas  the cast kernel also writes the exact bf16 dequantization; the GEMM is cuBLAS bf16
   hybrid  cublas for forward and dgrad, triton for wgrad (reads the saved MX X directly)
 """
@@ -67,8 +68,8 @@ class MXLinearFunction(torch.autograd.Function):
             from gemzoo_mxfp8.triton_kernels import mx_gemm
 
             xo = cast2d(x2, row_q=True, col_q=need_w, elem=cfg.elem, rht=rht)
-            wr = cast2d(weight, row_q=True, elem=cfg.elem)["row"]
-            y = mx_gemm(*xo["row"], *wr, bias=bias, out_dtype=x.dtype)
+            wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]  # small: dequantized once, exact in bf16
+            y = mx_gemm(*xo["row"], wdq, None, bias=bias, out_dtype=x.dtype)
         else:  # cublas, hybrid
             xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]
@@ -100,8 +101,8 @@ class MXLinearFunction(torch.autograd.Function):
 
             do = cast2d(dy2, row_q=need_x, col_q=need_w, elem=cfg.grad_elem, rht=rht)
             if need_x:
-                wc = cast2d(weight, col_q=True, elem=cfg.elem)["col"]  # W^T quantized along N: [K, Np]
-                dx = mx_gemm(*do["row"], *wc, k=n, out_dtype=ctx.x_dtype)
+                wc = cast2d(weight, col_dq=True, elem=cfg.elem)["col_dq"]  # W^T in MX along N: [K, Np]
+                dx = mx_gemm(*do["row"], wc, None, k=n, out_dtype=ctx.x_dtype)
             if need_w:
                 dw = mx_gemm(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
         else:

@@ -241,8 +241,9 @@ def _dequant_tile(q, e, BR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
 @triton.jit
 def _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
                  stride_am, stride_sam, stride_bn, stride_sbn,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
-    """One BK step: load [BM, BK] / [BN, BK] fp8 tiles, dequantize through a [.., BK/32, 32] reshape."""
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, B_BF16: tl.constexpr):
+    """One BK step: load [BM, BK] / [BN, BK] fp8 tiles, dequantize through a [.., BK/32, 32] reshape.
+    With B_BF16, B is already the (exact) bf16 dequantization and goes to the MMA as loaded."""
     rk = tl.arange(0, BK)
     rks = tl.arange(0, BK // 32)
     kmask = (k0 + rk) < K
@@ -251,10 +252,13 @@ def _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, 
     b = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 + rk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
     ea = tl.load(sa_ptr + rm[:, None] * stride_sam + (k0 // 32 + rks)[None, :],
                  mask=mmask[:, None] & smask[None, :], other=127).to(tl.int32)
-    eb = tl.load(sb_ptr + rn[:, None] * stride_sbn + (k0 // 32 + rks)[None, :],
-                 mask=nmask[:, None] & smask[None, :], other=127).to(tl.int32)
     ad = _dequant_tile(a, ea, BM, BK, F32)
-    bd = _dequant_tile(b, eb, BN, BK, F32)
+    if B_BF16:
+        bd = b.to(tl.float32) if F32 else b
+    else:
+        eb = tl.load(sb_ptr + rn[:, None] * stride_sbn + (k0 // 32 + rks)[None, :],
+                     mask=nmask[:, None] & smask[None, :], other=127).to(tl.int32)
+        bd = _dequant_tile(b, eb, BN, BK, F32)
     if F32:
         return tl.dot(ad, tl.trans(bd), acc, input_precision="ieee")
     return tl.dot(ad, tl.trans(bd), acc)
@@ -262,7 +266,8 @@ def _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, 
 
 @triton.jit
 def _k_step_blocks(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
-                   stride_am, stride_sam, stride_bn, stride_sbn, BK: tl.constexpr, F32: tl.constexpr):
+                   stride_am, stride_sam, stride_bn, stride_sbn, BK: tl.constexpr, F32: tl.constexpr,
+                   B_BF16: tl.constexpr):
     """One BK step as BK/32 MX blocks: per-row scales broadcast without reshapes, K=32 dots."""
     for j in tl.static_range(BK // 32):
         kk = k0 + j * 32 + tl.arange(0, 32)
@@ -271,14 +276,21 @@ def _k_step_blocks(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask
         a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=mmask[:, None] & km[None, :], other=0.0)
         b = tl.load(b_ptr + rn[:, None] * stride_bn + kk[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
         ea = tl.load(sa_ptr + rm * stride_sam + ks, mask=mmask & (ks < n_sk), other=127).to(tl.int32)
-        eb = tl.load(sb_ptr + rn * stride_sbn + ks, mask=nmask & (ks < n_sk), other=127).to(tl.int32)
         if F32:
             ad = a.to(tl.float32) * _pow2_f32(ea)[:, None]
-            bd = b.to(tl.float32) * _pow2_f32(eb)[:, None]
+            if B_BF16:
+                bd = b.to(tl.float32)
+            else:
+                eb = tl.load(sb_ptr + rn * stride_sbn + ks, mask=nmask & (ks < n_sk), other=127).to(tl.int32)
+                bd = b.to(tl.float32) * _pow2_f32(eb)[:, None]
             acc = tl.dot(ad, tl.trans(bd), acc, input_precision="ieee")
         else:
             ad = a.to(tl.bfloat16) * _pow2_bf16(ea)[:, None]
-            bd = b.to(tl.bfloat16) * _pow2_bf16(eb)[:, None]
+            if B_BF16:
+                bd = b
+            else:
+                eb = tl.load(sb_ptr + rn * stride_sbn + ks, mask=nmask & (ks < n_sk), other=127).to(tl.int32)
+                bd = b.to(tl.bfloat16) * _pow2_bf16(eb)[:, None]
             acc = tl.dot(ad, tl.trans(bd), acc)
     return acc
 
@@ -297,7 +309,7 @@ def _gemm_configs():
 def _mx_gemm_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M, N, K,
     stride_am, stride_sam, stride_bn, stride_sbn, stride_cm,
-    HAS_BIAS: tl.constexpr, F32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, F32: tl.constexpr, B_BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SUB: tl.constexpr,
 ):
     """C[M, N] = sum_k deq(A)[m, k] deq(B)[n, k]; A, B fp8 with K contiguous, e8m0 scales per 32 along K."""
@@ -318,23 +330,24 @@ def _mx_gemm_kernel(
     for k0 in range(0, K, BK):
         if SUB:
             acc = _k_step_blocks(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
-                                 stride_am, stride_sam, stride_bn, stride_sbn, BK, F32)
+                                 stride_am, stride_sam, stride_bn, stride_sbn, BK, F32, B_BF16)
         else:
             acc = _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
-                               stride_am, stride_sam, stride_bn, stride_sbn, BM, BN, BK, F32)
+                               stride_am, stride_sam, stride_bn, stride_sbn, BM, BN, BK, F32, B_BF16)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
-_mx_gemm_autotuned = triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "HAS_BIAS"])(_mx_gemm_kernel)
+_mx_gemm_autotuned = triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "HAS_BIAS", "B_BF16"])(_mx_gemm_kernel)
 
 
 def mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, k: int | None = None,
             bias: torch.Tensor | None = None, out_dtype=torch.bfloat16, config: dict | None = None) -> torch.Tensor:
     """A [M, >=K] x B [N, >=K]^T over the first K columns, MX along K (uint8 scales). -> [M, N].
 
+    ``sb=None``: B is bf16 holding the exact dequantization of an MX tensor (a weight dequantized once).
     ``config`` (BM, BN, BK, GROUP_M, SUB, num_warps, num_stages) skips the autotuner."""
     M, N = a.shape[0], b.shape[0]
     K = a.shape[1] if k is None else k
@@ -350,9 +363,9 @@ def mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
         prune_gemm_configs(a.device)
     kernel = _mx_gemm_autotuned if config is None else _mx_gemm_kernel
     kernel[grid](
-        a, sa, b, sb, c, bias if bias is not None else c, M, N, K,
-        a.stride(0), sa.stride(0), b.stride(0), sb.stride(0), c.stride(0),
-        HAS_BIAS=bias is not None, F32=INTERPRET, **(config or {}),
+        a, sa, b, sa if sb is None else sb, c, bias if bias is not None else c, M, N, K,
+        a.stride(0), sa.stride(0), b.stride(0), 0 if sb is None else sb.stride(0), c.stride(0),
+        HAS_BIAS=bias is not None, F32=INTERPRET, B_BF16=sb is None, **(config or {}),
     )
     return c
 
@@ -374,6 +387,7 @@ def prune_gemm_configs(device) -> list[str]:
         meta = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         try:
             mx_gemm(a, s, a, s, config=meta)
+            mx_gemm(a, s, a.to(torch.bfloat16), None, config=meta)
             torch.cuda.synchronize(device)
             good.append(cfg)
         except Exception as exc:  # a config this Triton/GPU cannot build: tune over the others

@@ -123,6 +123,12 @@ def test_triton_gemm_exact_mx(m, n, k, bias, sub):
         want = want + bvec.double()
     assert torch.isfinite(c).all()
     assert ((c.double() - want).norm() / want.norm()).item() < 1e-6  # only the fp32 summation order differs
+    # B given as its exact bf16 dequantization (how the linear passes weights): the same product
+    b16 = ref.dequantize_mx_torch(bd, bs).bfloat16()
+    c2 = mx_gemm(ad.to(dev), as_.view(torch.uint8).to(dev), b16.to(dev), None,
+                 bias=None if bvec is None else bvec.to(dev), out_dtype=torch.float32,
+                 config=dict(BM=32, BN=32, BK=64, GROUP_M=2, SUB=sub, num_warps=4, num_stages=2)).cpu()
+    assert ((c2.double() - want).norm() / want.norm()).item() < 1e-6
 
 
 # ------------------------------------------------------------------------------------------------- GPU
