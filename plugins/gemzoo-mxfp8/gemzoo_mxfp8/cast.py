@@ -13,6 +13,13 @@ from gemzoo_mxfp8.rht import hadamard_transform
 
 ELEMS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+# Tests set this under TRITON_INTERPRET=1 to run the GPU code paths (Triton kernels) on CPU tensors.
+FORCE_TRITON = False
+
+
+def on_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or FORCE_TRITON
+
 
 def _check_elem(elem):
     if elem not in ELEMS:
@@ -92,7 +99,7 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
 
     ``rht`` = (signs, block) applies H diag(signs) along R before the columnwise quantization.
     """
-    if x.is_cuda:
+    if on_triton(x):
         from gemzoo_mxfp8.triton_kernels import hadamard_sign_matrix, mx_cast
 
         h = None if rht is None else hadamard_sign_matrix(rht[0], rht[1], x.device)
@@ -121,7 +128,7 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
 
 def dequant2d(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     """Rowwise dequantize of 2-D MX data (scales uint8 along the last dim)."""
-    if data.is_cuda:
+    if on_triton(data):
         from gemzoo_mxfp8.triton_kernels import mx_dequant
 
         return mx_dequant(data, scale_u8, dtype)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo_mxfp8.cast import cast2d, dequant2d
+from gemzoo_mxfp8.cast import cast2d, dequant2d, on_triton
 from gemzoo_mxfp8.rht import rht_signs
 
 BACKENDS = ("auto", "triton", "cublas", "hybrid")
@@ -58,7 +58,7 @@ class MXLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, k)
         need_w = weight.requires_grad
         rht = _rht(cfg)
-        if not x.is_cuda:
+        if not on_triton(x):
             xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht, dq_dtype=torch.float32)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem, dq_dtype=torch.float32)["row_dq"]
             y = xo["row_dq"] @ wdq.t()
@@ -89,7 +89,7 @@ class MXLinearFunction(torch.autograd.Function):
         rht = _rht(cfg)
         dx = dw = db = None
         mp = xc_data.shape[1] if xc_data is not None else 0
-        if not dy.is_cuda:
+        if not on_triton(dy):
             do = cast2d(dy2, row_dq=need_x, col_dq=need_w, elem=cfg.grad_elem, rht=rht, dq_dtype=torch.float32)
             if need_x:
                 wc = cast2d(weight, col_dq=True, elem=cfg.elem, dq_dtype=torch.float32)["col_dq"]  # [K, Np]
