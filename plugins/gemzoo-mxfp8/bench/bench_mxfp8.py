@@ -41,6 +41,17 @@ SIZES = [(1024, 4096), (2048, 8192)] if CUDA else [(64, 128)]
 CAST_SHAPE = (65536, 4096) if CUDA else (64, 128)
 
 
+BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "1e9"))  # skip what is left once this is spent
+
+
+def over_budget(what):
+    if time.time() - T0 > BUDGET_S:
+        log(f"SKIPPED {what}: over the {BUDGET_S:.0f} s budget")
+        RESULTS["notes"].append(f"skipped {what} (time budget)")
+        return True
+    return False
+
+
 def log(msg):
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
@@ -252,6 +263,8 @@ def bench_casts():
 def bench_gemms():
     for d, h in SIZES:
         for m, n, k in ((TOKENS, h, d), (TOKENS, d, h), (h, d, TOKENS)):
+            if over_budget(f"gemm {m}x{n}x{k}"):
+                continue
             a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
             flops = 2 * m * n * k
@@ -294,6 +307,8 @@ def bench_mlp(d, h, kinds):
     flops = 3 * 2 * (2 * TOKENS * d * h)  # two linears, fwd + dgrad + wgrad
     res = RESULTS["mlp"].setdefault(f"{d}->{h}->{d}", {})
     for kind in kinds:
+        if over_budget(f"mlp {d}->{h} {kind}"):
+            continue
         try:
             mlp = make_mlp(d, h, kind)
             compiled = kind in ("bf16", "fp8-rowwise")  # MX runs eagerly: its kernels are already fused
