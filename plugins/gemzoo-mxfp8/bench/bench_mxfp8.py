@@ -385,7 +385,7 @@ def main():
     save()
     bench_copy()
     bench_casts()
-    kinds = ["bf16", "mx-cublas", "mx-hybrid", "mx-triton", "mx-cublas-rht", "fp8-rowwise", "fp8-rowwise-triton"]
+    kinds = ["bf16", "mx-cublas", "fp8-rowwise", "fp8-rowwise-triton", "mx-hybrid", "mx-triton", "mx-cublas-rht"]
     for d, h in SIZES:
         bench_mlp(d, h, kinds)
     table()
