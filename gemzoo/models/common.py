@@ -94,7 +94,7 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         o = self.attn(q, k, v, offsets, max_q_len=max_len, max_k_len=max_len)
-        return self.out(o.reshape(t, -1)).to(x.dtype)
+        return self.out(o.reshape(t, self.num_heads * self.head_dim)).to(x.dtype)
 
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())

@@ -81,7 +81,7 @@ class CrossAttention(nn.Module):
         q = self.q(cand).view(c, self.num_heads, self.head_dim)
         k, v = self.kv(hist).view(t, 2, self.num_heads, self.head_dim).unbind(1)
         o = self.attn(q, k, v, cand_offsets, hist_offsets, max_q_len=max_cand, max_k_len=max_hist)
-        return self.out(o.reshape(c, -1)).to(cand.dtype)
+        return self.out(o.reshape(c, self.num_heads * self.head_dim)).to(cand.dtype)
 
 
 class GemModel(nn.Module):

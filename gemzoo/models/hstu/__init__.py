@@ -54,7 +54,7 @@ class HSTUBlock(nn.Module):
         u, v, q, k = uvqk.split([h * self.v_dim, h * self.v_dim, h * self.qk_dim, h * self.qk_dim], dim=1)
         a = self.attn(q.reshape(t, h, self.qk_dim), k.reshape(t, h, self.qk_dim), v.reshape(t, h, self.v_dim),
                       offsets, max_q_len=max_len, max_k_len=max_len)
-        y = self.attn_norm(a.reshape(t, -1).to(x.dtype)) * u.to(x.dtype)
+        y = self.attn_norm(a.reshape(t, h * self.v_dim).to(x.dtype)) * u.to(x.dtype)
         return x + self.out(self.dropout(y)).to(x.dtype)
 
     def flops(self, lengths: torch.Tensor) -> int:
