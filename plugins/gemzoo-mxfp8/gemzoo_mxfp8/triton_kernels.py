@@ -254,7 +254,10 @@ def _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, 
                  mask=mmask[:, None] & smask[None, :], other=127).to(tl.int32)
     ad = _dequant_tile(a, ea, BM, BK, F32)
     if B_BF16:
-        bd = b.to(tl.float32) if F32 else b
+        if F32:
+            bd = b.to(tl.float32)
+        else:
+            bd = b
     else:
         eb = tl.load(sb_ptr + rn[:, None] * stride_sbn + (k0 // 32 + rks)[None, :],
                      mask=nmask[:, None] & smask[None, :], other=127).to(tl.int32)
