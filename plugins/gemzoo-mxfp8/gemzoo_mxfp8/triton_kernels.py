@@ -239,61 +239,64 @@ def _dequant_tile(q, e, BR: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
-def _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
-                 stride_am, stride_sam, stride_bn, stride_sbn,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, B_BF16: tl.constexpr):
-    """One BK step: load [BM, BK] / [BN, BK] fp8 tiles, dequantize through a [.., BK/32, 32] reshape.
-    With B_BF16, B is already the (exact) bf16 dequantization and goes to the MMA as loaded."""
+def _load_scales(s_ptr, rows, rmask, stride, k0, n_sk, BK: tl.constexpr):
+    """[R, BK/32] int32 exponents of the K step starting at k0 (127, i.e. 1.0, outside)."""
+    ks = k0 // 32 + tl.arange(0, BK // 32)
+    return tl.load(s_ptr + rows[:, None] * stride + ks[None, :], mask=rmask[:, None] & (ks < n_sk)[None, :],
+                   other=127).to(tl.int32)
+
+
+@triton.jit
+def _scale_col(e, j: tl.constexpr, BK: tl.constexpr):
+    """Column j of a [R, BK/32] register tile (a masked row sum: registers cannot be indexed)."""
+    return tl.sum(tl.where(tl.arange(0, BK // 32)[None, :] == j, e, 0), axis=1)
+
+
+@triton.jit
+def _k_step_tile(acc, a_ptr, b_ptr, ea, eb, k0, K, rm, rn, mmask, nmask, stride_am, stride_bn,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, A_BF16: tl.constexpr):
+    """One BK step: [BM, BK] / [BN, BK] tiles dequantized through a [.., BK/32, 32] reshape.
+    With A_BF16, A is already the (exact) bf16 dequantization and goes to the MMA as loaded."""
     rk = tl.arange(0, BK)
-    rks = tl.arange(0, BK // 32)
     kmask = (k0 + rk) < K
-    smask = (k0 // 32 + rks) < n_sk
     a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
     b = tl.load(b_ptr + rn[:, None] * stride_bn + (k0 + rk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    ea = tl.load(sa_ptr + rm[:, None] * stride_sam + (k0 // 32 + rks)[None, :],
-                 mask=mmask[:, None] & smask[None, :], other=127).to(tl.int32)
-    ad = _dequant_tile(a, ea, BM, BK, F32)
-    if B_BF16:
+    if A_BF16:
         if F32:
-            bd = b.to(tl.float32)
+            ad = a.to(tl.float32)
         else:
-            bd = b
+            ad = a
     else:
-        eb = tl.load(sb_ptr + rn[:, None] * stride_sbn + (k0 // 32 + rks)[None, :],
-                     mask=nmask[:, None] & smask[None, :], other=127).to(tl.int32)
-        bd = _dequant_tile(b, eb, BN, BK, F32)
+        ad = _dequant_tile(a, ea, BM, BK, F32)
+    bd = _dequant_tile(b, eb, BN, BK, F32)
     if F32:
         return tl.dot(ad, tl.trans(bd), acc, input_precision="ieee")
     return tl.dot(ad, tl.trans(bd), acc)
 
 
 @triton.jit
-def _k_step_blocks(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
-                   stride_am, stride_sam, stride_bn, stride_sbn, BK: tl.constexpr, F32: tl.constexpr,
-                   B_BF16: tl.constexpr):
+def _k_step_blocks(acc, a_ptr, b_ptr, ea, eb, k0, K, rm, rn, mmask, nmask, stride_am, stride_bn,
+                   BK: tl.constexpr, F32: tl.constexpr, A_BF16: tl.constexpr):
     """One BK step as BK/32 MX blocks: per-row scales broadcast without reshapes, K=32 dots."""
     for j in tl.static_range(BK // 32):
         kk = k0 + j * 32 + tl.arange(0, 32)
         km = kk < K
-        ks = k0 // 32 + j
         a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :], mask=mmask[:, None] & km[None, :], other=0.0)
         b = tl.load(b_ptr + rn[:, None] * stride_bn + kk[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
-        ea = tl.load(sa_ptr + rm * stride_sam + ks, mask=mmask & (ks < n_sk), other=127).to(tl.int32)
+        ebj = _scale_col(eb, j, BK)
         if F32:
-            ad = a.to(tl.float32) * _pow2_f32(ea)[:, None]
-            if B_BF16:
-                bd = b.to(tl.float32)
+            bd = b.to(tl.float32) * _pow2_f32(ebj)[:, None]
+            if A_BF16:
+                ad = a.to(tl.float32)
             else:
-                eb = tl.load(sb_ptr + rn * stride_sbn + ks, mask=nmask & (ks < n_sk), other=127).to(tl.int32)
-                bd = b.to(tl.float32) * _pow2_f32(eb)[:, None]
+                ad = a.to(tl.float32) * _pow2_f32(_scale_col(ea, j, BK))[:, None]
             acc = tl.dot(ad, tl.trans(bd), acc, input_precision="ieee")
         else:
-            ad = a.to(tl.bfloat16) * _pow2_bf16(ea)[:, None]
-            if B_BF16:
-                bd = b
+            bd = b.to(tl.bfloat16) * _pow2_bf16(ebj)[:, None]
+            if A_BF16:
+                ad = a
             else:
-                eb = tl.load(sb_ptr + rn * stride_sbn + ks, mask=nmask & (ks < n_sk), other=127).to(tl.int32)
-                bd = b.to(tl.bfloat16) * _pow2_bf16(eb)[:, None]
+                ad = a.to(tl.bfloat16) * _pow2_bf16(_scale_col(ea, j, BK))[:, None]
             acc = tl.dot(ad, tl.trans(bd), acc)
     return acc
 
@@ -302,8 +305,9 @@ def _gemm_configs():
     if INTERPRET:
         return [triton.Config({"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 4, "SUB": 0}, num_warps=4, num_stages=1)]
     cfgs = []
-    for bm, bn, bk, w, s, sub in [(128, 128, 64, 8, 4, 0), (128, 256, 64, 8, 3, 0), (128, 128, 128, 8, 3, 0),
-                                  (128, 256, 128, 8, 3, 0), (128, 128, 64, 8, 4, 1), (128, 256, 64, 8, 3, 1)]:
+    # checked offline with ptxas for sm_90a: no spills, no serialized wgmma (128x256x128 spills)
+    for bm, bn, bk, w, s, sub in [(128, 128, 64, 8, 4, 0), (128, 256, 64, 8, 3, 0), (128, 256, 64, 8, 4, 0),
+                                  (128, 128, 128, 8, 3, 0), (128, 128, 64, 8, 4, 1), (128, 256, 64, 8, 3, 1)]:
         cfgs.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "SUB": sub}, num_warps=w, num_stages=s))
     return cfgs
 
@@ -311,11 +315,14 @@ def _gemm_configs():
 @triton.jit
 def _mx_gemm_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M, N, K,
-    stride_am, stride_sam, stride_bn, stride_sbn, stride_cm,
-    HAS_BIAS: tl.constexpr, F32: tl.constexpr, B_BF16: tl.constexpr,
+    stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, BIAS_M: tl.constexpr, F32: tl.constexpr, A_BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SUB: tl.constexpr,
 ):
-    """C[M, N] = sum_k deq(A)[m, k] deq(B)[n, k]; A, B fp8 with K contiguous, e8m0 scales per 32 along K."""
+    """C[M, N] = sum_k deq(A)[m, k] deq(B)[n, k]; A, B fp8 with K contiguous, e8m0 scales per 32 along K.
+
+    The fp8 tiles are software-pipelined by Triton (cp.async); the scale bytes are too narrow for that,
+    so they are prefetched by hand one K step ahead, in registers."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -330,20 +337,33 @@ def _mx_gemm_kernel(
     nmask = rn < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     n_sk = tl.cdiv(K, 32)
+    eb_next = _load_scales(sb_ptr, rn, nmask, stride_sbn, 0, n_sk, BK)
+    if A_BF16:
+        ea_next = eb_next  # unused
+    else:
+        ea_next = _load_scales(sa_ptr, rm, mmask, stride_sam, 0, n_sk, BK)
     for k0 in range(0, K, BK):
+        ea = ea_next
+        eb = eb_next
+        eb_next = _load_scales(sb_ptr, rn, nmask, stride_sbn, k0 + BK, n_sk, BK)
+        if not A_BF16:
+            ea_next = _load_scales(sa_ptr, rm, mmask, stride_sam, k0 + BK, n_sk, BK)
         if SUB:
-            acc = _k_step_blocks(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
-                                 stride_am, stride_sam, stride_bn, stride_sbn, BK, F32, B_BF16)
+            acc = _k_step_blocks(acc, a_ptr, b_ptr, ea, eb, k0, K, rm, rn, mmask, nmask, stride_am, stride_bn,
+                                 BK, F32, A_BF16)
         else:
-            acc = _k_step_tile(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, k0, K, n_sk, rm, rn, mmask, nmask,
-                               stride_am, stride_sam, stride_bn, stride_sbn, BM, BN, BK, F32, B_BF16)
+            acc = _k_step_tile(acc, a_ptr, b_ptr, ea, eb, k0, K, rm, rn, mmask, nmask, stride_am, stride_bn,
+                               BM, BN, BK, F32, A_BF16)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+        if BIAS_M:
+            acc += tl.load(bias_ptr + rm, mask=mmask, other=0.0).to(tl.float32)[:, None]
+        else:
+            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
-_mx_gemm_autotuned = triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "HAS_BIAS", "B_BF16"])(_mx_gemm_kernel)
+_mx_gemm_autotuned = triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "HAS_BIAS", "BIAS_M", "A_BF16", "stride_cn"])(_mx_gemm_kernel)
 
 
 def mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, k: int | None = None,
@@ -351,6 +371,7 @@ def mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
     """A [M, >=K] x B [N, >=K]^T over the first K columns, MX along K (uint8 scales). -> [M, N].
 
     ``sb=None``: B is bf16 holding the exact dequantization of an MX tensor (a weight dequantized once).
+    Scales are uint8 [rows, ceil(K/32)] with a contiguous last dim.
     ``config`` (BM, BN, BK, GROUP_M, SUB, num_warps, num_stages) skips the autotuner."""
     M, N = a.shape[0], b.shape[0]
     K = a.shape[1] if k is None else k
@@ -361,14 +382,26 @@ def mx_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor
         return c
     if K == 0:
         return c.zero_() if bias is None else c.copy_(bias.expand(M, N))
-    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
     if config is None and a.is_cuda:
         prune_gemm_configs(a.device)
     kernel = _mx_gemm_autotuned if config is None else _mx_gemm_kernel
+    bias_arg = bias if bias is not None else c
+    if sb is None:
+        # bf16 B: compute C^T = B A^T with the bf16 operand first. Its tiles then go to the MMA straight
+        # from shared memory (Triton would otherwise keep a converted first operand in registers, and
+        # ptxas serializes that wgmma chain); C^T is stored transposed into C.
+        grid = lambda meta: (triton.cdiv(N, meta["BM"]) * triton.cdiv(M, meta["BN"]),)  # noqa: E731
+        kernel[grid](
+            b, sa, a, sa, c, bias_arg, N, M, K,
+            b.stride(0), 0, a.stride(0), sa.stride(0), 1, c.stride(0),
+            HAS_BIAS=bias is not None, BIAS_M=True, F32=INTERPRET, A_BF16=True, **(config or {}),
+        )
+        return c
+    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
     kernel[grid](
-        a, sa, b, sa if sb is None else sb, c, bias if bias is not None else c, M, N, K,
-        a.stride(0), sa.stride(0), b.stride(0), 0 if sb is None else sb.stride(0), c.stride(0),
-        HAS_BIAS=bias is not None, F32=INTERPRET, B_BF16=sb is None, **(config or {}),
+        a, sa, b, sb, c, bias_arg, M, N, K,
+        a.stride(0), sa.stride(0), b.stride(0), sb.stride(0), c.stride(0), 1,
+        HAS_BIAS=bias is not None, BIAS_M=False, F32=INTERPRET, A_BF16=False, **(config or {}),
     )
     return c
 
