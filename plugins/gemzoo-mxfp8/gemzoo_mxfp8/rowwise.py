@@ -35,12 +35,15 @@ def _quant(x: torch.Tensor):
     return quantize_rowwise(x)
 
 
-def _mm(a, sa, b_t, sb, out_dtype):
-    """(a * sa) @ (b_t * sb)^T with a [M, K], b_t [N, K] both rowwise-quantized along K."""
+def _mm(a, sa, b_t, sb, out_dtype, fast_accum=False):
+    """(a * sa) @ (b_t * sb)^T with a [M, K], b_t [N, K] both rowwise-quantized along K.
+
+    ``fast_accum`` (forward only, as torchao does) lets cuBLAS skip the periodic fp32 promotion."""
     m, k = a.shape
     n = b_t.shape[0]
     if a.is_cuda and k % 16 == 0 and n % 16 == 0:
-        return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16).to(out_dtype)
+        return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16,
+                                use_fast_accum=fast_accum).to(out_dtype)
     try:  # CPU _scaled_mm supports rowwise scales too
         return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.float32).to(out_dtype)
     except (RuntimeError, NotImplementedError):  # emulate: products of e4m3 values are exact in fp32
@@ -69,7 +72,7 @@ class FP8RowwiseFunction(torch.autograd.Function):
         x2 = x.reshape(-1, k)
         (xq, sx), xt = _casts(x2, True, weight.requires_grad)
         (wq, sw), _ = _casts(weight, True, False)
-        y = _mm(xq, sx, wq, sw, torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
+        y = _mm(xq, sx, wq, sw, torch.float32 if x.dtype == torch.float32 else torch.bfloat16, fast_accum=True)
         if bias is not None:
             y = y + bias.to(y.dtype)
         # X^T quantized along tokens [K, M] for wgrad (empty placeholders when W needs no grad)
