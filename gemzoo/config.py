@@ -212,8 +212,8 @@ def apply_plugin_list(plugins_table: dict, plugin_list: str | list[str] | None, 
             plugins_table[entry.kind] = entry.name
     for kind in PLUGIN_KINDS:
         value = plugins_table.get(kind)
-        if kind == "memory" and value:
-            plugins_table[kind] = [m for m in value if m not in blocked]
+        if kind == "memory":
+            plugins_table[kind] = [m for m in (value or []) if m not in blocked]
         elif value in blocked:
             raise PluginError(f"--plugins no:{value} blocks the {kind} the config selects; choose another {kind}")
     return plugins_table, blocked

@@ -111,3 +111,8 @@ def test_plugin_options_validated_by_plugin_dataclass(toy):
         load_config(raw=raw(plugins={"options": {"configurable": {"fctor": 3}}}))
     with pytest.raises(ConfigError, match="takes no options"):
         load_config(raw=raw(plugins={"options": {"reference": {"x": 1}}}))
+
+
+def test_plugin_list_with_empty_memory_list(toy):
+    cfg = load_config(raw=raw(plugins={"memory": []}), plugins="sdpa-padded,bf16")
+    assert cfg.plugins.memory == [] and cfg.plugins.precision == "bf16"
