@@ -57,6 +57,8 @@ def main() -> None:
         except Exception as exc:  # keep measuring the other sets; report the failure in the table
             rows.append({"plugins": plugins, "error": f"{type(exc).__name__}: {exc}"[:300]})
         print(json.dumps(rows[-1]), flush=True)
+        with open(args.json, "w") as f:  # after every run, so a killed call keeps what it measured
+            json.dump({"config": args.config, "rows": rows}, f, indent=1)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
