@@ -36,21 +36,26 @@ class Configs:
     dq: KernelConfig
 
 
-def default_configs(head_dim: int, device_type: str) -> Configs:
-    """Block shapes per head dim (H100/H200 picks from the autotune sweep in bench/; tiny ones for the interpreter)."""
+def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Configs:
+    """Block shapes per head dim and element size. H100/H200 picks from the sweeps in bench/ (bf16, D=128);
+    fp32 tiles are halved so shared memory fits (checked with ptxas for sm_90); tiny ones for the interpreter."""
     if device_type != "cuda":
         c = KernelConfig(16, 16, 1, 1)
         return Configs(c, c, c)
+    if elem_bytes >= 4:
+        if head_dim <= 128:
+            return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 4, 2))
+        return Configs(KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 2))
     if head_dim <= 64:
         return Configs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 3))
     if head_dim <= 128:
-        return Configs(KernelConfig(128, 128, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 3))
+        return Configs(KernelConfig(128, 128, 8, 3), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3))
     return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
 
 
 _override: Configs | None = None
 _order = "lpt"
-_tma: bool | None = None  # None: use TMA (tensor descriptors) for K/V tiles where the GPU and shapes allow
+_tma: bool | None = None  # None: TMA where validated (see _tma_ok); True: wherever shapes allow; False: never
 
 
 @contextlib.contextmanager
@@ -67,13 +72,20 @@ def using(configs: Configs | None = None, *, order: str | None = None, tma: bool
         _override, _order, _tma = saved
 
 
-def _tma_ok(*tensors) -> bool:
-    """Tensor descriptors need Hopper+ (or the interpreter), power-of-two head dims and 16-byte strides."""
+def _tma_ok(*tensors, causal: bool = True) -> bool:
+    """Whether to load tiles through TMA tensor descriptors instead of pointers.
+
+    Needs Hopper+ (or the interpreter when asked), power-of-two head dims and 16-byte strides. By default
+    (``_tma is None``) only the GPU-validated set: causal, 2-byte dtypes, head dim 64 or 128. With
+    triton 3.6 ptxas crashes on the non-causal dk/dv and the D=256 variants, and fp32 tiles do not fit.
+    """
     if _tma is False:
         return False
     t0 = tensors[0]
     if t0.device.type == "cuda":
-        if _tma is None and torch.cuda.get_device_capability(t0.device)[0] < 9:
+        if torch.cuda.get_device_capability(t0.device)[0] < 9:
+            return False
+        if _tma is None and not (causal and t0.element_size() == 2 and t0.shape[-1] in (64, 128)):
             return False
     elif _tma is not True:  # interpreter: only when asked for
         return False
@@ -97,7 +109,7 @@ def _desc(t: torch.Tensor, rows: int):
 
 
 def _configs(q: torch.Tensor) -> Configs:
-    return _override if _override is not None else default_configs(q.shape[-1], q.device.type)
+    return _override if _override is not None else default_configs(q.shape[-1], q.device.type, q.element_size())
 
 
 def _pow2(n: int) -> int:
@@ -120,7 +132,7 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse):
     items = build_schedule(q_offsets, k_offsets, tq, cfg.block_m, over="q", causal=causal,
                            window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
-    tma = _tma_ok(k, v)
+    tma = _tma_ok(k, v, causal=causal)
     kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
     kernels.jfa_fwd_kernel[(cap * h,)](
         q, k, v, out, lse, q_offsets, k_offsets, items, kd, vd, cap, tq, scale * LOG2E, max(window, 0),
@@ -166,7 +178,7 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
     items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
                            window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
-    tma = _tma_ok(q, do)
+    tma = _tma_ok(q, do, causal=causal)
     qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if tma else (q, do)
     kernels.jfa_bwd_dkdv_kernel[(cap * q.shape[1],)](
         q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0], scale * LOG2E, scale,
@@ -185,7 +197,7 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
     items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal,
                            window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
-    tma = _tma_ok(k, v)
+    tma = _tma_ok(k, v, causal=causal)
     kd, vd = (_desc(k, c.block_n), _desc(v, c.block_n)) if tma else (k, v)
     kernels.jfa_bwd_dq_kernel[(cap * q.shape[1],)](
         q, k, v, do, lse, delta, dq, q_offsets, k_offsets, items, kd, vd, cap, q.shape[0], scale * LOG2E, scale,
