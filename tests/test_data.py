@@ -211,3 +211,34 @@ def test_movielens_too_few_events(tmp_path):
     path.write_text("1::10::5::100\n1::11::4::101\n2::10::5::100\n")
     with pytest.raises(ConfigError, match="3 or more ratings"):
         MovieLensDataset(MovieLensConfig(path=str(path)))
+
+
+def test_gem_batch_select():
+    b = SyntheticGemDataset(SyntheticGemConfig(**SMALL)).train_batch(0)
+    order = [5, 0, 3]
+    s = b.select(order)
+    assert s.num_samples == 3 and s.sparse_keys == b.sparse_keys
+    f = len(b.sparse_keys)
+    sp_off = torch.cat([torch.zeros(1, dtype=torch.long), b.sparse_lengths.cumsum(0)])
+    s_off = torch.cat([torch.zeros(1, dtype=torch.long), s.sparse_lengths.cumsum(0)])
+    for new, old in enumerate(order):
+        ho, so = b.history_offsets, s.history_offsets
+        assert torch.equal(s.history_items[so[new]:so[new + 1]], b.history_items[ho[old]:ho[old + 1]])
+        co, sco = b.cand_offsets, s.cand_offsets
+        for name in ("cand_items", "click", "conversion"):
+            assert torch.equal(getattr(s, name)[sco[new]:sco[new + 1]], getattr(b, name)[co[old]:co[old + 1]])
+        for k in range(f):  # key-major bags: bag (k, sample) sits at k * B + sample
+            ob, nb = k * b.num_samples + old, k * 3 + new
+            assert torch.equal(s.sparse_values[s_off[nb]:s_off[nb + 1]], b.sparse_values[sp_off[ob]:sp_off[ob + 1]])
+    empty = b.select([])
+    assert empty.num_samples == 0 and empty.num_tokens == 0 and empty.sparse_lengths.numel() == 0
+
+
+def test_seq_batch_select(tmp_path):
+    path = tmp_path / "ratings.dat"
+    write_ratings(path)
+    b = MovieLensDataset(MovieLensConfig(path=str(path), batch_size=4, max_len=3)).train_batch(0)
+    s = b.select(torch.tensor([2, 2, 0]))
+    for new, old in enumerate([2, 2, 0]):
+        lo, hi, nlo, nhi = b.offsets[old], b.offsets[old + 1], s.offsets[new], s.offsets[new + 1]
+        assert torch.equal(s.items[nlo:nhi], b.items[lo:hi]) and torch.equal(s.targets[nlo:nhi], b.targets[lo:hi])

@@ -7,6 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
+from gemzoo.jagged import lengths_to_offsets
+
+
+def gather_jagged(offsets: torch.Tensor, index: torch.Tensor, *values: torch.Tensor):
+    """Sequences ``index`` (in that order) of jagged ``values`` sharing ``offsets``: (new_offsets, *new_values)."""
+    index = torch.as_tensor(index, dtype=torch.int64, device=offsets.device)
+    lengths = (offsets[1:] - offsets[:-1])[index]
+    new_offsets = lengths_to_offsets(lengths)
+    total = int(new_offsets[-1])
+    owner = torch.repeat_interleave(torch.arange(index.numel(), device=offsets.device), lengths, output_size=total)
+    rows = offsets[index][owner] + torch.arange(total, device=offsets.device) - new_offsets[owner]
+    return (new_offsets, *(v[rows] for v in values))
+
 
 class _Movable:
     def to(self, device, non_blocking: bool = False):
@@ -64,6 +77,18 @@ class GemBatch(_Movable):
     def cand_lengths(self) -> torch.Tensor:
         return self.cand_offsets[1:] - self.cand_offsets[:-1]
 
+    def select(self, index) -> "GemBatch":
+        """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
+        index = torch.as_tensor(index, dtype=torch.int64)
+        hist_off, hist = gather_jagged(self.history_offsets, index, self.history_items)
+        cand_off, cand, click, conv = gather_jagged(self.cand_offsets, index, self.cand_items, self.click,
+                                                    self.conversion)
+        n_keys, batch = len(self.sparse_keys), self.num_samples
+        bags = (torch.arange(n_keys).unsqueeze(1) * batch + index.unsqueeze(0)).reshape(-1)  # key-major
+        sp_off, sp_vals = gather_jagged(lengths_to_offsets(self.sparse_lengths), bags, self.sparse_values)
+        return GemBatch(hist, hist_off, cand, cand_off, click, conv, self.sparse_keys, sp_vals,
+                        (sp_off[1:] - sp_off[:-1]).to(self.sparse_lengths.dtype))
+
 
 @dataclass
 class SeqBatch(_Movable):
@@ -88,3 +113,9 @@ class SeqBatch(_Movable):
     @property
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
+
+    def select(self, index) -> "SeqBatch":
+        """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
+        offsets, items, targets = gather_jagged(self.offsets, torch.as_tensor(index, dtype=torch.int64),
+                                                self.items, self.targets)
+        return SeqBatch(items, offsets, targets)
