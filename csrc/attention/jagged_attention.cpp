@@ -60,7 +60,7 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
 }
 
 // exp with ~2 ulp error, branch-free so loops over it vectorize; exp(-inf) and tiny inputs give 0.
-inline float fast_exp(float x) {
+__attribute__((always_inline)) inline float fast_exp(float x) {
   const float xc = std::min(std::max(x, -87.0f), 88.0f);
   const float t = xc * 1.44269504088896341f + 12582912.0f;  // round(x / ln2) via the 1.5 * 2^23 trick
   const float n = t - 12582912.0f;
@@ -159,45 +159,69 @@ inline float act_grad(float x, int64_t act) {
   }
 }
 
-// The per-element loops, cloned for AVX-512 / AVX2 and picked at load time (the GEMMs are MKL's).
+// The per-element loops, cloned for AVX-512 / AVX2 and picked at load time by CPU features (the GEMMs
+// are MKL's).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
-#define GEMZOO_SIMD_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#define GEMZOO_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define GEMZOO_SIMD_CLONES
 #endif
 
+// Lane-wise max / sum over [a, b): independent lanes vectorize without reassociating float math.
+constexpr int LANES = 16;
+
+__attribute__((always_inline)) inline float row_max(const float* row, int64_t a, int64_t b, float init) {
+  float acc[LANES];
+  for (int l = 0; l < LANES; ++l) acc[l] = init;
+  int64_t c = a;
+  for (; c + LANES <= b; c += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] = acc[l] > row[c + l] ? acc[l] : row[c + l];
+  for (; c < b; ++c) acc[0] = acc[0] > row[c] ? acc[0] : row[c];
+  float mx = acc[0];
+  for (int l = 1; l < LANES; ++l) mx = mx > acc[l] ? mx : acc[l];
+  return mx;
+}
+
+__attribute__((always_inline)) inline float row_sum(const float* row, int64_t a, int64_t b) {
+  float acc[LANES] = {};
+  int64_t c = a;
+  for (; c + LANES <= b; c += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += row[c + l];
+  for (; c < b; ++c) acc[0] += row[c];
+  float sum = 0.0f;
+  for (int l = 0; l < LANES; ++l) sum += acc[l];
+  return sum;
+}
+
 // Online-softmax update of one row over tile columns [a, b): the row becomes P (0 outside [a, b)),
 // m (running max) is updated, alpha receives the rescale factor for earlier tiles; returns sum(P).
 GEMZOO_SIMD_CLONES
-float softmax_row(float* row, int64_t cols, int64_t a, int64_t b, float& m, float& alpha) {
-  float mx = m;
-  for (int64_t c = a; c < b; ++c) mx = std::max(mx, row[c]);
+float softmax_row(float* __restrict__ row, int64_t cols, int64_t a, int64_t b, float* __restrict__ m,
+                  float* __restrict__ alpha) {
+  const float m_old = *m;
+  const float mx = row_max(row, a, b, m_old);
   for (int64_t c = 0; c < a; ++c) row[c] = 0.0f;
-  for (int64_t c = std::max(a, b); c < cols; ++c) row[c] = 0.0f;
-  alpha = 1.0f;
+  for (int64_t c = b; c < cols; ++c) row[c] = 0.0f;
+  *alpha = 1.0f;
   if (mx == NEG_INF) {  // nothing allowed so far in this row
     for (int64_t c = a; c < b; ++c) row[c] = 0.0f;
     return 0.0f;
   }
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t c = a; c < b; ++c) {
-    const float e = fast_exp(row[c] - mx);
-    row[c] = e;
-    sum += e;
-  }
-  alpha = fast_exp(m - mx);
-  m = mx;
-  return sum;
+  for (int64_t c = a; c < b; ++c) row[c] = fast_exp(row[c] - mx);
+  *alpha = fast_exp(m_old - mx);
+  *m = mx;
+  return row_sum(row, a, b);
 }
 
 // Backward: P = exp(S - lse) on [a, b), 0 elsewhere.
 GEMZOO_SIMD_CLONES
-void softmax_probs_row(const float* srow, float* prow, int64_t cols, int64_t a, int64_t b, float lse) {
-  for (int64_t c = 0; c < cols; ++c) prow[c] = 0.0f;
-  if (lse == NEG_INF) return;
+void softmax_probs_row(const float* __restrict__ srow, float* __restrict__ prow, int64_t cols, int64_t a, int64_t b,
+                       float lse) {
+  if (lse == NEG_INF) a = b = 0;  // a row without keys
+  for (int64_t c = 0; c < a; ++c) prow[c] = 0.0f;
 #pragma omp simd
   for (int64_t c = a; c < b; ++c) prow[c] = fast_exp(srow[c] - lse);
+  for (int64_t c = b; c < cols; ++c) prow[c] = 0.0f;
 }
 
 // Backward: dS = P * (dP - delta), in place of dP.
@@ -207,10 +231,26 @@ void softmax_grad_row(const float* prow, float* grow, int64_t cols, float delta)
   for (int64_t c = 0; c < cols; ++c) grow[c] = prow[c] * (grow[c] - delta);
 }
 
-// Pointwise: P = act(S) / norm on [a, b), 0 elsewhere (srow may equal prow).
+// Pointwise: P = act(S) / norm on [a, b), 0 elsewhere (srow may equal prow). One loop per activation
+// so each vectorizes.
 GEMZOO_SIMD_CLONES
 void act_row(const float* srow, float* prow, int64_t cols, int64_t a, int64_t b, int64_t act, float inv_norm) {
-  for (int64_t c = a; c < b; ++c) prow[c] = act_fwd(srow[c], act) * inv_norm;
+  switch (act) {
+    case SILU:
+#pragma omp simd
+      for (int64_t c = a; c < b; ++c) prow[c] = srow[c] / (1.0f + fast_exp(-srow[c])) * inv_norm;
+      break;
+    case GELU:
+      for (int64_t c = a; c < b; ++c) prow[c] = act_fwd(srow[c], GELU) * inv_norm;
+      break;
+    case RELU:
+#pragma omp simd
+      for (int64_t c = a; c < b; ++c) prow[c] = (srow[c] > 0.0f ? srow[c] : 0.0f) * inv_norm;
+      break;
+    default:
+#pragma omp simd
+      for (int64_t c = a; c < b; ++c) prow[c] = srow[c] * inv_norm;
+  }
   for (int64_t c = 0; c < a; ++c) prow[c] = 0.0f;
   for (int64_t c = std::max(a, b); c < cols; ++c) prow[c] = 0.0f;
 }
@@ -219,7 +259,25 @@ void act_row(const float* srow, float* prow, int64_t cols, int64_t a, int64_t b,
 GEMZOO_SIMD_CLONES
 void act_grad_row(const float* srow, float* grow, int64_t cols, int64_t a, int64_t b, int64_t act,
                   float inv_norm) {
-  for (int64_t c = a; c < b; ++c) grow[c] *= act_grad(srow[c], act) * inv_norm;
+  switch (act) {
+    case SILU:
+#pragma omp simd
+      for (int64_t c = a; c < b; ++c) {
+        const float sg = 1.0f / (1.0f + fast_exp(-srow[c]));
+        grow[c] *= sg * (1.0f + srow[c] * (1.0f - sg)) * inv_norm;
+      }
+      break;
+    case GELU:
+      for (int64_t c = a; c < b; ++c) grow[c] *= act_grad(srow[c], GELU) * inv_norm;
+      break;
+    case RELU:
+#pragma omp simd
+      for (int64_t c = a; c < b; ++c) grow[c] = srow[c] > 0.0f ? grow[c] * inv_norm : 0.0f;
+      break;
+    default:
+#pragma omp simd
+      for (int64_t c = a; c < b; ++c) grow[c] *= inv_norm;
+  }
   for (int64_t c = 0; c < a; ++c) grow[c] = 0.0f;
   for (int64_t c = std::max(a, b); c < cols; ++c) grow[c] = 0.0f;
 }
@@ -337,7 +395,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
         row_interval(w.i0 + r + s.shift(), j0, cols, p, a, b);
         if (p.act == SOFTMAX) {
           float alpha;
-          const float sum = softmax_row(row, cols, a, b, m_run[r], alpha);
+          const float sum = softmax_row(row, cols, a, b, &m_run[r], &alpha);
           if (alpha != 1.0f) {
             float* o = O + r * ldv;
             for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
