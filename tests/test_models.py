@@ -412,3 +412,29 @@ def test_gem_tiny_config_builds_and_steps():
     out = model(ds.train_batch(0))
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.flops(ds.train_batch(0)) > 0
+
+
+def test_self_attention_pairs_match_the_flops_helper():
+    from gemzoo.models.common import self_attention_pairs
+    from gemzoo.train.flops import attention_pairs
+
+    lengths = torch.tensor([0, 1, 5, 17])
+    assert self_attention_pairs(lengths, causal=True) == attention_pairs(lengths, causal=True) == 0 + 1 + 15 + 153
+    assert self_attention_pairs(lengths, causal=False) == attention_pairs(lengths, causal=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_bf16_sdpa_padded_step(family, gem_dataset, ml_dataset):
+    ds = dataset_for(family, gem_dataset, ml_dataset)
+    spec = gemzoo.registry.get("model", family)
+    with torch.device("meta"):
+        model = spec.build(spec.config_cls(**SMALL_MODEL[family]), ds.info)
+    model.to_empty(device="cuda")
+    torch.manual_seed(0)
+    model.init_weights()
+    _use_kernel(model, "sdpa-padded")
+    gemzoo.registry.get("precision", "bf16").apply(model, PrecisionConfig(keep=["head.*"]))
+    out = model(ds.train_batch(0).to("cuda"))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and model.flops(ds.train_batch(0)) > 0

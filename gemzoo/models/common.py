@@ -9,7 +9,7 @@ from torch import nn
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.jagged import positions, seq_ids
-from gemzoo.train.flops import attention_flops, attention_pairs, linear_flops
+from gemzoo.train.flops import attention_flops, linear_flops
 
 
 class JaggedAttention(nn.Module):
@@ -64,6 +64,12 @@ def reverse_positions(offsets: torch.Tensor, total: int, max_len: int) -> torch.
     return (lengths[ids] - 1 - positions(offsets, total)).clamp(max=max_len - 1)
 
 
+def self_attention_pairs(lengths: torch.Tensor, *, causal: bool) -> int:
+    """Allowed (query, key) pairs of self-attention over sequences of ``lengths``: L(L+1)/2 causal, L^2 not."""
+    lengths = lengths.long().cpu()
+    return int((lengths * (lengths + 1) // 2).sum()) if causal else int((lengths * lengths).sum())
+
+
 def check_heads(d_model: int, num_heads: int, head_dim: int | None, where: str) -> int:
     if num_heads < 1:
         raise ConfigError(f"[model] num_heads must be >= 1, got {num_heads}")
@@ -99,7 +105,7 @@ class SelfAttention(nn.Module):
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())
         inner = self.num_heads * self.head_dim
-        pairs = attention_pairs(lengths, causal=self.attn.request.causal)
+        pairs = self_attention_pairs(lengths, causal=self.attn.request.causal)
         return (linear_flops(tokens, self.qkv.in_features, 3 * inner) + linear_flops(tokens, inner, self.out.out_features)
                 + attention_flops(pairs, self.num_heads, self.head_dim))
 
@@ -222,6 +228,6 @@ def log2_discount(rank: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "JaggedAttention", "attention_sites", "reverse_positions", "check_heads", "SelfAttention", "FeedForward",
+    "JaggedAttention", "attention_sites", "reverse_positions", "self_attention_pairs", "check_heads", "SelfAttention", "FeedForward",
     "TransformerBlock", "MLP", "init_weights", "binary_auc", "log2_discount",
 ]

@@ -22,9 +22,9 @@ from torch import nn
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
-from gemzoo.models.common import JaggedAttention
+from gemzoo.models.common import JaggedAttention, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel
-from gemzoo.train.flops import attention_pairs, linear_flops
+from gemzoo.train.flops import linear_flops
 
 
 @dataclass
@@ -60,7 +60,7 @@ class HSTUBlock(nn.Module):
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())
         h = self.num_heads
-        pairs = attention_pairs(lengths, causal=True)
+        pairs = self_attention_pairs(lengths, causal=True)
         # QK^T over qk_dim and AV over v_dim: 2 FLOPs per MAC, x3 for forward + backward
         attn = 3 * 2 * pairs * h * (self.qk_dim + self.v_dim)
         return (linear_flops(tokens, self.uvqk.in_features, self.uvqk.out_features)
