@@ -292,7 +292,7 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
     base = default_configs(D, "cuda")
     fwd_cfgs = [base.fwd, KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 128, 4, 3),
                 KernelConfig(64, 128, 4, 3)]
-    dkdv_cfgs = [base.dkdv, KernelConfig(64, 128, 8, 3), KernelConfig(32, 128, 8, 3), KernelConfig(128, 64, 8, 2),
+    dkdv_cfgs = [base.dkdv, KernelConfig(64, 128, 8, 2), KernelConfig(32, 128, 8, 3), KernelConfig(128, 64, 8, 2),
                  KernelConfig(64, 128, 8, 1)]
     dq_cfgs = [base.dq, KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3),
                KernelConfig(128, 32, 8, 3)]

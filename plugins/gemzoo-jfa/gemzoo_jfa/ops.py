@@ -157,7 +157,7 @@ def _launch_preprocess(out, do):
     upcast = out.device.type != "cuda"
     delta = torch.empty(h, tq, device=out.device, dtype=torch.float32)
     bt = 64 if upcast else 128
-    kernels.jfa_bwd_preprocess[(triton_cdiv(tq, bt), h)](
+    kernels.jfa_bwd_preprocess[(_cdiv(tq, bt), h)](
         out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
         DV=dv, BDV=_pow2(dv), BT=bt, num_warps=1 if upcast else 4,
     )
@@ -208,7 +208,7 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
     )
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
