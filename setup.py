@@ -28,6 +28,8 @@ if os.environ.get("GEMZOO_NO_EXTENSION", "0") in ("", "0"):
         "cxx": ["-O3", "-fopenmp", "-std=c++17", f"-DGEMZOO_TORCH_VERSION_TOKENS={torch.__version__}"],
         "nvcc": ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=sm_80"],
     }
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # e.g. "9.0a": torch's cpp_extension turns it into -gencode flags
+        extra["nvcc"] = ["-O3"]
     if cpp:
         if with_cuda and cuda:
             ext = CUDAExtension("gemzoo._C", cpp + cuda, include_dirs=[os.path.join(here, "csrc")],
