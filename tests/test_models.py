@@ -269,6 +269,10 @@ def test_bad_model_configs(gem_dataset, ml_dataset):
         build("sasrec", ml_dataset.info, temperature=0.0)
     with pytest.raises(ConfigError, match="num_items"):
         build("hstu", {"max_len": 10})
+    with pytest.raises(ConfigError, match="source = \"synthetic-gem\""):
+        build("gem", ml_dataset.info)
+    with pytest.raises(ConfigError, match="source = \"movielens\""):
+        build("sasrec", gem_dataset.info)
     model = build("gem", gem_dataset.info)
     too_long = _gem_batch_with_lengths(gem_dataset, [GEM_DATA["max_len"] + 1, 1, 1])
     with pytest.raises(ConfigError, match="max_len"):

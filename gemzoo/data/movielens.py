@@ -100,6 +100,7 @@ class MovieLensDataset:
         if not self.trainable:
             raise ConfigError(f"{cfg.path}: no user has 4 or more ratings, so there is nothing to train on")
         self.info = {
+            "task": "retrieval",
             "num_items": len(movies),
             "max_len": cfg.max_len,
             "num_users": len(self.users),

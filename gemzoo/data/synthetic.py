@@ -114,6 +114,7 @@ class SyntheticGemDataset:
         self.cluster_count = counts
         self.keys = tuple(f"sparse_{t}" for t in range(cfg.num_sparse_tables))
         self.info = {
+            "task": "ranking",
             "num_items": n_items,
             "max_len": cfg.max_len,
             "max_candidates": cfg.max_candidates,

@@ -61,6 +61,11 @@ class RetrievalModel(nn.Module):
     def __init__(self, cfg: RetrievalConfig, data_info: dict):
         super().__init__()
         check_retrieval_config(cfg, self.family)
+        if data_info.get("task", "retrieval") != "retrieval":
+            raise ConfigError(
+                f"model {self.family!r} does next-item retrieval but the dataset serves {data_info['task']!r} "
+                "batches; use [data] source = \"movielens\" (or model family gem)"
+            )
         for key in ("num_items", "max_len"):
             if key not in data_info:
                 raise ConfigError(

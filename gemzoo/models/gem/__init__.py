@@ -87,6 +87,11 @@ class CrossAttention(nn.Module):
 class GemModel(nn.Module):
     def __init__(self, cfg: GemConfig, data_info: dict):
         super().__init__()
+        if data_info.get("task", "ranking") != "ranking":
+            raise ConfigError(
+                f"model 'gem' ranks candidates but the dataset serves {data_info['task']!r} batches; "
+                "use [data] source = \"synthetic-gem\" (or pick model family hstu / sasrec)"
+            )
         for key in ("num_items", "max_len"):
             if key not in data_info:
                 raise ConfigError(f"model 'gem' needs data info {key!r}; use a ranking dataset such as synthetic-gem")
