@@ -84,19 +84,30 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
     qp = jagged_to_padded(q, q_offsets, lq_max).transpose(1, 2)  # [B, H, Lq, D]
     kp = jagged_to_padded(k, k_offsets, max(lk_max, 1)).transpose(1, 2)
     vp = jagged_to_padded(v, k_offsets, max(lk_max, 1)).transpose(1, 2)
-    mask = _padded_mask(offsets_to_lengths(q_offsets), offsets_to_lengths(k_offsets), lq_max, max(lk_max, 1),
-                        causal, window, block_size, q.device)
-    if activation == "softmax":
-        has_key = mask.any(-1, keepdim=True)
-        safe_mask = mask | ~has_key  # let empty rows see every key (finite softmax), then zero them
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=safe_mask, scale=scale)
+    q_lens, k_lens = offsets_to_lengths(q_offsets), offsets_to_lengths(k_offsets)
+    simple = activation == "softmax" and window is None and block_size is None
+    if simple and causal and (k_offsets is q_offsets or torch.equal(q_lens, k_lens)):
+        # Lq == Lk: top-left causal is bottom-right causal, and padded keys only reach padded queries,
+        # so SDPA's own causal kernel (flash) needs no mask at all.
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+    elif simple and not causal:
+        has_key = (k_lens > 0).view(-1, 1, 1, 1)
+        key_mask = torch.arange(kp.shape[2], device=q.device).view(1, 1, 1, -1) < k_lens.view(-1, 1, 1, 1)
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_mask | ~has_key, scale=scale)
         out = torch.where(has_key, out, torch.zeros_like(out))
     else:
-        s = scale * (qp @ kp.transpose(-1, -2))
-        p = apply_activation(s, activation) * mask
-        if norm is not None:
-            p = p / norm
-        out = p @ vp
+        mask = _padded_mask(q_lens, k_lens, lq_max, max(lk_max, 1), causal, window, block_size, q.device)
+        if activation == "softmax":
+            has_key = mask.any(-1, keepdim=True)
+            safe_mask = mask | ~has_key  # let empty rows see every key (finite softmax), then zero them
+            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=safe_mask, scale=scale)
+            out = torch.where(has_key, out, torch.zeros_like(out))
+        else:
+            s = scale * (qp @ kp.transpose(-1, -2))
+            p = apply_activation(s, activation) * mask
+            if norm is not None:
+                p = p / norm
+            out = p @ vp
     return padded_to_jagged(out.transpose(1, 2), q_offsets)
 
 
