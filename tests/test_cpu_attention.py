@@ -85,3 +85,23 @@ def test_bad_arguments_are_named():
         KERNEL(q, q, q, torch.tensor([0, 4]), window=0)
     with pytest.raises(ValueError, match="unknown activation 'tanh'"):
         KERNEL(q, q, q, torch.tensor([0, 4]), activation="tanh")
+
+
+@needs_ext
+def test_portable_gemm_fallback():
+    """GEMZOO_NO_BLAS=1: the plain-loop tile GEMMs (used where libtorch exports no sgemm) give the same results."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, gemzoo\n"
+        "from gemzoo.testing.attention import AttentionCase, check_attention\n"
+        "k = gemzoo.registry.get('attention', 'cpu')\n"
+        "for c in (AttentionCase('softmax', True, True, batch=3, max_len=100, seed=1),\n"
+        "          AttentionCase('silu', False, False, norm=50.0, window=30, batch=3, max_len=100, seed=2)):\n"
+        "    check_attention(k, c)\n"
+    )
+    env = dict(os.environ, GEMZOO_NO_BLAS="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -11,10 +11,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
-// MKL's Fortran sgemm, exported by libtorch_cpu on x86 builds. Weak: absent -> portable loops.
+// MKL's Fortran sgemm, exported by libtorch_cpu on x86 builds. Weak: absent (or GEMZOO_NO_BLAS=1 set)
+// -> portable loops.
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc) __attribute__((weak));
@@ -32,7 +34,8 @@ enum Activation { SOFTMAX = 0, SILU = 1, GELU = 2, RELU = 3, IDENTITY = 4 };
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  if (sgemm_ != nullptr) {
+  static const bool use_blas = sgemm_ != nullptr && std::getenv("GEMZOO_NO_BLAS") == nullptr;
+  if (use_blas) {
     // row-major C = op(A) op(B)  <=>  column-major C^T = op(B)^T op(A)^T
     const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
     const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
