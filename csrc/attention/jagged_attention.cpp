@@ -170,68 +170,57 @@ inline float act_grad(float x, int64_t act) {
 #define GEMZOO_SIMD_CLONES
 #endif
 
-// Lane-wise max / sum over [a, b): independent lanes vectorize without reassociating float math.
+// Softmax rows run over the whole BK-wide scratch row with lanes outside [a, b) masked: fixed trip
+// counts vectorize without scalar tails, and masked lanes (which may hold stale values) never reach
+// the arithmetic. Max and sum keep LANES independent accumulators (no float reassociation needed).
 constexpr int LANES = 16;
+static_assert(BK % LANES == 0, "BK must be a multiple of LANES");
 
-__attribute__((always_inline)) inline float row_max(const float* row, int64_t a, int64_t b, float init) {
+// Online-softmax update of one row: the row becomes P (0 outside [a, b)), m (running max) is updated,
+// alpha receives the rescale factor for earlier tiles; returns sum(P).
+GEMZOO_SIMD_CLONES
+float softmax_row(float* __restrict__ row, int64_t a, int64_t b, float* __restrict__ m, float* __restrict__ alpha) {
+  const float m_old = *m;
   float acc[LANES];
-  for (int l = 0; l < LANES; ++l) acc[l] = init;
-  int64_t c = a;
-  for (; c + LANES <= b; c += LANES)
-    for (int l = 0; l < LANES; ++l) acc[l] = acc[l] > row[c + l] ? acc[l] : row[c + l];
-  for (; c < b; ++c) acc[0] = acc[0] > row[c] ? acc[0] : row[c];
+  for (int l = 0; l < LANES; ++l) acc[l] = m_old;
+  for (int64_t c = 0; c < BK; c += LANES)
+    for (int l = 0; l < LANES; ++l) {
+      const float v = (c + l >= a && c + l < b) ? row[c + l] : NEG_INF;
+      acc[l] = acc[l] > v ? acc[l] : v;
+    }
   float mx = acc[0];
   for (int l = 1; l < LANES; ++l) mx = mx > acc[l] ? mx : acc[l];
-  return mx;
-}
-
-__attribute__((always_inline)) inline float row_sum(const float* row, int64_t a, int64_t b) {
-  float acc[LANES] = {};
-  int64_t c = a;
-  for (; c + LANES <= b; c += LANES)
-    for (int l = 0; l < LANES; ++l) acc[l] += row[c + l];
-  for (; c < b; ++c) acc[0] += row[c];
+  *alpha = 1.0f;
+  if (mx == NEG_INF) {  // nothing allowed so far in this row
+    for (int64_t c = 0; c < BK; ++c) row[c] = 0.0f;
+    return 0.0f;
+  }
+  for (int l = 0; l < LANES; ++l) acc[l] = 0.0f;
+  for (int64_t c = 0; c < BK; c += LANES)
+    for (int l = 0; l < LANES; ++l) {
+      const float x = (c + l >= a && c + l < b) ? row[c + l] - mx : NEG_INF;
+      const float e = fast_exp(x);  // exactly 0 for masked lanes
+      row[c + l] = e;
+      acc[l] += e;
+    }
+  *alpha = fast_exp(m_old - mx);
+  *m = mx;
   float sum = 0.0f;
   for (int l = 0; l < LANES; ++l) sum += acc[l];
   return sum;
 }
 
-// Online-softmax update of one row over tile columns [a, b): the row becomes P (0 outside [a, b)),
-// m (running max) is updated, alpha receives the rescale factor for earlier tiles; returns sum(P).
+// Backward: P = exp(S - lse) on [a, b), 0 elsewhere (whole BK-wide row).
 GEMZOO_SIMD_CLONES
-float softmax_row(float* __restrict__ row, int64_t cols, int64_t a, int64_t b, float* __restrict__ m,
-                  float* __restrict__ alpha) {
-  const float m_old = *m;
-  const float mx = row_max(row, a, b, m_old);
-  for (int64_t c = 0; c < a; ++c) row[c] = 0.0f;
-  for (int64_t c = b; c < cols; ++c) row[c] = 0.0f;
-  *alpha = 1.0f;
-  if (mx == NEG_INF) {  // nothing allowed so far in this row
-    for (int64_t c = a; c < b; ++c) row[c] = 0.0f;
-    return 0.0f;
-  }
-  for (int64_t c = a; c < b; ++c) row[c] = fast_exp(row[c] - mx);
-  *alpha = fast_exp(m_old - mx);
-  *m = mx;
-  return row_sum(row, a, b);
-}
-
-// Backward: P = exp(S - lse) on [a, b), 0 elsewhere.
-GEMZOO_SIMD_CLONES
-void softmax_probs_row(const float* __restrict__ srow, float* __restrict__ prow, int64_t cols, int64_t a, int64_t b,
-                       float lse) {
+void softmax_probs_row(const float* __restrict__ srow, float* __restrict__ prow, int64_t a, int64_t b, float lse) {
   if (lse == NEG_INF) a = b = 0;  // a row without keys
-  for (int64_t c = 0; c < a; ++c) prow[c] = 0.0f;
-#pragma omp simd
-  for (int64_t c = a; c < b; ++c) prow[c] = fast_exp(srow[c] - lse);
-  for (int64_t c = b; c < cols; ++c) prow[c] = 0.0f;
+  for (int64_t c = 0; c < BK; ++c) prow[c] = fast_exp((c >= a && c < b) ? srow[c] - lse : NEG_INF);
 }
 
-// Backward: dS = P * (dP - delta), in place of dP.
+// Backward: dS = P * (dP - delta), in place of dP (whole BK-wide row; P is 0 outside [a, b)).
 GEMZOO_SIMD_CLONES
-void softmax_grad_row(const float* prow, float* grow, int64_t cols, float delta) {
-#pragma omp simd
-  for (int64_t c = 0; c < cols; ++c) grow[c] = prow[c] * (grow[c] - delta);
+void softmax_grad_row(const float* __restrict__ prow, float* __restrict__ grow, float delta) {
+  for (int64_t c = 0; c < BK; ++c) grow[c] = prow[c] * (grow[c] - delta);
 }
 
 // Pointwise: P = act(S) / norm on [a, b), 0 elsewhere (srow may equal prow). One loop per activation
@@ -398,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
         row_interval(w.i0 + r + s.shift(), j0, cols, p, a, b);
         if (p.act == SOFTMAX) {
           float alpha;
-          const float sum = softmax_row(row, cols, a, b, &m_run[r], &alpha);
+          const float sum = softmax_row(row, a, b, &m_run[r], &alpha);
           if (alpha != 1.0f) {
             float* o = O + r * ldv;
             for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
@@ -495,7 +484,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
         for (int64_t r = 0; r < rows; ++r) {
           row_interval(i0 + r + s.shift(), j0, cols, p, ra[r], rb[r]);
           if (p.act == SOFTMAX)
-            softmax_probs_row(S.data() + r * BK, P.data() + r * BK, cols, ra[r], rb[r], lp[h * tq + s.qs + i0 + r]);
+            softmax_probs_row(S.data() + r * BK, P.data() + r * BK, ra[r], rb[r], lp[h * tq + s.qs + i0 + r]);
           else
             act_row(S.data() + r * BK, P.data() + r * BK, cols, ra[r], rb[r], p.act, p.inv_norm);
         }
@@ -504,7 +493,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
         gemm(false, true, rows, cols, Dv, 1.0f, dO, ldv, V, ldv, 0.0f, dP.data(), BK);
         for (int64_t r = 0; r < rows; ++r) {
           if (p.act == SOFTMAX)
-            softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, cols, dp[h * tq + s.qs + i0 + r]);
+            softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, dp[h * tq + s.qs + i0 + r]);
           else
             act_grad_row(S.data() + r * BK, dP.data() + r * BK, cols, ra[r], rb[r], p.act, p.inv_norm);
         }
