@@ -442,3 +442,13 @@ def test_cuda_bf16_sdpa_padded_step(family, gem_dataset, ml_dataset):
     out = model(ds.train_batch(0).to("cuda"))
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.flops(ds.train_batch(0)) > 0
+
+
+@pytest.mark.parametrize("negatives", ["shared", "per_position"])
+def test_sampled_softmax_negatives(negatives, ml_dataset):
+    model = build("hstu", ml_dataset.info, negatives=negatives)
+    _use_kernel(model, "sdpa-padded")
+    losses = _train(model, ml_dataset, 30, 1e-2)
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    with pytest.raises(ConfigError, match="negatives"):
+        build("hstu", ml_dataset.info, negatives="everywhere")

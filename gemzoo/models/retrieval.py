@@ -3,8 +3,9 @@ full-ranking evaluation. A family only supplies its blocks (and optionally an ou
 
 Training: at every position with a target, the L2-normalised user state is scored against the target's
 and ``num_negatives`` uniformly sampled items' normalised embeddings (cosine / temperature), with
-accidental hits of the target masked out; the loss is the softmax cross-entropy of the target. One set
-of negatives is shared by the whole batch (memory stays O(positions x negatives)).
+accidental hits of the target masked out; the loss is the softmax cross-entropy of the target.
+``negatives = "shared"`` draws one set of negatives for the whole batch (cheap); ``"per_position"`` draws
+``num_negatives`` for every position, as the HSTU reference code does (memory O(positions x negatives x d)).
 
 Evaluation: the user state at each evaluated position is scored against every item; HR@K and NDCG@K
 (K in ``eval_ks``) use the target's rank, ties counted at their average rank.
@@ -34,6 +35,7 @@ class RetrievalConfig:
     num_heads: int = 1
     dropout: float = 0.2
     num_negatives: int = 128
+    negatives: str = "shared"  # "shared" (one draw per batch) or "per_position"
     temperature: float = 0.05
     eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])
     init_std: float = 0.02
@@ -49,6 +51,8 @@ def check_retrieval_config(cfg: RetrievalConfig, family: str) -> None:
     need(cfg.num_heads >= 1, f"num_heads must be >= 1, got {cfg.num_heads}")
     need(0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}")
     need(cfg.num_negatives >= 1, f"num_negatives must be >= 1, got {cfg.num_negatives}")
+    need(cfg.negatives in ("shared", "per_position"),
+         f"negatives must be 'shared' or 'per_position', got {cfg.negatives!r}")
     need(cfg.temperature > 0, f"temperature must be > 0, got {cfg.temperature}")
     need(bool(cfg.eval_ks) and min(cfg.eval_ks) >= 1, f"eval_ks must list positive cut-offs, got {cfg.eval_ks}")
 
@@ -110,11 +114,18 @@ class RetrievalModel(nn.Module):
         keep = batch.targets >= 0
         user = F.normalize(h[keep].float(), dim=-1)
         target = batch.targets[keep]
-        negatives = torch.randint(self.num_items, (self.cfg.num_negatives,), device=user.device)
         pos = F.normalize(self.item_emb(target).float(), dim=-1)
-        neg = F.normalize(self.item_emb(negatives).float(), dim=-1)
         pos_logit = (user * pos).sum(-1, keepdim=True)
-        neg_logit = (user @ neg.T).masked_fill(negatives.unsqueeze(0) == target.unsqueeze(1), float("-inf"))
+        k = self.cfg.num_negatives
+        if self.cfg.negatives == "shared":
+            negatives = torch.randint(self.num_items, (1, k), device=user.device)
+            neg = F.normalize(self.item_emb(negatives[0]).float(), dim=-1)
+            neg_logit = user @ neg.T
+        else:
+            negatives = torch.randint(self.num_items, (target.numel(), k), device=user.device)
+            neg = F.normalize(self.item_emb(negatives).float(), dim=-1)  # [P, k, d]
+            neg_logit = torch.einsum("pd,pkd->pk", user, neg)
+        neg_logit = neg_logit.masked_fill(negatives == target.unsqueeze(1), float("-inf"))  # accidental hits
         logits = torch.cat([pos_logit, neg_logit], dim=1) / self.cfg.temperature
         loss = F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
         return ModelOutput(loss, {"positions": float(target.numel())})
