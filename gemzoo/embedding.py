@@ -53,7 +53,8 @@ def _torchrec_import_error() -> str | None:
             import torchrec  # noqa: F401
             from torchrec import EmbeddingBagCollection, KeyedJaggedTensor  # noqa: F401
     except Exception as exc:  # ImportError, or a broken fbgemm build raising at import
-        return f"{type(exc).__name__}: {exc}"
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first_line}"
     return None
 
 
