@@ -223,55 +223,53 @@ void softmax_grad_row(const float* __restrict__ prow, float* __restrict__ grow, 
   for (int64_t c = 0; c < BK; ++c) grow[c] = prow[c] * (grow[c] - delta);
 }
 
-// Pointwise: P = act(S) / norm on [a, b), 0 elsewhere (srow may equal prow). One loop per activation
-// so each vectorizes.
+// Pointwise: P = act(S) / norm on [a, b), 0 elsewhere, over the whole BK-wide row (srow may equal
+// prow). One masked fixed-width loop per activation, so each vectorizes without scalar tails.
 GEMZOO_SIMD_CLONES
-void act_row(const float* srow, float* prow, int64_t cols, int64_t a, int64_t b, int64_t act, float inv_norm) {
+void act_row(const float* srow, float* prow, int64_t a, int64_t b, int64_t act, float inv_norm) {
   switch (act) {
     case SILU:
-#pragma omp simd
-      for (int64_t c = a; c < b; ++c) prow[c] = srow[c] / (1.0f + fast_exp(-srow[c])) * inv_norm;
-      break;
-    case GELU:
-      for (int64_t c = a; c < b; ++c) prow[c] = act_fwd(srow[c], GELU) * inv_norm;
-      break;
-    case RELU:
-#pragma omp simd
-      for (int64_t c = a; c < b; ++c) prow[c] = (srow[c] > 0.0f ? srow[c] : 0.0f) * inv_norm;
-      break;
-    default:
-#pragma omp simd
-      for (int64_t c = a; c < b; ++c) prow[c] = srow[c] * inv_norm;
-  }
-  for (int64_t c = 0; c < a; ++c) prow[c] = 0.0f;
-  for (int64_t c = std::max(a, b); c < cols; ++c) prow[c] = 0.0f;
-}
-
-// Pointwise backward: dS = dP * act'(S) / norm on [a, b), 0 elsewhere, in place of dP.
-GEMZOO_SIMD_CLONES
-void act_grad_row(const float* srow, float* grow, int64_t cols, int64_t a, int64_t b, int64_t act,
-                  float inv_norm) {
-  switch (act) {
-    case SILU:
-#pragma omp simd
-      for (int64_t c = a; c < b; ++c) {
-        const float sg = 1.0f / (1.0f + fast_exp(-srow[c]));
-        grow[c] *= sg * (1.0f + srow[c] * (1.0f - sg)) * inv_norm;
+      for (int64_t c = 0; c < BK; ++c) {
+        const float x = (c >= a && c < b) ? srow[c] : 0.0f;
+        prow[c] = x / (1.0f + fast_exp(-x)) * inv_norm;
       }
       break;
     case GELU:
-      for (int64_t c = a; c < b; ++c) grow[c] *= act_grad(srow[c], GELU) * inv_norm;
+      for (int64_t c = 0; c < BK; ++c) prow[c] = (c >= a && c < b) ? act_fwd(srow[c], GELU) * inv_norm : 0.0f;
       break;
     case RELU:
-#pragma omp simd
-      for (int64_t c = a; c < b; ++c) grow[c] = srow[c] > 0.0f ? grow[c] * inv_norm : 0.0f;
+      for (int64_t c = 0; c < BK; ++c) {
+        const float x = (c >= a && c < b) ? srow[c] : 0.0f;
+        prow[c] = (x > 0.0f ? x : 0.0f) * inv_norm;
+      }
       break;
     default:
-#pragma omp simd
-      for (int64_t c = a; c < b; ++c) grow[c] *= inv_norm;
+      for (int64_t c = 0; c < BK; ++c) prow[c] = ((c >= a && c < b) ? srow[c] : 0.0f) * inv_norm;
   }
-  for (int64_t c = 0; c < a; ++c) grow[c] = 0.0f;
-  for (int64_t c = std::max(a, b); c < cols; ++c) grow[c] = 0.0f;
+}
+
+// Pointwise backward: dS = dP * act'(S) / norm on [a, b), 0 elsewhere, in place of dP (BK-wide row).
+GEMZOO_SIMD_CLONES
+void act_grad_row(const float* srow, float* grow, int64_t a, int64_t b, int64_t act, float inv_norm) {
+  switch (act) {
+    case SILU:
+      for (int64_t c = 0; c < BK; ++c) {
+        const float x = (c >= a && c < b) ? srow[c] : 0.0f;
+        const float sg = 1.0f / (1.0f + fast_exp(-x));
+        const float g = (c >= a && c < b) ? grow[c] : 0.0f;
+        grow[c] = g * (sg * (1.0f + x * (1.0f - sg)) * inv_norm);
+      }
+      break;
+    case GELU:
+      for (int64_t c = 0; c < BK; ++c)
+        grow[c] = (c >= a && c < b) ? grow[c] * act_grad(srow[c], GELU) * inv_norm : 0.0f;
+      break;
+    case RELU:
+      for (int64_t c = 0; c < BK; ++c) grow[c] = (c >= a && c < b && srow[c] > 0.0f) ? grow[c] * inv_norm : 0.0f;
+      break;
+    default:
+      for (int64_t c = 0; c < BK; ++c) grow[c] = (c >= a && c < b) ? grow[c] * inv_norm : 0.0f;
+  }
 }
 
 // Run work(item) over items (sorted by decreasing cost) with dynamic hand-out across threads. MKL
@@ -394,7 +392,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
           }
           l_run[r] = l_run[r] * alpha + sum;
         } else {
-          act_row(row, row, cols, a, b, p.act, p.inv_norm);
+          act_row(row, row, a, b, p.act, p.inv_norm);
         }
       }
       gemm(false, false, rows, Dv, cols, 1.0f, S.data(), BK, V, ldv, 1.0f, O, ldv);
@@ -486,7 +484,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
           if (p.act == SOFTMAX)
             softmax_probs_row(S.data() + r * BK, P.data() + r * BK, ra[r], rb[r], lp[h * tq + s.qs + i0 + r]);
           else
-            act_row(S.data() + r * BK, P.data() + r * BK, cols, ra[r], rb[r], p.act, p.inv_norm);
+            act_row(S.data() + r * BK, P.data() + r * BK, ra[r], rb[r], p.act, p.inv_norm);
         }
         // dV += P^T dO ; dP = dO V^T
         gemm(true, false, cols, Dv, rows, 1.0f, P.data(), BK, dO, ldv, 1.0f, dV, ldv);
@@ -495,7 +493,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
           if (p.act == SOFTMAX)
             softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, dp[h * tq + s.qs + i0 + r]);
           else
-            act_grad_row(S.data() + r * BK, dP.data() + r * BK, cols, ra[r], rb[r], p.act, p.inv_norm);
+            act_grad_row(S.data() + r * BK, dP.data() + r * BK, ra[r], rb[r], p.act, p.inv_norm);
         }
         // dQ += scale dS K ; dK += scale dS^T Q
         gemm(false, false, rows, D, cols, p.scale, dP.data(), BK, K, ldq, 1.0f, dQ, ldq);
