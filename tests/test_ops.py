@@ -42,6 +42,19 @@ def test_fallback_without_extension_runs_every_op():
     assert info["loaded"] is False and all(not op["extension"] for op in info["ops"].values())
 
 
+def test_extension_built_for_another_torch_warns_and_falls_back(monkeypatch):
+    import types
+
+    import gemzoo
+
+    fake = types.ModuleType("gemzoo._C")
+    fake.TORCH_VERSION = "1.0.0+cpu"
+    monkeypatch.setattr(gemzoo, "_C", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "gemzoo._C", fake)
+    with pytest.warns(RuntimeWarning, match=r"built for torch 1\.0\.0\+cpu but torch .* is running"):
+        assert ops._load_extension.__wrapped__() is None
+
+
 # ------------------------------------------------------------------------------------ jagged <-> padded
 
 
