@@ -163,7 +163,8 @@ class GemModel(nn.Module):
         feats = [ce, cross, ce * cross]
         if self.sparse_arch is not None:
             pooled = self.sparse_arch(batch.sparse_keys, batch.sparse_values, batch.sparse_lengths).to(dtype)
-            s = self.sparse_proj(pooled).to(dtype)[seq_ids(cand_off, c)]
+            # index_select, not s[ids]: its CPU backward (index_add) is deterministic, so resume is bit-exact
+            s = self.sparse_proj(pooled).to(dtype).index_select(0, seq_ids(cand_off, c))
             feats += [s, ce * s]
         z = self.interaction(torch.cat(feats, dim=1))
         return self.head["click"](z).to(dtype).squeeze(1), self.head["conversion"](z).to(dtype).squeeze(1)
