@@ -426,11 +426,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
   const int64_t tq = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
   TORCH_CHECK(dout.sizes() == at::IntArrayRef({tq, H, Dv}), "grad_out must be [Tq, H, Dv]");
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-  // softmax: Di = rowsum(dO * O), per (query, head)
-  at::Tensor delta, lse;
+  at::Tensor out, lse;
   if (act == SOFTMAX) {
-    delta = (dout * out_in.to(at::kFloat)).sum(-1).t().contiguous();  // [H, Tq]
+    out = out_in.to(at::kFloat).contiguous();
     lse = lse_in.to(at::kFloat).contiguous();
+    TORCH_CHECK(out.sizes() == at::IntArrayRef({tq, H, Dv}), "out must be [Tq, H, Dv]");
     TORCH_CHECK(lse.sizes() == at::IntArrayRef({H, tq}), "lse must be [H, Tq]");
   }
 
@@ -447,20 +447,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
   const float* vp = v.const_data_ptr<float>();
   const float* gp = dout.const_data_ptr<float>();
   const float* lp = act == SOFTMAX ? lse.const_data_ptr<float>() : nullptr;
-  const float* dp = act == SOFTMAX ? delta.const_data_ptr<float>() : nullptr;
+  const float* op = act == SOFTMAX ? out.const_data_ptr<float>() : nullptr;
   float* dqp = dq.data_ptr<float>();
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
   const int64_t ldq = H * D, ldv = H * Dv;
 
   run_items(static_cast<int64_t>(items.size()), [&](int64_t it) {
-    thread_local std::vector<float> P, dP, S;
+    thread_local std::vector<float> P, dP, S, delta;
     P.resize(BQ * BK);
     dP.resize(BQ * BK);
     S.resize(BQ * BK);
     const Item& w = items[it];
     const Seq& s = seqs[w.seq];
     const int64_t h = w.head;
+    if (p.act == SOFTMAX) {  // delta_i = rowsum(dO * O) for this (sequence, head)
+      delta.resize(s.lq);
+      for (int64_t r = 0; r < s.lq; ++r) {
+        const float* g = gp + (s.qs + r) * ldv + h * Dv;
+        const float* o = op + (s.qs + r) * ldv + h * Dv;
+        float acc = 0.0f;
+        for (int64_t c = 0; c < Dv; ++c) acc += g[c] * o[c];
+        delta[r] = acc;
+      }
+    }
     for (int64_t j0 = 0; j0 < s.lk; j0 += BK) {
       const int64_t cols = std::min(s.lk, j0 + BK) - j0;
       const float* K = kp + (s.ks + j0) * ldq + h * D;
@@ -491,7 +501,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
         gemm(false, true, rows, cols, Dv, 1.0f, dO, ldv, V, ldv, 0.0f, dP.data(), BK);
         for (int64_t r = 0; r < rows; ++r) {
           if (p.act == SOFTMAX)
-            softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, dp[h * tq + s.qs + i0 + r]);
+            softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, delta[i0 + r]);
           else
             act_grad_row(S.data() + r * BK, dP.data() + r * BK, ra[r], rb[r], p.act, p.inv_norm);
         }
