@@ -68,12 +68,10 @@ def select_attention(model: nn.Module, cfg: Config, device: torch.device, dtype:
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense, sparse): embedding tables train with a sparse optimizer, the rest with AdamW."""
-    sparse_ids = set()
-    for module in model.modules():
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or type(module).__name__ in (
-            "EmbeddingBagCollection", "EmbeddingCollection"):
-            sparse_ids.update(id(p) for p in module.parameters())
+    """(dense, sparse): the pooled tables under ``model.sparse_arch`` train with the sparse optimizer;
+    everything else, item and position embeddings of the dense towers included, with AdamW."""
+    sparse_arch = getattr(model, "sparse_arch", None)
+    sparse_ids = {id(p) for p in sparse_arch.parameters()} if sparse_arch is not None else set()
     dense, sparse = [], []
     for p in model.parameters():
         if p.requires_grad:
