@@ -10,6 +10,7 @@ from gemzoo.interfaces.attention import (
     AttentionCapabilities,
     FunctionKernel,
     allowed_mask,
+    pair_allowed,
     apply_activation,
     check_inputs,
 )
@@ -58,15 +59,9 @@ def _padded_mask(q_lens, k_lens, lq_max, lk_max, causal, window, block_size, dev
     """[B, 1, Lq, Lk] allowed mask including padding (bottom-right causal per sequence)."""
     i = torch.arange(lq_max, device=device).view(1, -1, 1)
     j = torch.arange(lk_max, device=device).view(1, 1, -1)
-    shift = (k_lens - q_lens).view(-1, 1, 1)
-    ii = i + shift
+    ii = i + (k_lens - q_lens).view(-1, 1, 1)
     mask = (i < q_lens.view(-1, 1, 1)) & (j < k_lens.view(-1, 1, 1))
-    if causal:
-        mask &= j <= ii
-    if window is not None:
-        mask &= (ii - j) < window
-    if block_size is not None:
-        mask &= torch.div(ii, block_size, rounding_mode="floor") == torch.div(j, block_size, rounding_mode="floor")
+    mask &= pair_allowed(ii, j, causal=causal, window=window, block_size=block_size)
     return mask.unsqueeze(1)
 
 

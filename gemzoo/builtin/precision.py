@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo.interfaces.precision import PrecisionCapabilities, PrecisionConfig, swap_linears
+from gemzoo.interfaces.precision import PrecisionCapabilities, PrecisionConfig, adopt_linear, swap_linears
 from gemzoo.plugins import hookimpl
 
 
@@ -17,11 +17,7 @@ class BF16Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "BF16Linear":
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
-        return new
+        return adopt_linear(cls, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)

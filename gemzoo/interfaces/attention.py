@@ -113,19 +113,25 @@ class FunctionKernel:
         return self.fn(q, k, v, q_offsets, k_offsets, **kw)
 
 
+def pair_allowed(i: torch.Tensor, j: torch.Tensor, *, causal: bool, window: int | None,
+                 block_size: int | None) -> torch.Tensor:
+    """DESIGN.md's rule for query positions ``i`` (already shifted by Lk - Lq) and key positions ``j``,
+    broadcast against each other."""
+    ok = torch.ones(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool, device=i.device)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        ok &= (i - j) < window
+    if block_size is not None:
+        ok &= torch.div(i, block_size, rounding_mode="floor") == torch.div(j, block_size, rounding_mode="floor")
+    return ok
+
+
 def allowed_mask(lq: int, lk: int, *, causal: bool, window: int | None, block_size: int | None, device=None):
     """Boolean [lq, lk] mask of allowed (query, key) pairs for one sequence."""
-    shift = lk - lq
-    i = torch.arange(lq, device=device).unsqueeze(1) + shift
+    i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)
     j = torch.arange(lk, device=device).unsqueeze(0)
-    mask = torch.ones(lq, lk, dtype=torch.bool, device=device)
-    if causal:
-        mask &= j <= i
-    if window is not None:
-        mask &= (i - j) < window
-    if block_size is not None:
-        mask &= torch.div(i, block_size, rounding_mode="floor") == torch.div(j, block_size, rounding_mode="floor")
-    return mask
+    return pair_allowed(i, j, causal=causal, window=window, block_size=block_size)
 
 
 def apply_activation(scores: torch.Tensor, activation: str) -> torch.Tensor:

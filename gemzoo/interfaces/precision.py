@@ -33,6 +33,15 @@ class PrecisionPolicy(Protocol):
         ...
 
 
+def adopt_linear(cls: type, linear: nn.Linear) -> nn.Module:
+    """An instance of the nn.Linear subclass ``cls`` that shares ``linear``'s parameters (no copy)."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.weight, new.bias = linear.weight, linear.bias
+    return new
+
+
 def is_kept(name: str, cfg: PrecisionConfig) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in cfg.keep)
 
