@@ -69,10 +69,29 @@ def _round_to_elem(y, ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr
     return tl.where(y != y, 0x7F, bits | sign).to(tl.uint8)  # NaN -> 0x7F, as torch
 
 
+@triton.jit
+def _quantize(y, ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, ROUND: tl.constexpr):
+    """fp32 y -> ELEM values, round to nearest even. ROUND 0: by hand, bit assembly (the interpreter's
+    fp8 cast drops carries); 1: by hand, sign applied in float, then the (now exact) cast; 2: the cast."""
+    if ROUND == 0:
+        return _round_to_elem(y, ELEM, MANT, EMIN).to(ELEM, bitcast=True)
+    elif ROUND == 1:
+        a = tl.abs(y)
+        ex = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        big = ((tl.maximum(ex, EMIN) - MANT + 23 + 127) << 23).to(tl.float32, bitcast=True)
+        r = (a + big) - big
+        r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
+        return r.to(ELEM)
+    else:
+        return y.to(ELEM, fp_downcast_rounding="rtne")
+
+
 # ------------------------------------------------------------------------------------------------ cast
 # Columns per program of the cast kernel (rows are always one MX block of 32). Memory-bound, so one
 # fixed config; bench_mxfp8.py sweeps it and the README records the sweep.
 CAST_CONFIG = {"BC": 64, "num_warps": 4} if INTERPRET else {"BC": 128, "num_warps": 4}
+# Kernel variants (see _quantize and ROW_SPLIT); the interpreter needs ROUND=0 (its fp8 cast drops carries).
+CAST_VARIANT = {"ROUND": 0, "ROW_SPLIT": 0} if INTERPRET else {"ROUND": 1, "ROW_SPLIT": 1}
 
 
 @triton.jit
@@ -83,7 +102,7 @@ def _mx_cast_kernel(
     h_ptr, h_mult,                    # RHT for the columnwise outputs: [32, 32] block-diagonal +-1 matrix
     ROW_Q: tl.constexpr, ROW_DQ: tl.constexpr, COL_Q: tl.constexpr, COL_DQ: tl.constexpr,
     RHT: tl.constexpr, EMAX: tl.constexpr, ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
-    F32: tl.constexpr, IN_BF16: tl.constexpr,
+    F32: tl.constexpr, IN_BF16: tl.constexpr, ROUND: tl.constexpr, ROW_SPLIT: tl.constexpr,
     BC: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
@@ -100,22 +119,43 @@ def _mx_cast_kernel(
         x = x_raw.to(tl.float32)
     nsb: tl.constexpr = BC // 32
 
+    n_sb = (C + 31) // 32
     if ROW_Q or ROW_DQ:
-        x3 = tl.reshape(x, [32, nsb, 32])
-        amax = tl.max(tl.abs(x3), axis=2)
-        nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
-        e = _mx_exponent(amax, nan, EMAX)
-        y = tl.reshape(x3 * _inv_scale(e)[:, :, None], [32, BC])
-        q = _round_to_elem(y, ELEM, MANT, EMIN)
-        sblocks = pid_c * nsb + tl.arange(0, nsb)
-        n_sb = (C + 31) // 32
-        if ROW_Q:
-            tl.store(rq_ptr + rows[:, None] * C + cols[None, :], q, mask=m2)
-            tl.store(rs_ptr + rows[:, None] * n_sb + sblocks[None, :], e.to(tl.uint8),
-                     mask=rmask[:, None] & (sblocks < n_sb)[None, :])
-        if ROW_DQ:
-            dq = tl.reshape(tl.reshape(q.to(ELEM, bitcast=True).to(tl.float32), [32, nsb, 32]) * _pow2_f32(e)[:, :, None], [32, BC])
-            tl.store(rdq_ptr + rows[:, None] * C + cols[None, :], dq.to(rdq_ptr.dtype.element_ty), mask=m2)
+        if ROW_SPLIT:  # one [32, 32] MX block column at a time: no reshapes
+            for j in tl.static_range(BC // 32):
+                cj = pid_c * BC + j * 32 + tl.arange(0, 32)
+                mj = rmask[:, None] & (cj < C)[None, :]
+                xr = tl.load(x_ptr + rows[:, None] * stride_xr + cj[None, :] * stride_xc, mask=mj, other=0)
+                if IN_BF16:
+                    xj = (xr.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                else:
+                    xj = xr.to(tl.float32)
+                amax = tl.max(tl.abs(xj), axis=1)
+                nan = tl.max((xj != xj).to(tl.int32), axis=1) > 0
+                e = _mx_exponent(amax, nan, EMAX)
+                q = _quantize(xj * _inv_scale(e)[:, None], ELEM, MANT, EMIN, ROUND)
+                sb = pid_c * nsb + j
+                if ROW_Q:
+                    tl.store(rq_ptr + rows[:, None] * C + cj[None, :], q, mask=mj)
+                    tl.store(rs_ptr + rows * n_sb + sb, e.to(tl.uint8), mask=rmask & (sb < n_sb))
+                if ROW_DQ:
+                    dq = q.to(tl.float32) * _pow2_f32(e)[:, None]
+                    tl.store(rdq_ptr + rows[:, None] * C + cj[None, :], dq.to(rdq_ptr.dtype.element_ty), mask=mj)
+        else:
+            x3 = tl.reshape(x, [32, nsb, 32])
+            amax = tl.max(tl.abs(x3), axis=2)
+            nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
+            e = _mx_exponent(amax, nan, EMAX)
+            y = tl.reshape(x3 * _inv_scale(e)[:, :, None], [32, BC])
+            q = _quantize(y, ELEM, MANT, EMIN, ROUND)
+            sblocks = pid_c * nsb + tl.arange(0, nsb)
+            if ROW_Q:
+                tl.store(rq_ptr + rows[:, None] * C + cols[None, :], q, mask=m2)
+                tl.store(rs_ptr + rows[:, None] * n_sb + sblocks[None, :], e.to(tl.uint8),
+                         mask=rmask[:, None] & (sblocks < n_sb)[None, :])
+            if ROW_DQ:
+                dq = tl.reshape(tl.reshape(q.to(tl.float32), [32, nsb, 32]) * _pow2_f32(e)[:, :, None], [32, BC])
+                tl.store(rdq_ptr + rows[:, None] * C + cols[None, :], dq.to(rdq_ptr.dtype.element_ty), mask=m2)
 
     if COL_Q or COL_DQ:
         xc = x
@@ -128,13 +168,13 @@ def _mx_cast_kernel(
         amax = tl.max(tl.abs(xc), axis=0)
         nan = tl.max((xc != xc).to(tl.int32), axis=0) > 0
         e = _mx_exponent(amax, nan, EMAX)
-        q = _round_to_elem(xc * _inv_scale(e)[None, :], ELEM, MANT, EMIN)
+        q = _quantize(xc * _inv_scale(e)[None, :], ELEM, MANT, EMIN, ROUND)
         prow = rows < RP  # padded rows are written too (zeros, or RHT mixes) so RP % 32 == 0 is dense
         if COL_Q:
             tl.store(cq_ptr + cols[None, :] * RP + rows[:, None], q, mask=prow[:, None] & cmask[None, :])
             tl.store(cs_ptr + cols * (RP // 32) + pid_r, e.to(tl.uint8), mask=cmask)
         if COL_DQ:
-            dq = q.to(ELEM, bitcast=True).to(tl.float32) * _pow2_f32(e)[None, :]
+            dq = q.to(tl.float32) * _pow2_f32(e)[None, :]
             tl.store(cdq_ptr + cols[None, :] * RP + rows[:, None], dq.to(cdq_ptr.dtype.element_ty),
                      mask=prow[:, None] & cmask[None, :])
 
@@ -155,7 +195,7 @@ def _hadamard_sign_matrix(signs: tuple, block: int, device: str):
 
 def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=False,
             elem=torch.float8_e4m3fn, rht: tuple[torch.Tensor, float] | None = None,
-            dq_dtype=torch.bfloat16, config: dict | None = None):
+            dq_dtype=torch.bfloat16, config: dict | None = None, variant: dict | None = None):
     """One pass over a 2-D x. Returns a dict with the outputs asked for:
     row: (data [R, C], scale uint8 [R, ceil(C/32)]), row_dq [R, C];
     col: (data [C, RP], scale uint8 [C, RP/32]) with RP = R rounded up to 32 (x quantized along R and
@@ -168,10 +208,10 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
     e8 = torch.uint8
     empty = torch.empty(0, device=dev)
     out = {}
-    rq = torch.empty(R, C, device=dev, dtype=torch.uint8) if row_q else empty
+    rq = torch.empty(R, C, device=dev, dtype=elem) if row_q else empty
     rs = torch.empty(R, triton.cdiv(C, 32), device=dev, dtype=e8) if row_q else empty
     rdq = torch.empty(R, C, device=dev, dtype=dq_dtype) if row_dq else empty
-    cq = torch.empty(C, RP, device=dev, dtype=torch.uint8) if col_q else empty
+    cq = torch.empty(C, RP, device=dev, dtype=elem) if col_q else empty
     cs = torch.empty(C, RP // 32, device=dev, dtype=e8) if col_q else empty
     cdq = torch.empty(C, RP, device=dev, dtype=dq_dtype) if col_dq else empty
     h, mult = rht if rht is not None else (empty, 1.0)
@@ -183,14 +223,14 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
             x.view(torch.int16) if in_bf16 else x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq, RP, h, mult,
             ROW_Q=row_q, ROW_DQ=row_dq, COL_Q=col_q, COL_DQ=col_dq, RHT=rht is not None,
             EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], MANT=ELEM_MANT[elem], EMIN=ELEM_EMIN[elem],
-            F32=INTERPRET, IN_BF16=in_bf16, **cfg,
+            F32=INTERPRET, IN_BF16=in_bf16, **{**CAST_VARIANT, **(variant or {})}, **cfg,
         )
     if row_q:
-        out["row"] = (rq.view(elem), rs)
+        out["row"] = (rq, rs)
     if row_dq:
         out["row_dq"] = rdq
     if col_q:
-        out["col"] = (cq.view(elem), cs)
+        out["col"] = (cq, cs)
     if col_dq:
         out["col_dq"] = cdq
     return out
