@@ -114,7 +114,7 @@ def choose_cast_variant():
     table = {}
     chosen = None
     for rnd, split in order:
-        variant = {"ROUND": rnd, "ROW_SPLIT": split}
+        variant = {"ROUND": rnd, "ROW_SPLIT": split, "COL_MMA": 0}
         bad = {"row": 0, "row_scale": 0, "col": 0, "col_scale": 0, "row_dq": 0, "col_dq": 0}
         for elem in (torch.float8_e4m3fn, torch.float8_e5m2):
             for dtype in (torch.bfloat16, torch.float32):
@@ -295,6 +295,14 @@ def bench_casts():
     for name, (kw, nbytes) in cases.items():
         ms = bench(lambda: tk.mx_cast(x, **kw))
         res[name] = {"ms": ms, "TBs": nbytes / ms / 1e9}
+    for mma in (0, 1):  # columnwise through an identity MMA: check exactness, then time it
+        v = {**tk.CAST_VARIANT, "COL_MMA": mma}
+        xs = torch.randn(4096, 1024, device=DEV, dtype=torch.bfloat16)
+        d, sc = tk.mx_cast(xs, col_q=True, variant=v)["col"]
+        wd, ws = ref.quantize_mx_torch(xs.cpu(), axis=0)
+        exact = same_mx((d.t(), sc.t().view(torch.float8_e8m0fnu)), (wd, ws)) == 0
+        ms = bench(lambda: tk.mx_cast(x, col_q=True, variant=v))
+        res[f"columnwise COL_MMA={mma}"] = {"ms": ms, "TBs": (read + one) / ms / 1e9, "exact": exact}
     for name, axis in (("eager torch rowwise", -1), ("eager torch columnwise", 0)):
         ms = bench(lambda: ref.quantize_mx_torch(x, axis=axis))
         res[name] = {"ms": ms, "TBs": (read + one) / ms / 1e9}

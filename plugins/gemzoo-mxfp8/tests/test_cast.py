@@ -55,11 +55,11 @@ def _dev():
 
 
 # the interpreter needs hand rounding (ROUND 0); the GPU uses the hardware cast (checked exact on the H200)
-VARIANTS = ([{"ROUND": 2, "ROW_SPLIT": 1}] if torch.cuda.is_available() else
-            [{"ROUND": 0, "ROW_SPLIT": 0}, {"ROUND": 0, "ROW_SPLIT": 1}])
+VARIANTS = ([{"ROUND": 2, "ROW_SPLIT": 1, "COL_MMA": 0}] if torch.cuda.is_available() else
+            [{"ROUND": 0, "ROW_SPLIT": 0, "COL_MMA": 0}, {"ROUND": 0, "ROW_SPLIT": 1, "COL_MMA": 0}])
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"round{v['ROUND']}-split{v['ROW_SPLIT']}")
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"round{v['ROUND']}-split{v['ROW_SPLIT']}-mma{v['COL_MMA']}")
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(64, 64), (37, 70)])
