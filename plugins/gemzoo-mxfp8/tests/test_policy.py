@@ -145,3 +145,17 @@ def test_v_quantized_per_sequence():
     v2[0] = 1e6
     b = fake_quant_mx_sequence(v2, offsets)
     assert torch.equal(a[20:], b[20:])
+
+
+def test_mx_attention_through_jfa():
+    """The MX path wraps whatever kernel a site uses: through jfa it matches the MX reference."""
+    if "jfa" not in gemzoo.registry.names("attention"):
+        pytest.skip("gemzoo-jfa is not installed")
+    ref_kernel = gemzoo.registry.get("attention", "reference")
+    jfa = gemzoo.registry.get("attention", "jfa")
+    torch.manual_seed(1)
+    offsets = torch.tensor([0, 33, 40, 100])
+    q, k, v = (torch.randn(100, 2, 32) for _ in range(3))
+    got = MXAttention(jfa, "jfa")(q, k, v, offsets)
+    want = MXAttention(ref_kernel, "reference")(q, k, v, offsets)
+    assert float((got - want).norm() / want.norm()) < 1e-4
