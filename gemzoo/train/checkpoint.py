@@ -188,3 +188,42 @@ def load_latest(root: str | Path) -> dict[str, Any] | None:
     if problems:
         raise CheckpointError("no usable checkpoint under " + str(root) + ": " + " | ".join(problems))
     return None
+
+
+def _is_sharded(t) -> bool:
+    return hasattr(t, "local_shards") and hasattr(t, "gather")
+
+
+def gather_full_state(state: dict[str, Any], is_main: bool) -> dict[str, torch.Tensor]:
+    """Full tensors on the main rank for a state dict that may hold torchrec ShardedTensors.
+
+    Every rank must call it (each ShardedTensor is gathered collectively); other ranks get {}.
+    """
+    full = {}
+    for name, value in state.items():
+        if _is_sharded(value):
+            out = torch.empty(value.size(), dtype=value.dtype) if is_main else None
+            value.gather(dst=0, out=out)
+            value = out
+        if is_main:
+            full[name] = value
+    return full
+
+
+def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Load full tensors into ``model``, copying into the local shards of sharded tables."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in full]
+    unexpected = [k for k in full if k not in own]
+    plain = {}
+    for name, value in own.items():
+        if name not in full:
+            continue
+        if _is_sharded(value):
+            for shard in value.local_shards():
+                (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(full[name][r:r + h, c:c + w])
+        else:
+            plain[name] = full[name]
+    model.load_state_dict(plain, strict=False)
+    return missing, unexpected

@@ -79,8 +79,21 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     return dense, sparse
 
 
+def fuse_sparse_optimizer(model: nn.Module, cfg: Config) -> None:
+    """Ask torchrec to fuse row-wise Adagrad into the sharded tables' backward (fbgemm TBE)."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": cfg.optim.sparse_lr})
+
+
+def is_local_tensor(p: torch.Tensor) -> bool:
+    """A plain tensor held whole by this rank (not a ShardedTensor/DTensor with a fused optimizer)."""
+    return type(p.data) is torch.Tensor and not hasattr(p, "_in_backward_optimizers")
+
+
 def build_optimizers(model: nn.Module, cfg: Config) -> dict[str, torch.optim.Optimizer]:
     dense, sparse = split_parameters(model)
+    sparse = [p for p in sparse if is_local_tensor(p)]  # sharded ones carry a fused optimizer
     opts = {"dense": torch.optim.AdamW(dense, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)}
     if sparse:
         # Row-wise Adagrad is what fbgemm's fused TBE uses for sparse tables; torch's Adagrad here.
@@ -144,6 +157,8 @@ class Trainer:
         self.planner = configured("planner", cfg.plugins.planner, cfg)
         topology = Topology(self.world.world_size, self.device.type)
         plan = self.planner.plan(model.embedding_tables(), topology)
+        if plan is not None:
+            fuse_sparse_optimizer(model, cfg)  # sharded tables update inside their own backward
         model = self.planner.shard(model, plan, self.world.mesh)
 
         # 8. Memory policies, then torch.compile if asked.
@@ -156,10 +171,9 @@ class Trainer:
 
         # 9. Optimizers: sparse tables and dense AdamW.
         self.optimizers = build_optimizers(model, cfg)
-        self.dense_params, _ = split_parameters(model)
+        self.dense_params = [p for p in split_parameters(model)[0] if is_local_tensor(p)]
         # Parameters every rank holds a full copy of (sharded tables excluded): averaged each step.
-        self.replicated_params = [p for p in model.parameters()
-                                  if p.requires_grad and type(p.data) is torch.Tensor]
+        self.replicated_params = [p for p in model.parameters() if p.requires_grad and is_local_tensor(p)]
 
         # 10. Resume.
         self.start_step = 0
@@ -176,7 +190,7 @@ class Trainer:
             if state is None:
                 print(f"no checkpoint under {root}; starting from step 0")
                 return
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing, unexpected = ckpt.load_full_state(self.model, state["model"])
         if missing or unexpected:
             raise CheckpointError(
                 f"{state['path']} does not match this model: missing {missing[:5]}, unexpected {unexpected[:5]}. "
@@ -250,6 +264,7 @@ class Trainer:
         return {f"eval/{k}": float(v) for k, v in evaluator.compute().items()}
 
     def save(self, step: int) -> Path | None:
+        model_state = ckpt.gather_full_state(self.model.state_dict(), self.world.is_main)  # collective
         if not self.world.is_main:
             return None
         plugins = {e.name: {"kind": e.kind, "distribution": e.distribution, "version": e.version}
@@ -257,7 +272,7 @@ class Trainer:
         manifest = {"config": self.cfg.to_dict(), "plugins": plugins, "torch": torch.__version__}
         return ckpt.save_checkpoint(
             self.out_dir / "checkpoints", step,
-            model_state=self.model.state_dict(),
+            model_state=model_state,
             optimizers={n: o.state_dict() for n, o in self.optimizers.items()},
             manifest=manifest, keep=self.cfg.checkpoint.keep,
         )
