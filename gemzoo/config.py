@@ -242,19 +242,8 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
             raise ConfigError(f"{source}: unknown section [{section}]. Valid sections: {', '.join(sorted(known))}.{hint}")
     built = {name: build_dataclass(cls, raw.get(name, {}), name, source) for name, cls in SECTIONS.items()}
 
-    model_table = dict(raw.get("model", {}))
-    family = model_table.get("family")
-    if not family:
-        raise ConfigError(f"{source}: [model] needs family = one of {', '.join(registry.names('model'))}")
-    spec = _lookup(registry, "model", family, source)
-    model_cfg = build_dataclass(spec.config_cls, model_table, "model", source)
-
-    data_table = dict(raw.get("data", {}))
-    data_source = data_table.get("source")
-    if not data_source:
-        raise ConfigError(f"{source}: [data] needs source = one of {', '.join(registry.names('dataset'))}")
-    dspec = _lookup(registry, "dataset", data_source, source)
-    data_cfg = build_dataclass(dspec.config_cls, data_table, "data", source)
+    model_cfg = _registered_section(raw, "model", "family", "model", registry, source)
+    data_cfg = _registered_section(raw, "data", "source", "dataset", registry, source)
 
     plugins_table = dict(raw.get("plugins", {}))
     options_raw = plugins_table.pop("options", {})
@@ -276,6 +265,16 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
             raise ConfigError(f"{source}: plugin {name!r} takes no options; remove [plugins.options.{name}]")
         plugins_cfg.options[name] = build_dataclass(options_cls, table, f"plugins.options.{name}", source)
     return Config(model=model_cfg, data=data_cfg, plugins=plugins_cfg, source=source, **built)
+
+
+def _registered_section(raw: dict, section: str, key: str, kind: str, registry, source: str):
+    """[model] / [data]: ``key`` names a registry entry whose ``config_cls`` defines the other keys."""
+    table = dict(raw.get(section, {}))
+    name = table.get(key)
+    if not name:
+        raise ConfigError(f"{source}: [{section}] needs {key} = one of {', '.join(registry.names(kind))}")
+    spec = _lookup(registry, kind, name, source)
+    return build_dataclass(spec.config_cls, table, section, source)
 
 
 def _lookup(registry, kind: str, name: str, source: str):
