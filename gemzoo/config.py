@@ -28,6 +28,7 @@ class RunConfig:
     log_every: int = 10
     compile: bool = False
     peak_tflops: float | None = None  # overrides the device table for MFU
+    dense_parallel: str = "fsdp"  # several ranks: "fsdp" shards transformer blocks (FSDP2), "ddp" replicates
 
 
 @dataclass

@@ -67,23 +67,37 @@ def test_data_parallel_replicas_stay_identical(tmp_path, world):
     assert (tmp_path / "run" / "metrics.jsonl").exists()  # rank 0 logs
 
 
-def _gem_rank(rank: int, world: int, port: int, tmp: str, steps: int, resume: bool) -> None:
+def _gem_rank(rank: int, world: int, port: int, tmp: str, steps: int, resume: bool, dense: str = "fsdp") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import json
 
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
+    import gemzoo
+    from gemzoo import registry
     from gemzoo.config import load_config
     from gemzoo.train.trainer import train
 
+    built = {}
+
+    class CaptureModel:
+        @gemzoo.hookimpl
+        def gemzoo_model_built(self, model, config):
+            built["model"] = model
+
+    registry.host().register(CaptureModel(), name="capture-model")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(root, "configs", "gem-tiny.toml"),
                       overrides=[f"run.steps={steps}", "eval.every=0", "checkpoint.every=2", f"run.out_dir='{tmp}/run'",
-                                 "plugins.options.torchrec.sharding_types=['table_wise']"])
+                                 "plugins.options.torchrec.sharding_types=['table_wise']",
+                                 f"run.dense_parallel='{dense}'"])
     result = train(cfg, resume=resume, progress=False)
-    with open(os.path.join(tmp, f"gem-rank{rank}-{steps}.json"), "w") as f:
-        json.dump({"loss": result.final_loss, "first_step": result.history[0]["step"]}, f)
+    fsdp = sum(isinstance(p, DTensor) for p in built["model"].parameters())
+    with open(os.path.join(tmp, f"gem-rank{rank}-{steps}-{dense}.json"), "w") as f:
+        json.dump({"loss": result.final_loss, "first_step": result.history[0]["step"], "dtensor_params": fsdp,
+                   "losses": [h["loss"] for h in result.history]}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -113,5 +127,19 @@ def test_gem_with_sharded_tables_trains_checkpoints_and_resumes(tmp_path):
     assert any(k.endswith("weight") and v.shape[0] == 1000 for k, v in state["model"].items())  # full tables
     _spawn(_gem_rank, 2, str(tmp_path), 6, True)
     for rank in range(2):
-        out = json.loads((tmp_path / f"gem-rank{rank}-6.json").read_text())
+        out = json.loads((tmp_path / f"gem-rank{rank}-6-fsdp.json").read_text())
         assert out["first_step"] == 5 and math.isfinite(out["loss"])  # resumed after step 4
+        assert out["dtensor_params"] > 0  # transformer blocks are FSDP2-sharded
+
+
+def test_fsdp_and_replicated_dense_parts_train_alike(tmp_path):
+    """FSDP2 on the transformer blocks computes the same steps as plain data parallelism."""
+    pytest.importorskip("torchrec")
+    import json
+
+    _spawn(_gem_rank, 2, str(tmp_path / "fsdp"), 3, False, "fsdp")
+    _spawn(_gem_rank, 2, str(tmp_path / "ddp"), 3, False, "ddp")
+    fsdp = json.loads((tmp_path / "fsdp" / "gem-rank0-3-fsdp.json").read_text())
+    ddp = json.loads((tmp_path / "ddp" / "gem-rank0-3-ddp.json").read_text())
+    assert fsdp["dtensor_params"] > 0 and ddp["dtensor_params"] == 0
+    torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(ddp["losses"]), rtol=1e-4, atol=1e-5)

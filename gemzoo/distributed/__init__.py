@@ -65,3 +65,38 @@ def all_reduce_gradients(params, world: World) -> None:
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
+
+
+def shard_dense_blocks(model, world: World, mode: str):
+    """FSDP2 (``fully_shard``) on every transformer block; other dense parameters stay replicated."""
+    from gemzoo.errors import ConfigError
+
+    if mode not in ("fsdp", "ddp"):
+        raise ConfigError(f"run.dense_parallel must be \"fsdp\" or \"ddp\", got {mode!r}")
+    if world.world_size <= 1 or mode == "ddp":
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    from gemzoo.builtin.memory import transformer_blocks
+
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=world.mesh)
+    return model
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Global grad-norm clipping over a mix of plain tensors and FSDP2 DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for g in grads:
+        n = torch.linalg.vector_norm(g, dtype=torch.float32)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        sq = sq + n.to(sq.device) ** 2
+    total = sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return total

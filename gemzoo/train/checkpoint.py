@@ -194,6 +194,32 @@ def _is_sharded(t) -> bool:
     return hasattr(t, "local_shards") and hasattr(t, "gather")
 
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def gather_optimizer_state(state: dict) -> dict:
+    """Optimizer state with FSDP2 DTensor entries made whole (collective on every rank)."""
+    out = {"param_groups": state["param_groups"], "state": {}}
+    for pid, pstate in state["state"].items():
+        out["state"][pid] = {k: (v.full_tensor() if _is_dtensor(v) else v) for k, v in pstate.items()}
+    return out
+
+
+def redistribute_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """After loading whole tensors, shard each state entry like its FSDP2 parameter again."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for p, pstate in opt.state.items():
+        if not _is_dtensor(p):
+            continue
+        for k, v in pstate.items():
+            if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.shape == p.shape:
+                pstate[k] = distribute_tensor(v.to(p.dtype), p.device_mesh, p.placements)
+
+
 def gather_full_state(state: dict[str, Any], is_main: bool) -> dict[str, torch.Tensor]:
     """Full tensors on the main rank for a state dict that may hold torchrec ShardedTensors.
 
@@ -205,11 +231,14 @@ def gather_full_state(state: dict[str, Any], is_main: bool) -> dict[str, torch.T
             out = torch.empty(value.size(), dtype=value.dtype) if is_main else None
             value.gather(dst=0, out=out)
             value = out
+        elif _is_dtensor(value):
+            value = value.full_tensor()
         if is_main:
             full[name] = value
     return full
 
 
+@torch.no_grad()
 def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     """Load full tensors into ``model``, copying into the local shards of sharded tables."""
     own = model.state_dict()
@@ -223,6 +252,10 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tu
             for shard in value.local_shards():
                 (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                 shard.tensor.copy_(full[name][r:r + h, c:c + w])
+        elif _is_dtensor(value):
+            from torch.distributed.tensor import distribute_tensor
+
+            value.copy_(distribute_tensor(full[name].to(value.dtype), value.device_mesh, value.placements))
         else:
             plain[name] = full[name]
     model.load_state_dict(plain, strict=False)

@@ -19,7 +19,8 @@ from torch import nn
 
 from gemzoo import registry
 from gemzoo.config import Config
-from gemzoo.distributed import World, all_reduce_gradients, init_distributed, pick_device
+from gemzoo.distributed import (World, all_reduce_gradients, clip_grad_norm, init_distributed, pick_device,
+                                shard_dense_blocks)
 from gemzoo.errors import CheckpointError, PluginError, TrainingError
 from gemzoo.interfaces.planner import Topology
 from gemzoo.interfaces.precision import PrecisionConfig
@@ -91,10 +92,19 @@ def is_local_tensor(p: torch.Tensor) -> bool:
     return type(p.data) is torch.Tensor and not hasattr(p, "_in_backward_optimizers")
 
 
+def is_fsdp_shard(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
 def build_optimizers(model: nn.Module, cfg: Config) -> dict[str, torch.optim.Optimizer]:
     dense, sparse = split_parameters(model)
     sparse = [p for p in sparse if is_local_tensor(p)]  # sharded ones carry a fused optimizer
-    opts = {"dense": torch.optim.AdamW(dense, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)}
+    dense = [p for p in dense if is_local_tensor(p) or is_fsdp_shard(p)]
+    mixed = len({type(p.data) for p in dense}) > 1  # FSDP2 DTensors beside plain tensors: no foreach
+    opts = {"dense": torch.optim.AdamW(dense, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                       foreach=False if mixed else None)}
     if sparse:
         # Row-wise Adagrad is what fbgemm's fused TBE uses for sparse tables; torch's Adagrad here.
         opts["sparse"] = torch.optim.Adagrad(sparse, lr=cfg.optim.sparse_lr)
@@ -153,13 +163,14 @@ class Trainer:
         self.attention_plan = select_attention(model, cfg, self.device, attn_dtype)
         model = self.precision.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
 
-        # 7. Planner for embedding tables; dense parts are data-parallel across ranks.
+        # 7. Planner for embedding tables; FSDP2 for transformer blocks, the rest data-parallel.
         self.planner = configured("planner", cfg.plugins.planner, cfg)
         topology = Topology(self.world.world_size, self.device.type)
         plan = self.planner.plan(model.embedding_tables(), topology)
         if plan is not None:
             fuse_sparse_optimizer(model, cfg)  # sharded tables update inside their own backward
         model = self.planner.shard(model, plan, self.world.mesh)
+        model = shard_dense_blocks(model, self.world, cfg.run.dense_parallel)
 
         # 8. Memory policies, then torch.compile if asked.
         self.memory = [configured("memory", name, cfg) for name in cfg.plugins.memory]
@@ -171,7 +182,7 @@ class Trainer:
 
         # 9. Optimizers: sparse tables and dense AdamW.
         self.optimizers = build_optimizers(model, cfg)
-        self.dense_params = [p for p in split_parameters(model)[0] if is_local_tensor(p)]
+        self.dense_params = [p for p in split_parameters(model)[0] if is_local_tensor(p) or is_fsdp_shard(p)]
         # Parameters every rank holds a full copy of (sharded tables excluded): averaged each step.
         self.replicated_params = [p for p in model.parameters() if p.requires_grad and is_local_tensor(p)]
 
@@ -200,6 +211,7 @@ class Trainer:
             if name not in state["optimizers"]:
                 raise CheckpointError(f"{state['path']} has no state for optimizer {name!r}")
             opt.load_state_dict(state["optimizers"][name])
+            ckpt.redistribute_optimizer_state(opt)
         ckpt.set_rng_state(state["rng"])
         self.start_step = int(state["manifest"]["step"])
         print(f"resumed from {state['path']} at step {self.start_step}")
@@ -238,7 +250,7 @@ class Trainer:
                 c.__exit__(None, None, None)
         all_reduce_gradients(self.replicated_params, self.world)
         if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.dense_params, cfg.optim.grad_clip)
+            clip_grad_norm(self.dense_params, cfg.optim.grad_clip)
         for opt in self.optimizers.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -265,6 +277,7 @@ class Trainer:
 
     def save(self, step: int) -> Path | None:
         model_state = ckpt.gather_full_state(self.model.state_dict(), self.world.is_main)  # collective
+        optimizer_states = {n: ckpt.gather_optimizer_state(o.state_dict()) for n, o in self.optimizers.items()}
         if not self.world.is_main:
             return None
         plugins = {e.name: {"kind": e.kind, "distribution": e.distribution, "version": e.version}
@@ -273,7 +286,7 @@ class Trainer:
         return ckpt.save_checkpoint(
             self.out_dir / "checkpoints", step,
             model_state=model_state,
-            optimizers={n: o.state_dict() for n, o in self.optimizers.items()},
+            optimizers=optimizer_states,
             manifest=manifest, keep=self.cfg.checkpoint.keep,
         )
 
