@@ -231,3 +231,15 @@ __all__ = [
     "JaggedAttention", "attention_sites", "reverse_positions", "self_attention_pairs", "check_heads", "SelfAttention", "FeedForward",
     "TransformerBlock", "MLP", "init_weights", "binary_auc", "log2_discount",
 ]
+
+
+def require_data_info(family: str, data_info: dict, task: str, hint: str) -> None:
+    """Fail at build, with the fix, when a model is paired with a dataset serving another task."""
+    from gemzoo.errors import ConfigError
+
+    served = data_info.get("task", task)
+    if served != task:
+        raise ConfigError(f"model {family!r} does {task} but the dataset serves {served!r} batches; {hint}")
+    for key in ("num_items", "max_len"):
+        if key not in data_info:
+            raise ConfigError(f"model {family!r} needs data info {key!r}; {hint}")

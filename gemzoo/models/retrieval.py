@@ -22,7 +22,7 @@ from torch import nn
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import ModelOutput
 from gemzoo.jagged import max_length
-from gemzoo.models.common import init_weights, log2_discount, reverse_positions
+from gemzoo.models.common import init_weights, log2_discount, require_data_info, reverse_positions
 from gemzoo.train.flops import linear_flops
 
 
@@ -65,16 +65,8 @@ class RetrievalModel(nn.Module):
     def __init__(self, cfg: RetrievalConfig, data_info: dict):
         super().__init__()
         check_retrieval_config(cfg, self.family)
-        if data_info.get("task", "retrieval") != "retrieval":
-            raise ConfigError(
-                f"model {self.family!r} does next-item retrieval but the dataset serves {data_info['task']!r} "
-                "batches; use [data] source = \"movielens\" (or model family gem)"
-            )
-        for key in ("num_items", "max_len"):
-            if key not in data_info:
-                raise ConfigError(
-                    f"model {self.family!r} needs data info {key!r}; use a sequence dataset such as movielens"
-                )
+        require_data_info(self.family, data_info, "retrieval",
+                          'use [data] source = "movielens" (or model family gem)')
         self.cfg = cfg
         self.num_items, self.max_len = int(data_info["num_items"]), int(data_info["max_len"])
         d = cfg.embedding_dim

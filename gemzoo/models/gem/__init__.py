@@ -23,6 +23,7 @@ from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelOutput, ModelSpec
 from gemzoo.jagged import max_length, seq_ids
 from gemzoo.models.common import (
+    require_data_info,
     MLP,
     JaggedAttention,
     TransformerBlock,
@@ -87,14 +88,8 @@ class CrossAttention(nn.Module):
 class GemModel(nn.Module):
     def __init__(self, cfg: GemConfig, data_info: dict):
         super().__init__()
-        if data_info.get("task", "ranking") != "ranking":
-            raise ConfigError(
-                f"model 'gem' ranks candidates but the dataset serves {data_info['task']!r} batches; "
-                "use [data] source = \"synthetic-gem\" (or pick model family hstu / sasrec)"
-            )
-        for key in ("num_items", "max_len"):
-            if key not in data_info:
-                raise ConfigError(f"model 'gem' needs data info {key!r}; use a ranking dataset such as synthetic-gem")
+        require_data_info("gem", data_info, "ranking",
+                          'use [data] source = "synthetic-gem" (or pick model family hstu / sasrec)')
         if cfg.d_model < 1 or cfg.num_layers < 0 or cfg.embedding_dim < 1 or cfg.ffn_mult < 1:
             raise ConfigError(
                 f"[model] needs d_model, embedding_dim, ffn_mult >= 1 and num_layers >= 0; got d_model={cfg.d_model}, "
