@@ -38,6 +38,7 @@ class MXLinearConfig:
     rht_block: int = 32
     rht_seed: int = 0
     backend: str = "auto"
+    out_dtype: torch.dtype | None = None           # None: x's dtype; the policy asks for bf16, as BF16Linear
 
     def rht_args(self):
         return (rht_signs(self.rht_block, self.rht_seed), self.rht_block) if self.rht else None
@@ -56,6 +57,7 @@ class MXLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, cfg: MXLinearConfig):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
+        out_dtype = cfg.out_dtype or x.dtype
         need_w = weight.requires_grad
         rht = _rht(cfg)
         if not on_triton(x):
@@ -69,7 +71,7 @@ class MXLinearFunction(torch.autograd.Function):
 
             xo = cast2d(x2, row_q=True, col_q=need_w, elem=cfg.elem, rht=rht)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]  # small: dequantized once, exact in bf16
-            y = mx_gemm(*xo["row"], wdq, None, bias=bias, out_dtype=x.dtype)
+            y = mx_gemm(*xo["row"], wdq, None, bias=bias, out_dtype=out_dtype)
         else:  # cublas, hybrid
             xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]
@@ -77,7 +79,7 @@ class MXLinearFunction(torch.autograd.Function):
         xc = xo.get("col", (None, None))
         ctx.save_for_backward(weight, *xc)  # the weight is the parameter itself; X only as MX
         ctx.cfg, ctx.x_shape, ctx.x_dtype, ctx.has_bias, ctx.m = cfg, x.shape, x.dtype, bias is not None, x2.shape[0]
-        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return y.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):

