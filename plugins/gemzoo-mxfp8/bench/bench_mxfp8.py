@@ -287,46 +287,47 @@ def bench_casts():
     signs = tk.hadamard_sign_matrix(torch.tensor([1.0, -1.0] * 16), 32, DEV)
     cases = {
         "rowwise": (dict(row_q=True), read + one),
-        "columnwise (transposed)": (dict(col_q=True), read + one),
-        "row+col fused": (dict(row_q=True, col_q=True), read + 2 * one),
-        "columnwise + RHT32": (dict(col_q=True, rht=signs), read + one),
-        "row dq bf16 + col (linear fwd)": (dict(row_dq=True, col_q=True), read + 2 * n + one),
+        "columnwise, x's layout (quantize_mx axis=0)": (dict(col_q=True, col_layout="n"), read + one),
+        "columnwise, transposed": (dict(col_q=True), read + one),
+        "row+col fused, x's layout": (dict(row_q=True, col_q=True, col_layout="n"), read + 2 * one),
+        "columnwise + RHT32, x's layout": (dict(col_q=True, rht=signs, col_layout="n"), read + one),
+        "linear fwd: row dq bf16 + col, x's layout": (dict(row_dq=True, col_q=True, col_layout="n"),
+                                                      read + 2 * n + one),
+        "linear bwd: row dq + col dq bf16, x's layout": (dict(row_dq=True, col_dq=True, col_layout="n"),
+                                                          read + 4 * n),
     }
-    for name, (kw, nbytes) in cases.items():
-        ms = bench(lambda: tk.mx_cast(x, **kw))
-        res[name] = {"ms": ms, "TBs": nbytes / ms / 1e9}
-    # columnwise variants (identity MMA, explicit transpose): check exactness, time, keep the fastest exact
+    # columnwise variants (identity MMA, explicit transpose) in both layouts: check exactness and time them;
+    # the fastest exact one in x's layout (what quantize_mx and the cublas linear use) is kept
     from cases import edge_tensor
 
     xs = [torch.randn(4096, 1024, device=DEV, dtype=torch.bfloat16), edge_tensor(64, 256, seed=3).bfloat16().to(DEV)]
     x32 = x.float()
     col_best = None
-    for mma, col_t in ((0, 0), (1, 0), (0, 1), (1, 1)):
+    for mma, col_t, lay in ((0, 0, "n"), (1, 0, "n"), (0, 0, "t"), (1, 0, "t"), (0, 1, "t"), (1, 1, "t")):
         v = {**tk.CAST_VARIANT, "COL_MMA": mma, "COL_T": col_t}
-        name = f"columnwise COL_MMA={mma} COL_T={col_t}"
+        name = f"columnwise {'transposed' if lay == 't' else 'x layout'} COL_MMA={mma} COL_T={col_t}"
         try:
             exact = True
             for xe in xs + [xe.float() for xe in xs]:
-                d, sc = tk.mx_cast(xe, col_q=True, variant=v)["col"]
-                exact &= same_mx((d[:, : xe.shape[0]].t(), sc.t().view(torch.float8_e8m0fnu)),
-                                 ref.quantize_mx_torch(xe.cpu(), axis=0)) == 0
-            ms = bench(lambda: tk.mx_cast(x, col_q=True, variant=v))
-            ms32 = bench(lambda: tk.mx_cast(x32, col_q=True, variant=v))
+                d, sc = tk.mx_cast(xe, col_q=True, variant=v, col_layout=lay)["col"]
+                d, sc = (d[:, : xe.shape[0]].t(), sc.t()) if lay == "t" else (d[: xe.shape[0]], sc)
+                exact &= same_mx((d, sc.view(torch.float8_e8m0fnu)), ref.quantize_mx_torch(xe.cpu(), axis=0)) == 0
+            ms = bench(lambda: tk.mx_cast(x, col_q=True, variant=v, col_layout=lay))
+            ms32 = bench(lambda: tk.mx_cast(x32, col_q=True, variant=v, col_layout=lay))
         except Exception as exc:  # one variant failing to compile must not hide the others
             res[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             log(f"{name} failed: {res[name]['error']}")
             continue
         res[name] = {"ms": ms, "TBs": (read + one) / ms / 1e9, "exact": exact,
                      "fp32 input TBs": (2 * read + one) / ms32 / 1e9}
-        if exact and (col_best is None or ms < col_best[0]):
+        if exact and lay == "n" and (col_best is None or ms < col_best[0]):
             col_best = (ms, {"COL_MMA": mma, "COL_T": col_t})
     if col_best is not None:
         tk.CAST_VARIANT.update(col_best[1])
         res["columnwise variant in use"] = col_best[1]
-        for name, (kw, nbytes) in cases.items():  # re-time with the chosen variant
-            if "col_q" in kw:
-                ms = bench(lambda: tk.mx_cast(x, **kw))
-                res[name + " (chosen variant)"] = {"ms": ms, "TBs": nbytes / ms / 1e9}
+    for name, (kw, nbytes) in cases.items():
+        ms = bench(lambda: tk.mx_cast(x, **kw))
+        res[name] = {"ms": ms, "TBs": nbytes / ms / 1e9}
     for name, axis in (("eager torch rowwise", -1), ("eager torch columnwise", 0)):
         ms = bench(lambda: ref.quantize_mx_torch(x, axis=axis))
         res[name] = {"ms": ms, "TBs": (read + one) / ms / 1e9}

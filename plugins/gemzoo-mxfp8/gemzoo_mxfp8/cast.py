@@ -66,12 +66,12 @@ def quantize_mx(x: torch.Tensor, axis: int = -1, block: int = 32, elem: torch.dt
         x2 = x.reshape(-1, n)
         data, scale = mx_cast(x2, row_q=True, elem=elem)["row"]
         return data.view(x.shape), scale.view(*x.shape[:-1], -1).view(torch.float8_e8m0fnu)
-    # columnwise: view as [n, rest] and let the kernel quantize along n with the transpose fused
+    # columnwise: view as [n, rest] and let the kernel quantize along n, written in that same layout
     moved = x.movedim(axis, 0)
     x2 = moved.reshape(n, -1)
-    data_t, scale_t = mx_cast(x2, col_q=True, elem=elem)["col"]  # [rest, n_pad], [rest, n_pad/32]
-    data = data_t[:, :n].t().reshape(moved.shape).movedim(0, axis)
-    scale = scale_t.t().reshape(-1, *moved.shape[1:]).movedim(0, axis)
+    data_n, scale_n = mx_cast(x2, col_q=True, elem=elem, col_layout="n")["col"]  # [n_pad, rest], [n_pad/32, rest]
+    data = data_n[:n].reshape(moved.shape).movedim(0, axis)
+    scale = scale_n.reshape(-1, *moved.shape[1:]).movedim(0, axis)
     return data, scale.view(torch.float8_e8m0fnu)
 
 
@@ -85,17 +85,21 @@ def dequantize_mx(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, block
         return _cpu_dequantize(data, scale, axis, block, dtype)
     from gemzoo_mxfp8.triton_kernels import mx_dequant
 
-    dm = data.movedim(axis, -1)
-    sm = scale.movedim(axis, -1)
-    n = dm.shape[-1]
-    d2 = dm.reshape(-1, n).contiguous()
-    s2 = sm.reshape(-1, sm.shape[-1]).contiguous().view(torch.uint8)
-    return mx_dequant(d2, s2, dtype).view(dm.shape).movedim(-1, axis)
+    last = axis == data.dim() - 1
+    dm = data.movedim(axis, -1 if last else 0)
+    sm = scale.movedim(axis, -1 if last else 0)
+    if last:
+        d2, s2 = dm.reshape(-1, dm.shape[-1]), sm.reshape(-1, sm.shape[-1])
+    else:
+        d2, s2 = dm.reshape(dm.shape[0], -1), sm.reshape(sm.shape[0], -1)
+    out = mx_dequant(d2.contiguous(), s2.contiguous().view(torch.uint8), dtype, axis=-1 if last else 0)
+    return out.view(dm.shape).movedim(-1 if last else 0, axis)
 
 
 def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=False,
-           elem=torch.float8_e4m3fn, rht=None, dq_dtype=torch.bfloat16) -> dict:
-    """Fused cast of a 2-D x [R, C] (see triton_kernels.mx_cast for the outputs; scales are uint8).
+           elem=torch.float8_e4m3fn, rht=None, dq_dtype=torch.bfloat16, col_layout="t") -> dict:
+    """Fused cast of a 2-D x [R, C] (see triton_kernels.mx_cast for the outputs and ``col_layout``;
+    scales are uint8).
 
     ``rht`` = (signs, block) applies H diag(signs) along R before the columnwise quantization.
     """
@@ -104,7 +108,7 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
 
         h = None if rht is None else hadamard_sign_matrix(rht[0], rht[1], x.device)
         return mx_cast(x, row_q=row_q, row_dq=row_dq, col_q=col_q, col_dq=col_dq, elem=elem, rht=h,
-                       dq_dtype=dq_dtype)
+                       dq_dtype=dq_dtype, col_layout=col_layout)
     out = {}
     R, C = x.shape
     if row_q or row_dq:
@@ -119,17 +123,18 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
         if rht is not None:
             xt = hadamard_transform(xt.contiguous(), block=rht[1], signs=rht[0])
         d, s = _cpu_quantize(xt, 1, 32, elem)
+        nat = (lambda t: t.t().contiguous()) if col_layout == "n" else (lambda t: t)
         if col_q:
-            out["col"] = (d, s.view(torch.uint8))
+            out["col"] = (nat(d), nat(s.view(torch.uint8)))
         if col_dq:
-            out["col_dq"] = _cpu_dequantize(d, s, 1, 32, dq_dtype)
+            out["col_dq"] = nat(_cpu_dequantize(d, s, 1, 32, dq_dtype))
     return out
 
 
-def dequant2d(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    """Rowwise dequantize of 2-D MX data (scales uint8 along the last dim)."""
+def dequant2d(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.bfloat16, axis: int = -1) -> torch.Tensor:
+    """Dequantize 2-D MX data with uint8 scales: blocks along the last dim (axis -1) or along rows (axis 0)."""
     if on_triton(data):
         from gemzoo_mxfp8.triton_kernels import mx_dequant
 
-        return mx_dequant(data, scale_u8, dtype)
-    return _cpu_dequantize(data, scale_u8.view(torch.float8_e8m0fnu), 1, 32, dtype)
+        return mx_dequant(data, scale_u8, dtype, axis=axis)
+    return _cpu_dequantize(data, scale_u8.view(torch.float8_e8m0fnu), axis % 2, 32, dtype)

@@ -10,7 +10,8 @@ Backends (same numerics, exact MX: dequantized values are exact in bf16, product
   cpu     dequantize to fp32, fp32 matmul
   triton  MX activation tiles dequantized in registers into bf16 MMA (gemzoo_mxfp8.triton_kernels.mx_gemm);
           the weight operand is dequantized once per step (small) and read as exact bf16
-  cublas  the cast kernel also writes the exact bf16 dequantization; the GEMM is cuBLAS bf16
+  cublas  the cast kernel also writes the exact bf16 dequantization; the GEMM is cuBLAS bf16. Columnwise
+          (token-blocked) outputs stay in the activation's own layout; cuBLAS reads them transposed
   hybrid  cublas for forward and dgrad, triton for wgrad (reads the saved MX X directly)
 """
 
@@ -72,8 +73,9 @@ class MXLinearFunction(torch.autograd.Function):
             xo = cast2d(x2, row_q=True, col_q=need_w, elem=cfg.elem, rht=rht)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]  # small: dequantized once, exact in bf16
             y = mx_gemm(*xo["row"], wdq, None, bias=bias, out_dtype=out_dtype)
-        else:  # cublas, hybrid
-            xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht)
+        else:  # cublas, hybrid; hybrid's Triton wgrad reads X^T along tokens, cuBLAS takes X's own layout
+            layout = "t" if cfg.cuda_backend() == "hybrid" else "n"
+            xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht, col_layout=layout)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]
             y = F.linear(xo["row_dq"], wdq, None if bias is None else bias.to(torch.bfloat16))
         xc = xo.get("col", (None, None))
@@ -110,7 +112,7 @@ class MXLinearFunction(torch.autograd.Function):
         else:
             hybrid = cfg.cuda_backend() == "hybrid"
             do = cast2d(dy2, row_dq=need_x, col_dq=need_w and not hybrid, col_q=need_w and hybrid,
-                        elem=cfg.grad_elem, rht=rht)
+                        elem=cfg.grad_elem, rht=rht, col_layout="t" if hybrid else "n")
             if need_x:
                 wc = cast2d(weight, col_dq=True, elem=cfg.elem)["col_dq"]
                 dx = do["row_dq"] @ wc[:, :n].t()
@@ -118,8 +120,8 @@ class MXLinearFunction(torch.autograd.Function):
                 from gemzoo_mxfp8.triton_kernels import mx_gemm
 
                 dw = mx_gemm(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
-            elif need_w:
-                dw = do["col_dq"] @ dequant2d(xc_data, xc_scale, torch.bfloat16).t()
+            elif need_w:  # both in their own layout, [Mp, N] and [Mp, K]: cuBLAS reads the transpose
+                dw = do["col_dq"].t() @ dequant2d(xc_data, xc_scale, torch.bfloat16, axis=0)
         if need_x:
             dx = dx.to(ctx.x_dtype).view(ctx.x_shape)
         if need_w:

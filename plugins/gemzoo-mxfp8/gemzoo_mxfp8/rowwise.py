@@ -8,9 +8,11 @@ backward: X^T quantized along tokens (fp8 + scales), and the weight parameter it
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 E4M3_MAX = 448.0
+TOKEN_PAD = 16  # wgrad contracts over tokens: _scaled_mm needs a multiple of 16 (else an fp32 fallback)
 
 
 def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12):
@@ -21,16 +23,18 @@ def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12):
     return data.contiguous(), scale.contiguous()
 
 
-def quantize_rowwise_t(x: torch.Tensor):
-    """quantize_rowwise(x.t()): its own function, so torch.compile keeps a separate cache for it."""
-    return quantize_rowwise(x.t())
+def quantize_rowwise_t(x: torch.Tensor, pad_to: int = 1):
+    """quantize_rowwise(x.t()), with x's rows (the tokens) zero-padded to a multiple of ``pad_to``:
+    _scaled_mm needs a contraction that is a multiple of 16, and zero tokens add nothing to dY^T X.
+    Its own function, so torch.compile keeps a separate cache for it."""
+    return quantize_rowwise(F.pad(x, (0, 0, 0, (-x.shape[0]) % pad_to)).t())
 
 
 _compiled = {}
 COMPILE_CASTS = True  # eager CUDA use compiles the casts: one fused kernel each, for every token count
 
 
-def _quant(x: torch.Tensor, transposed: bool = False):
+def _quant(x: torch.Tensor, transposed: bool = False, pad_to: int = 1):
     """quantize_rowwise of x (or of x.t()), compiled on CUDA unless we are already being compiled.
 
     dynamic=True and a detached input keep it to one graph per dtype (weights fp32, activations bf16),
@@ -39,8 +43,8 @@ def _quant(x: torch.Tensor, transposed: bool = False):
     if x.is_cuda and COMPILE_CASTS and not torch.compiler.is_compiling():
         if fn not in _compiled:
             _compiled[fn] = torch.compile(fn, dynamic=True)
-        return _compiled[fn](x.detach())
-    return fn(x)
+        return _compiled[fn](x.detach(), pad_to) if transposed else _compiled[fn](x.detach())
+    return fn(x, pad_to) if transposed else fn(x)
 
 
 def _mm(a, sa, b_t, sb, out_dtype, fast_accum=False):
@@ -63,14 +67,15 @@ def _mm(a, sa, b_t, sb, out_dtype, fast_accum=False):
 CAST_BACKEND = "torch"
 
 
-def _casts(x2: torch.Tensor, row: bool, col: bool):
-    """(row (data, scale [R,1]) or None, col-of-transpose (data [C,R], scale [C,1]) or None)."""
+def _casts(x2: torch.Tensor, row: bool, col: bool, pad_to: int = 1):
+    """(row (data, scale [R,1]) or None, col-of-transpose (data [C,Rp], scale [C,1]) or None), where Rp is
+    R zero-padded to a multiple of ``pad_to`` (activations: their token count varies)."""
     if x2.is_cuda and CAST_BACKEND == "triton" and not torch.compiler.is_compiling():
         from gemzoo_mxfp8.triton_kernels import rowwise_cast
 
-        out = rowwise_cast(x2.contiguous(), row=row, col=col)
+        out = rowwise_cast(x2.contiguous(), row=row, col=col, pad_to=pad_to)
         return out.get("row"), out.get("col")
-    return (_quant(x2) if row else None), (_quant(x2, transposed=True) if col else None)
+    return (_quant(x2) if row else None), (_quant(x2, transposed=True, pad_to=pad_to) if col else None)
 
 
 class FP8RowwiseFunction(torch.autograd.Function):
@@ -79,7 +84,7 @@ class FP8RowwiseFunction(torch.autograd.Function):
         out_dtype = out_dtype or x.dtype
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        (xq, sx), xt = _casts(x2, True, weight.requires_grad)
+        (xq, sx), xt = _casts(x2, True, weight.requires_grad, pad_to=TOKEN_PAD)
         (wq, sw), _ = _casts(weight, True, False)
         y = _mm(xq, sx, wq, sw, torch.float32 if out_dtype == torch.float32 else torch.bfloat16, fast_accum=True)
         if bias is not None:
@@ -98,7 +103,7 @@ class FP8RowwiseFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         out32 = torch.float32
         dx = dw = db = None
-        drow, dcol = _casts(dy2, need_x, need_w)  # dY along N (dgrad); dY^T [N, M] along tokens (wgrad)
+        drow, dcol = _casts(dy2, need_x, need_w, pad_to=TOKEN_PAD)  # dY along N (dgrad); dY^T [N, M] along tokens (wgrad)
         if need_x:
             _, (wtq, swt) = _casts(weight, False, True)  # W^T [K, N] along N
             dx = _mm(*drow, wtq, swt, out32).to(ctx.x_dtype).view(ctx.x_shape)

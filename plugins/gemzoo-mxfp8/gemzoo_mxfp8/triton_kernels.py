@@ -97,12 +97,13 @@ CAST_VARIANT = ({"ROUND": 0, "ROW_SPLIT": 0, "COL_MMA": 0, "COL_T": 0} if INTERP
 def _mx_cast_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
     rq_ptr, rs_ptr, rdq_ptr,          # rowwise: data [R, C], scale [R, ceil(C/32)], dequantized [R, C]
-    cq_ptr, cs_ptr, cdq_ptr, RP,      # columnwise (transposed): data [C, RP], scale [C, RP/32], dequant [C, RP]
+    cq_ptr, cs_ptr, cdq_ptr, RP,      # columnwise: data [C, RP], scale [C, RP/32], dequant [C, RP] (transposed)
+                                      # or, with COL_NAT, data [RP, C], scale [RP/32, C], dequant [RP, C]
     h_ptr, h_mult,                    # RHT for the columnwise outputs: [32, 32] block-diagonal +-1 matrix
     ROW_Q: tl.constexpr, ROW_DQ: tl.constexpr, COL_Q: tl.constexpr, COL_DQ: tl.constexpr,
     RHT: tl.constexpr, EMAX: tl.constexpr, ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
     F32: tl.constexpr, IN_BF16: tl.constexpr, ROUND: tl.constexpr, ROW_SPLIT: tl.constexpr,
-    COL_MMA: tl.constexpr, COL_T: tl.constexpr, BC: tl.constexpr,
+    COL_MMA: tl.constexpr, COL_T: tl.constexpr, COL_NAT: tl.constexpr, BC: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -189,7 +190,7 @@ def _mx_cast_kernel(
             nan = tl.max((xt != xt).to(tl.int32), axis=1) > 0
             e = _mx_exponent(amax, nan, EMAX)
             q = _quantize(xt * _inv_scale(e)[:, None], ELEM, MANT, EMIN, ROUND)
-            offs = cols[:, None] * RP + rows[None, :]
+            offs = rows[None, :] * C + cols[:, None] if COL_NAT else cols[:, None] * RP + rows[None, :]
             m_t = cmask[:, None] & prow[None, :]
             scale_f = _pow2_f32(e)[:, None]
         else:
@@ -197,12 +198,13 @@ def _mx_cast_kernel(
             nan = tl.max((xc != xc).to(tl.int32), axis=0) > 0
             e = _mx_exponent(amax, nan, EMAX)
             q = _quantize(xc * _inv_scale(e)[None, :], ELEM, MANT, EMIN, ROUND)
-            offs = cols[None, :] * RP + rows[:, None]
+            offs = rows[:, None] * C + cols[None, :] if COL_NAT else cols[None, :] * RP + rows[:, None]
             m_t = prow[:, None] & cmask[None, :]
             scale_f = _pow2_f32(e)[None, :]
         if COL_Q:
             tl.store(cq_ptr + offs, q, mask=m_t)
-            tl.store(cs_ptr + cols * (RP // 32) + pid_r, e.to(tl.uint8), mask=cmask)
+            s_offs = pid_r * C + cols if COL_NAT else cols * (RP // 32) + pid_r
+            tl.store(cs_ptr + s_offs, e.to(tl.uint8), mask=cmask)
         if COL_DQ:
             dq = q.to(tl.float32) * scale_f
             tl.store(cdq_ptr + offs, dq.to(cdq_ptr.dtype.element_ty), mask=m_t)
@@ -224,11 +226,14 @@ def _hadamard_sign_matrix(signs: tuple, block: int, device: str):
 
 def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=False,
             elem=torch.float8_e4m3fn, rht: tuple[torch.Tensor, float] | None = None,
-            dq_dtype=torch.bfloat16, config: dict | None = None, variant: dict | None = None):
+            dq_dtype=torch.bfloat16, col_layout: str = "t", config: dict | None = None,
+            variant: dict | None = None):
     """One pass over a 2-D x. Returns a dict with the outputs asked for:
     row: (data [R, C], scale uint8 [R, ceil(C/32)]), row_dq [R, C];
-    col: (data [C, RP], scale uint8 [C, RP/32]) with RP = R rounded up to 32 (x quantized along R and
-    transposed), col_dq [C, RP]. ``rht`` = hadamard_sign_matrix(...) applies the RHT along R first."""
+    col: x quantized along R, with RP = R rounded up to 32 (padded rows quantize to zero). With
+    col_layout "t" (transposed): (data [C, RP], scale uint8 [C, RP/32]), col_dq [C, RP]; with "n" (x's own
+    layout, the cheaper store): (data [RP, C], scale uint8 [RP/32, C]), col_dq [RP, C].
+    ``rht`` = hadamard_sign_matrix(...) applies the RHT along R first."""
     if x.dim() != 2:
         raise ValueError(f"mx_cast expects a 2-D tensor, got shape {tuple(x.shape)}")
     R, C = x.shape
@@ -240,9 +245,13 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
     rq = torch.empty(R, C, device=dev, dtype=elem) if row_q else empty
     rs = torch.empty(R, triton.cdiv(C, 32), device=dev, dtype=e8) if row_q else empty
     rdq = torch.empty(R, C, device=dev, dtype=dq_dtype) if row_dq else empty
-    cq = torch.empty(C, RP, device=dev, dtype=elem) if col_q else empty
-    cs = torch.empty(C, RP // 32, device=dev, dtype=e8) if col_q else empty
-    cdq = torch.empty(C, RP, device=dev, dtype=dq_dtype) if col_dq else empty
+    if col_layout not in ("t", "n"):
+        raise ValueError(f"col_layout must be 't' (transposed) or 'n' (x's layout), got {col_layout!r}")
+    nat = col_layout == "n"
+    cshape, sshape = ((RP, C), (RP // 32, C)) if nat else ((C, RP), (C, RP // 32))
+    cq = torch.empty(cshape, device=dev, dtype=elem) if col_q else empty
+    cs = torch.empty(sshape, device=dev, dtype=e8) if col_q else empty
+    cdq = torch.empty(cshape, device=dev, dtype=dq_dtype) if col_dq else empty
     h, mult = rht if rht is not None else (empty, 1.0)
     if R > 0 and C > 0:
         cfg = config or CAST_CONFIG
@@ -252,7 +261,7 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
             x.view(torch.int16) if in_bf16 else x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq, RP, h, mult,
             ROW_Q=row_q, ROW_DQ=row_dq, COL_Q=col_q, COL_DQ=col_dq, RHT=rht is not None,
             EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], MANT=ELEM_MANT[elem], EMIN=ELEM_EMIN[elem],
-            F32=INTERPRET, IN_BF16=in_bf16, **{**CAST_VARIANT, **(variant or {})}, **cfg,
+            F32=INTERPRET, IN_BF16=in_bf16, COL_NAT=nat, **{**CAST_VARIANT, **(variant or {})}, **cfg,
         )
     if row_q:
         out["row"] = (rq, rs)
@@ -267,22 +276,29 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
 
 # ------------------------------------------------------------------------------------------- dequantize
 @triton.jit
-def _mx_dequant_kernel(q_ptr, s_ptr, out_ptr, R, C, stride_qr, stride_sr, BR: tl.constexpr, BC: tl.constexpr):
+def _mx_dequant_kernel(q_ptr, s_ptr, out_ptr, R, C, stride_qr, stride_sr, AXIS0: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     m2 = (rows < R)[:, None] & (cols < C)[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_qr + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    e = tl.load(s_ptr + rows[:, None] * stride_sr + (cols // 32)[None, :], mask=m2, other=127).to(tl.int32)
+    if AXIS0:  # blocks of 32 rows: scale [ceil(R/32), C]
+        s_offs = (rows // 32)[:, None] * stride_sr + cols[None, :]
+    else:  # blocks of 32 columns: scale [R, ceil(C/32)]
+        s_offs = rows[:, None] * stride_sr + (cols // 32)[None, :]
+    e = tl.load(s_ptr + s_offs, mask=m2, other=127).to(tl.int32)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], (q * _pow2_f32(e)).to(out_ptr.dtype.element_ty), mask=m2)
 
 
-def mx_dequant(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Rowwise dequantize of 2-D data [R, C] (last dim contiguous) with uint8 scales [R, ceil(C/32)]."""
+def mx_dequant(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.float32, axis: int = -1) -> torch.Tensor:
+    """Dequantize 2-D data [R, C] (last dim contiguous) with uint8 scales [R, ceil(C/32)] (axis -1, blocks
+    along C) or [ceil(R/32), C] (axis 0, blocks along R)."""
     R, C = data.shape
     out = torch.empty(R, C, device=data.device, dtype=dtype)
     if R and C:
         grid = (triton.cdiv(R, 32), triton.cdiv(C, 128))
-        _mx_dequant_kernel[grid](data, scale_u8, out, R, C, data.stride(0), scale_u8.stride(0), BR=32, BC=128)
+        _mx_dequant_kernel[grid](data, scale_u8, out, R, C, data.stride(0), scale_u8.stride(0), AXIS0=axis == 0,
+                                 BR=32, BC=128)
     return out
 
 
@@ -529,9 +545,10 @@ def _rowwise_q_kernel(x_ptr, q_ptr, s_ptr, camax_ptr, R, C, stride_xr,
 
 
 @triton.jit
-def _colwise_q_kernel(x_ptr, camax_ptr, q_ptr, s_ptr, R, C, stride_xr, ROUND: tl.constexpr,
+def _colwise_q_kernel(x_ptr, camax_ptr, q_ptr, s_ptr, R, RP, C, stride_xr, ROUND: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr):
-    """Per-column e4m3 quantization with precomputed column amax; writes the transpose q [C, R]."""
+    """Per-column e4m3 quantization with precomputed column amax; writes the transpose q [C, RP] (rows
+    from R to RP are zero padding)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < C
@@ -539,14 +556,15 @@ def _colwise_q_kernel(x_ptr, camax_ptr, q_ptr, s_ptr, R, C, stride_xr, ROUND: tl
     scale = tl.maximum(tl.load(camax_ptr + cols, mask=cmask, other=1.0), 1e-12) / 448.0
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     q = _quantize(tl.minimum(tl.maximum(x / scale[None, :], -448.0), 448.0), tl.float8e4nv, 3, -6, ROUND)
-    tl.store(q_ptr + cols[None, :] * R + rows[:, None], q, mask=m2)
+    tl.store(q_ptr + cols[None, :] * RP + rows[:, None], q, mask=(rows < RP)[:, None] & cmask[None, :])
     if tl.program_id(0) == 0:
         tl.store(s_ptr + cols, scale, mask=cmask)
 
 
-def rowwise_cast(x: torch.Tensor, *, row=True, col=False):
+def rowwise_cast(x: torch.Tensor, *, row=True, col=False, pad_to: int = 1):
     """fp8-rowwise casts of a 2-D x [R, C] (last dim contiguous) in at most two passes:
-    row -> (e4m3 [R, C], fp32 scale [R, 1]); col -> (e4m3 x^T [C, R], fp32 scale [C, 1]) quantized along R."""
+    row -> (e4m3 [R, C], fp32 scale [R, 1]); col -> (e4m3 x^T [C, RP], fp32 scale [C, 1]) quantized along R,
+    with R zero-padded to RP, a multiple of ``pad_to``."""
     R, C = x.shape
     if x.stride(1) != 1:
         raise ValueError("rowwise_cast needs the last dim contiguous")
@@ -564,9 +582,10 @@ def rowwise_cast(x: torch.Tensor, *, row=True, col=False):
         else:
             camax = x.abs().amax(0).float()
     if col:
-        qt = torch.empty(C, R, device=dev, dtype=torch.float8_e4m3fn)
+        RP = triton.cdiv(R, pad_to) * pad_to
+        qt = torch.empty(C, RP, device=dev, dtype=torch.float8_e4m3fn)
         st = torch.empty(C, 1, device=dev, dtype=torch.float32)
-        _colwise_q_kernel[(triton.cdiv(R, 64), triton.cdiv(C, 64))](x, camax, qt, st, R, C, x.stride(0),
+        _colwise_q_kernel[(triton.cdiv(RP, 64), triton.cdiv(C, 64))](x, camax, qt, st, R, RP, C, x.stride(0),
                                                                    ROUND=CAST_VARIANT["ROUND"], BR=64, BC=64,
                                                                    num_warps=4)
         out["col"] = (qt, st)

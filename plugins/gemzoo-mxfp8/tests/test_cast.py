@@ -65,7 +65,7 @@ VARIANTS = [{"ROUND": 2 if torch.cuda.is_available() else 0, "ROW_SPLIT": split,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(64, 64), (37, 70)])
 def test_triton_cast_bit_exact(elem, dtype, shape, variant):
-    from gemzoo_mxfp8.triton_kernels import mx_cast
+    from gemzoo_mxfp8.triton_kernels import mx_cast, mx_dequant
 
     x = edge_tensor(*shape, seed=7 + shape[0], elem=elem).to(dtype)
     out = mx_cast(x.to(_dev()), row_q=True, col_q=True, row_dq=True, col_dq=True, elem=elem, dq_dtype=torch.float32,
@@ -81,6 +81,15 @@ def test_triton_cast_bit_exact(elem, dtype, shape, variant):
     assert torch.equal(out["row_dq"].cpu().nan_to_num(3.0), rdq.nan_to_num(3.0))
     cdq = ref.dequantize_mx_torch(want_d, want_s, axis=0)
     assert torch.equal(out["col_dq"][:, :r].t().cpu().nan_to_num(3.0), cdq.nan_to_num(3.0))
+    # the same columnwise outputs written in x's own layout
+    nat = mx_cast(x.to(_dev()), col_q=True, col_dq=True, elem=elem, dq_dtype=torch.float32, col_layout="n",
+                  variant=variant)
+    nd, ns = nat["col"]  # [R padded to 32, C], [R/32, C]
+    assert_same_mx((nd[:r].cpu(), ns.cpu().view(torch.float8_e8m0fnu)), (want_d, want_s))
+    assert torch.all(nd[r:].float() == 0), "padded rows must quantize to zero"
+    assert torch.equal(nat["col_dq"][:r].cpu().nan_to_num(3.0), cdq.nan_to_num(3.0))
+    back = mx_dequant(nd, ns, torch.float32, axis=0)[:r]
+    assert torch.equal(back.cpu().nan_to_num(3.0), cdq.nan_to_num(3.0))
 
 
 @pytest.mark.parametrize("block", [16, 32])
@@ -158,8 +167,10 @@ def test_triton_rowwise_casts():
     from gemzoo_mxfp8.triton_kernels import rowwise_cast
 
     x = torch.randn(70, 300, generator=torch.Generator().manual_seed(0)) * 3
-    out = rowwise_cast(x.to(_dev()), row=True, col=True)
-    for (q, s), (wq, ws) in ((out["row"], quantize_rowwise(x)), (out["col"], quantize_rowwise(x.t()))):
+    out = rowwise_cast(x.to(_dev()), row=True, col=True, pad_to=16)
+    q_t, s_t = out["col"]
+    assert q_t.shape == (300, 80) and torch.all(q_t[:, 70:].float() == 0), "tokens pad to 16 with zeros"
+    for (q, s), (wq, ws) in ((out["row"], quantize_rowwise(x)), ((q_t[:, :70], s_t), quantize_rowwise(x.t()))):
         assert q.shape == wq.shape and s.shape == ws.shape
         assert torch.allclose(s.cpu(), ws, rtol=1e-6, atol=0)
         # the GPU divides with a 2-ulp approximate division: a rare neighbour value is allowed there
