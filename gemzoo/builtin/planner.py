@@ -85,10 +85,13 @@ class TorchrecPlanner:
             )
         device = torch.device(plan["device_type"], torch.cuda.current_device()) if plan["device_type"] == "cuda" \
             else torch.device("cpu")
-        owner.ebc = DistributedModelParallel(
+        dmp = DistributedModelParallel(
             ebc, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device, plan=plan["plan"],
             sharders=_sharders(plan["device_type"]), init_data_parallel=False,
         )
+        # Keep the sharded collection itself, not the DMP wrapper: DMP expects to be the root module, and
+        # nested it re-prefixes every key of the parent's state_dict, so dense weights would not load back.
+        owner.ebc = dmp.module
         return model
 
 

@@ -25,6 +25,7 @@ from gemzoo.errors import CheckpointError
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+FUSED_FILE = "optim-fused-tables.safetensors"  # optimizers fused into sharded tables
 
 
 def _sha256(path: Path) -> str:
@@ -81,8 +82,11 @@ def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch.Tensor],
-                    optimizers: dict[str, dict], manifest: dict[str, Any], keep: int = 2) -> Path:
-    """Atomically write checkpoint ``step`` under ``root``; keep the newest ``keep`` ones."""
+                    optimizers: dict[str, dict], manifest: dict[str, Any], keep: int = 2,
+                    fused_optimizer: dict[str, torch.Tensor] | None = None) -> Path:
+    """Atomically write checkpoint ``step`` under ``root``; keep the newest ``keep`` ones.
+
+    ``fused_optimizer``: whole tensors of optimizers fused into sharded tables (fused_optimizer_state)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -96,6 +100,8 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         tensors, meta = flatten_optimizer(state)
         files[f"optim-{name}.safetensors"] = tensors
         optim_meta[name] = meta
+    if fused_optimizer:
+        files[FUSED_FILE] = {k: v.detach().contiguous().cpu() for k, v in fused_optimizer.items()}
     files["rng.safetensors"] = rng_state()
     entries = {}
     for fname, tensors in files.items():
@@ -170,7 +176,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         for name, meta in manifest.get("optimizers", {}).items()
     }
     return {"manifest": manifest, "model": loaded["model.safetensors"], "optimizers": optimizers,
-            "rng": loaded["rng.safetensors"], "path": path}
+            "fused_optimizer": loaded.get(FUSED_FILE, {}), "rng": loaded["rng.safetensors"], "path": path}
 
 
 def load_latest(root: str | Path) -> dict[str, Any] | None:
@@ -238,6 +244,68 @@ def gather_full_state(state: dict[str, Any], is_main: bool) -> dict[str, torch.T
     return full
 
 
+def _copy_into_shards(sharded, full: torch.Tensor) -> None:
+    """Copy this rank's pieces of the whole tensor ``full`` into a ShardedTensor's local shards."""
+    for shard in sharded.local_shards():
+        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+
+
+def fused_optimizer_state(model: torch.nn.Module) -> dict[str, Any]:
+    """This rank's state of the optimizers fused into torchrec-sharded modules (the tables' Adagrad
+    accumulators), keyed ``module/param/state``: ShardedTensors for the tables this rank stores."""
+    out, owners = {}, []
+    for name, module in model.named_modules():
+        fused = getattr(module, "fused_optimizer", None)
+        if fused is None or any(name.startswith(o + ".") for o in owners):
+            continue  # DMP and the sharded modules inside it expose the same optimizer: take the outermost
+        owners.append(name)
+        for param, pstate in fused.state_dict()["state"].items():
+            for key, value in pstate.items():
+                if isinstance(value, torch.Tensor) or _is_sharded(value):
+                    out[f"{name}/{param}/{key}"] = value
+    return out
+
+
+def gather_fused_optimizer_state(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
+    """Whole fused-optimizer tensors on the main rank, {} elsewhere; every rank must call it.
+
+    Each rank's fused optimizer lists only the tables it stores, so the key sets differ between ranks and a
+    per-key collective would not line up: local shards travel to rank 0 with their offsets instead."""
+    import torch.distributed as dist
+
+    pieces = []
+    for name, value in fused_optimizer_state(model).items():
+        if _is_sharded(value):
+            pieces += [(name, tuple(value.size()), tuple(s.metadata.shard_offsets), s.tensor.detach().cpu())
+                       for s in value.local_shards()]
+        else:
+            pieces.append((name, tuple(value.shape), (0,) * value.dim(), value.detach().cpu()))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size() if is_main else None
+        dist.gather_object(pieces, gathered, dst=0)
+        pieces = [p for rank_pieces in gathered for p in rank_pieces] if is_main else []
+    full = {}
+    for name, size, offsets, tensor in pieces:
+        whole = full.setdefault(name, torch.zeros(size, dtype=tensor.dtype))
+        whole[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
+    return full
+
+
+@torch.no_grad()
+def load_fused_optimizer_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> list[str]:
+    """Copy whole saved tensors into the fused optimizers' state; returns the names it had no value for."""
+    missing = []
+    for name, value in fused_optimizer_state(model).items():
+        if name not in full:
+            missing.append(name)
+        elif _is_sharded(value):
+            _copy_into_shards(value, full[name])
+        else:
+            value.copy_(full[name])
+    return missing
+
+
 @torch.no_grad()
 def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     """Load full tensors into ``model``, copying into the local shards of sharded tables."""
@@ -249,14 +317,14 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tu
         if name not in full:
             continue
         if _is_sharded(value):
-            for shard in value.local_shards():
-                (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                shard.tensor.copy_(full[name][r:r + h, c:c + w])
+            _copy_into_shards(value, full[name])
         elif _is_dtensor(value):
             from torch.distributed.tensor import distribute_tensor
 
             value.copy_(distribute_tensor(full[name].to(value.dtype), value.device_mesh, value.placements))
         else:
             plain[name] = full[name]
-    model.load_state_dict(plain, strict=False)
+    result = model.load_state_dict(plain, strict=False)
+    if result.unexpected_keys:  # a wrapper whose state_dict names differ from its load path
+        raise CheckpointError(f"these saved tensors did not load into the model: {result.unexpected_keys[:5]}")
     return missing, unexpected

@@ -212,6 +212,10 @@ class Trainer:
                 raise CheckpointError(f"{state['path']} has no state for optimizer {name!r}")
             opt.load_state_dict(state["optimizers"][name])
             ckpt.redistribute_optimizer_state(opt)
+        missing = ckpt.load_fused_optimizer_state(self.model, state["fused_optimizer"])
+        if missing:
+            print(f"warning: {state['path']} has no state for the fused optimizers of {len(missing)} sharded "
+                  f"tables (e.g. {missing[0]}); their Adagrad accumulators restart from zero")
         ckpt.set_rng_state(state["rng"])
         self.start_step = int(state["manifest"]["step"])
         print(f"resumed from {state['path']} at step {self.start_step}")
@@ -277,6 +281,7 @@ class Trainer:
 
     def save(self, step: int) -> Path | None:
         model_state = ckpt.gather_full_state(self.model.state_dict(), self.world.is_main)  # collective
+        fused = ckpt.gather_fused_optimizer_state(self.model, self.world.is_main)  # collective
         optimizer_states = {n: ckpt.gather_optimizer_state(o.state_dict()) for n, o in self.optimizers.items()}
         if not self.world.is_main:
             return None
@@ -286,7 +291,7 @@ class Trainer:
         return ckpt.save_checkpoint(
             self.out_dir / "checkpoints", step,
             model_state=model_state,
-            optimizers=optimizer_states,
+            optimizers=optimizer_states, fused_optimizer=fused,
             manifest=manifest, keep=self.cfg.checkpoint.keep,
         )
 
