@@ -1,6 +1,7 @@
 """End-to-end training throughput: one config, several plugin sets, one process, one table.
 
     python bench/e2e.py --config configs/gem-bench.toml --runs sdpa-padded,bf16 flex,bf16 --steps 50
+    python bench/e2e.py --ablation configs/ablations/gem-bench.toml      # the same from a file
 
 For each plugin set it trains ``--steps`` steps (no eval, no checkpoints), drops the first ``--warmup``
 steps (compilation, allocator warm-up) and reports medians of samples/s, tokens/s, TFLOP/s and MFU,
@@ -41,13 +42,23 @@ def run_one(config: str, plugins: str, steps: int, warmup: int, extra: list[str]
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--ablation", help="configs/ablations/*.toml: config, runs, steps, warmup and overrides")
     p.add_argument("--config", default="configs/gem-bench.toml")
     p.add_argument("--runs", nargs="+", default=["sdpa-padded,bf16", "flex,bf16"])
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, help="default 50, or the ablation's")
+    p.add_argument("--warmup", type=int, help="default 5, or the ablation's")
     p.add_argument("--set", action="append", default=[], help="extra config overrides")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     args = p.parse_args()
+    if args.ablation:  # the file gives config, runs and overrides; --steps/--warmup/--set still apply
+        from gemzoo.config import load_ablation
+
+        ab = load_ablation(args.ablation)
+        args.config, args.runs, args.set = ab.config, ab.runs, ab.set + args.set
+        args.steps = args.steps if args.steps is not None else ab.steps
+        args.warmup = args.warmup if args.warmup is not None else ab.warmup
+    args.steps = 50 if args.steps is None else args.steps
+    args.warmup = 5 if args.warmup is None else args.warmup
 
     rows = []
     for plugins in args.runs:

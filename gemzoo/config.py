@@ -289,3 +289,38 @@ def _deepcopy(raw: dict) -> dict:
     import copy
 
     return copy.deepcopy(raw)
+
+
+# ------------------------------------------------------------------------------------------ ablations
+@dataclass
+class Ablation:
+    """One config trained under several plugin sets (configs/ablations/*.toml; run by bench/e2e.py)."""
+
+    config: str
+    runs: list[str]
+    steps: int = 50
+    warmup: int = 5
+    set: list[str] = field(default_factory=list)  # --set overrides applied to every run
+
+
+def load_ablation(path: str | Path, registry=None) -> Ablation:
+    """Read an ablation file and check every run's plugin set against the registries."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"ablation file {path} does not exist; see configs/ablations/ for examples")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    ablation = build_dataclass(Ablation, raw, "ablation", str(path))
+    if not ablation.runs:
+        raise ConfigError(f"{path}: runs is empty; list plugin sets such as \"jfa,bf16\"")
+    if not Path(ablation.config).is_file() and (p.parent / ablation.config).is_file():
+        ablation.config = str(p.parent / ablation.config)
+    for run in ablation.runs:
+        try:
+            load_config(ablation.config, overrides=ablation.set, plugins=run, registry=registry)
+        except (ConfigError, PluginError) as exc:
+            raise ConfigError(f"{path}: run {run!r}: {exc}") from None
+    return ablation
+
