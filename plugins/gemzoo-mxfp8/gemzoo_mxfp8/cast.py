@@ -59,7 +59,7 @@ def quantize_mx(x: torch.Tensor, axis: int = -1, block: int = 32, elem: torch.dt
     if not _use_triton(x, block):
         return _cpu_quantize(x, axis, block, elem) if not x.is_cuda else \
             mx_ref.quantize_mx_torch(x, axis=axis, block=block, elem=elem)
-    from gemzoo_mxfp8.triton_kernels import mx_cast
+    from gemzoo_mxfp8.ops import cast_op as mx_cast
 
     n = x.shape[axis]
     if axis == x.dim() - 1:  # rowwise
@@ -83,7 +83,7 @@ def dequantize_mx(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, block
         if data.is_cuda:
             return mx_ref.dequantize_mx_torch(data, scale, axis=axis, block=block, dtype=dtype)
         return _cpu_dequantize(data, scale, axis, block, dtype)
-    from gemzoo_mxfp8.triton_kernels import mx_dequant
+    from gemzoo_mxfp8.ops import dequant_op as mx_dequant
 
     last = axis == data.dim() - 1
     dm = data.movedim(axis, -1 if last else 0)
@@ -104,7 +104,8 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
     ``rht`` = (signs, block) applies H diag(signs) along R before the columnwise quantization.
     """
     if on_triton(x):
-        from gemzoo_mxfp8.triton_kernels import hadamard_sign_matrix, mx_cast
+        from gemzoo_mxfp8.ops import cast_op as mx_cast
+        from gemzoo_mxfp8.triton_kernels import hadamard_sign_matrix
 
         h = None if rht is None else hadamard_sign_matrix(rht[0], rht[1], x.device)
         return mx_cast(x, row_q=row_q, row_dq=row_dq, col_q=col_q, col_dq=col_dq, elem=elem, rht=h,
@@ -134,7 +135,7 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
 def dequant2d(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.bfloat16, axis: int = -1) -> torch.Tensor:
     """Dequantize 2-D MX data with uint8 scales: blocks along the last dim (axis -1) or along rows (axis 0)."""
     if on_triton(data):
-        from gemzoo_mxfp8.triton_kernels import mx_dequant
+        from gemzoo_mxfp8.ops import dequant_op
 
-        return mx_dequant(data, scale_u8, dtype, axis=axis)
+        return dequant_op(data, scale_u8, dtype, axis=axis)
     return _cpu_dequantize(data, scale_u8.view(torch.float8_e8m0fnu), axis % 2, 32, dtype)

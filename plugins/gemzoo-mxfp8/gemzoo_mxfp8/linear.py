@@ -8,7 +8,8 @@ Only MX tensors are saved for backward (X quantized along tokens); W is the para
 
 Backends (same numerics, exact MX: dequantized values are exact in bf16, products exact in fp32):
   cpu     dequantize to fp32, fp32 matmul
-  triton  MX activation tiles dequantized in registers into bf16 MMA (gemzoo_mxfp8.triton_kernels.mx_gemm);
+  triton  MX activation tiles dequantized in registers into bf16 MMA (gemzoo_mxfp8.triton_kernels.mx_gemm, as the custom op
+          gemzoo_mxfp8::mx_gemm);
           the weight operand is dequantized once per step (small) and read as exact bf16
   cublas  the cast kernel also writes the exact bf16 dequantization; the GEMM is cuBLAS bf16. Columnwise
           (token-blocked) outputs stay in the activation's own layout; cuBLAS reads them transposed
@@ -68,7 +69,7 @@ class MXLinearFunction(torch.autograd.Function):
             if bias is not None:
                 y = y + bias.float()
         elif cfg.cuda_backend() == "triton":
-            from gemzoo_mxfp8.triton_kernels import mx_gemm
+            from gemzoo_mxfp8.ops import gemm_op as mx_gemm
 
             xo = cast2d(x2, row_q=True, col_q=need_w, elem=cfg.elem, rht=rht)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]  # small: dequantized once, exact in bf16
@@ -101,7 +102,7 @@ class MXLinearFunction(torch.autograd.Function):
             if need_w:
                 dw = do["col_dq"] @ dequant2d(xc_data, xc_scale, torch.float32).t()
         elif cfg.cuda_backend() == "triton":
-            from gemzoo_mxfp8.triton_kernels import mx_gemm
+            from gemzoo_mxfp8.ops import gemm_op as mx_gemm
 
             do = cast2d(dy2, row_q=need_x, col_q=need_w, elem=cfg.grad_elem, rht=rht)
             if need_x:
@@ -117,7 +118,7 @@ class MXLinearFunction(torch.autograd.Function):
                 wc = cast2d(weight, col_dq=True, elem=cfg.elem)["col_dq"]
                 dx = do["row_dq"] @ wc[:, :n].t()
             if need_w and hybrid:
-                from gemzoo_mxfp8.triton_kernels import mx_gemm
+                from gemzoo_mxfp8.ops import gemm_op as mx_gemm
 
                 dw = mx_gemm(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
             elif need_w:  # both in their own layout, [Mp, N] and [Mp, K]: cuBLAS reads the transpose

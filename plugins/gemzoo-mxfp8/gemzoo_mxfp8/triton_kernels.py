@@ -217,6 +217,20 @@ def _hadamard_sign_matrix(signs: tuple, block: int, device: str):
     return m.to(device=device, dtype=torch.float32).contiguous(), block ** -0.5
 
 
+def cast_buffers(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=False,
+                 elem=torch.float8_e4m3fn, dq_dtype=torch.bfloat16, col_layout: str = "t") -> list[torch.Tensor]:
+    """mx_cast's six outputs, allocated (row data, row scale, row dq, col data, col scale, col dq); the ones
+    not asked for are distinct empty tensors. Shared with the custom op's fake implementation."""
+    if col_layout not in ("t", "n"):
+        raise ValueError(f"col_layout must be 't' (transposed) or 'n' (x's layout), got {col_layout!r}")
+    R, C = x.shape
+    RP = -(-R // 32) * 32
+    cshape, sshape = ((RP, C), (RP // 32, C)) if col_layout == "n" else ((C, RP), (C, RP // 32))
+    shapes = [((R, C), elem, row_q), ((R, -(-C // 32)), torch.uint8, row_q), ((R, C), dq_dtype, row_dq),
+              (cshape, elem, col_q), (sshape, torch.uint8, col_q), (cshape, dq_dtype, col_dq)]
+    return [torch.empty(shape if wanted else (0,), device=x.device, dtype=dtype) for shape, dtype, wanted in shapes]
+
+
 def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=False,
             elem=torch.float8_e4m3fn, rht: tuple[torch.Tensor, float] | None = None,
             dq_dtype=torch.bfloat16, col_layout: str = "t", config: dict | None = None,
@@ -229,42 +243,37 @@ def mx_cast(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=F
     ``rht`` = hadamard_sign_matrix(...) applies the RHT along R first."""
     if x.dim() != 2:
         raise ValueError(f"mx_cast expects a 2-D tensor, got shape {tuple(x.shape)}")
+    flags = dict(row_q=row_q, row_dq=row_dq, col_q=col_q, col_dq=col_dq)
+    buffers = cast_buffers(x, **flags, elem=elem, dq_dtype=dq_dtype, col_layout=col_layout)
+    launch_cast(x, buffers, **flags, elem=elem, rht=rht, col_layout=col_layout, config=config, variant=variant)
+    return cast_outputs(buffers, **flags)
+
+
+def cast_outputs(buffers: list[torch.Tensor], *, row_q, row_dq, col_q, col_dq) -> dict:
+    """The dict mx_cast returns, from the six buffers: only the outputs asked for."""
+    rq, rs, rdq, cq, cs, cdq = buffers
+    wanted = {"row": (row_q, (rq, rs)), "row_dq": (row_dq, rdq), "col": (col_q, (cq, cs)), "col_dq": (col_dq, cdq)}
+    return {name: value for name, (asked, value) in wanted.items() if asked}
+
+
+def launch_cast(x: torch.Tensor, buffers: list[torch.Tensor], *, row_q, row_dq, col_q, col_dq, elem, rht=None,
+                col_layout="t", config=None, variant=None) -> None:
+    """Run the cast kernel over x into ``buffers`` (from cast_buffers)."""
     R, C = x.shape
-    RP = triton.cdiv(R, 32) * 32
-    dev = x.device
-    e8 = torch.uint8
-    empty = torch.empty(0, device=dev)
-    out = {}
-    rq = torch.empty(R, C, device=dev, dtype=elem) if row_q else empty
-    rs = torch.empty(R, triton.cdiv(C, 32), device=dev, dtype=e8) if row_q else empty
-    rdq = torch.empty(R, C, device=dev, dtype=dq_dtype) if row_dq else empty
-    if col_layout not in ("t", "n"):
-        raise ValueError(f"col_layout must be 't' (transposed) or 'n' (x's layout), got {col_layout!r}")
-    nat = col_layout == "n"
-    cshape, sshape = ((RP, C), (RP // 32, C)) if nat else ((C, RP), (C, RP // 32))
-    cq = torch.empty(cshape, device=dev, dtype=elem) if col_q else empty
-    cs = torch.empty(sshape, device=dev, dtype=e8) if col_q else empty
-    cdq = torch.empty(cshape, device=dev, dtype=dq_dtype) if col_dq else empty
-    h, mult = rht if rht is not None else (empty, 1.0)
-    if R > 0 and C > 0:
-        cfg = config or CAST_CONFIG
-        grid = (triton.cdiv(R, 32), triton.cdiv(C, cfg["BC"]))
-        in_bf16 = x.dtype == torch.bfloat16
-        _mx_cast_kernel[grid](
-            x.view(torch.int16) if in_bf16 else x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq, RP, h, mult,
-            ROW_Q=row_q, ROW_DQ=row_dq, COL_Q=col_q, COL_DQ=col_dq, RHT=rht is not None,
-            EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], MANT=ELEM_MANT[elem], EMIN=ELEM_EMIN[elem],
-            F32=INTERPRET, IN_BF16=in_bf16, COL_NAT=nat, **{**CAST_VARIANT, **(variant or {})}, **cfg,
-        )
-    if row_q:
-        out["row"] = (rq, rs)
-    if row_dq:
-        out["row_dq"] = rdq
-    if col_q:
-        out["col"] = (cq, cs)
-    if col_dq:
-        out["col_dq"] = cdq
-    return out
+    if R == 0 or C == 0:
+        return
+    rq, rs, rdq, cq, cs, cdq = buffers
+    h, mult = rht if rht is not None else (torch.empty(0, device=x.device), 1.0)
+    cfg = config or CAST_CONFIG
+    grid = (triton.cdiv(R, 32), triton.cdiv(C, cfg["BC"]))
+    in_bf16 = x.dtype == torch.bfloat16
+    _mx_cast_kernel[grid](
+        x.view(torch.int16) if in_bf16 else x, R, C, x.stride(0), x.stride(1), rq, rs, rdq, cq, cs, cdq,
+        triton.cdiv(R, 32) * 32, h, mult,
+        ROW_Q=row_q, ROW_DQ=row_dq, COL_Q=col_q, COL_DQ=col_dq, RHT=rht is not None,
+        EMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], MANT=ELEM_MANT[elem], EMIN=ELEM_EMIN[elem],
+        F32=INTERPRET, IN_BF16=in_bf16, COL_NAT=col_layout == "n", **{**CAST_VARIANT, **(variant or {})}, **cfg,
+    )
 
 
 # ------------------------------------------------------------------------------------------- dequantize

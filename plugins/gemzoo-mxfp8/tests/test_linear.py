@@ -1,5 +1,7 @@
 """MX linear and fp8-rowwise linear: forward and every gradient against fp32, exact MX numerics, saved tensors."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -173,3 +175,52 @@ def test_gpu_code_paths_in_interpreter(backend, monkeypatch):
     tol = 1e-5 if backend == "triton" else 5e-3  # cuBLAS paths round their outputs to bf16
     for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
         assert rel(a, b) < tol, (name, rel(a, b))
+
+
+def _dev_and_force(monkeypatch):
+    """The Triton code paths: on the GPU, or on CPU tensors under the interpreter."""
+    import gemzoo_mxfp8.cast as cast
+
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setattr(cast, "FORCE_TRITON", True)
+    return "cpu"
+
+
+def test_custom_ops_pass_opcheck(monkeypatch):
+    """The Triton kernels as torch custom ops: schema, fake implementations and dynamic shapes."""
+    from gemzoo_mxfp8 import ops  # noqa: F401  (registers torch.ops.gemzoo_mxfp8)
+    from gemzoo_mxfp8.triton_kernels import hadamard_sign_matrix
+
+    dev = _dev_and_force(monkeypatch)
+    # test_schema compares outputs with fp8 arithmetic, which CPU torch lacks
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    check = functools.partial(torch.library.opcheck, test_utils=tests if dev == "cuda" else tests[1:])
+    x = torch.randn(45, 64, device=dev)
+    h, mult = hadamard_sign_matrix(torch.ones(32), 32, dev)
+    for layout in ("t", "n"):
+        check(torch.ops.gemzoo_mxfp8.mx_cast.default,
+              (x, True, True, True, True, torch.float8_e4m3fn, h, mult, torch.float32, layout))
+    data, scale = ops.cast_op(x, row_q=True)["row"]
+    check(torch.ops.gemzoo_mxfp8.mx_dequant.default, (data, scale, torch.float32, -1))
+    w = torch.randn(40, 64, device=dev)
+    wd, ws = ops.cast_op(w, row_q=True)["row"]
+    check(torch.ops.gemzoo_mxfp8.mx_gemm.default, (data, scale, wd, ws, 64, None, torch.float32))
+
+
+@pytest.mark.parametrize("backend,rht", [("cublas", False), ("triton", False), ("cublas", True)])
+def test_mx_linear_compiles_without_graph_breaks(backend, rht, monkeypatch):
+    """torch.compile(fullgraph=True) traces the MX linear's Triton path, forward and backward, through the
+    custom ops, and computes what eager does. With RHT, making the sign vector breaks the graph once."""
+    dev = _dev_and_force(monkeypatch)
+    torch.manual_seed(0)
+    lin = MXLinear.from_linear(nn.Linear(64, 40).to(dev), MXLinearConfig(backend=backend, rht=rht))
+    x, g = torch.randn(45, 64, device=dev), torch.randn(45, 40, device=dev)
+    want = run(lin, x, g)
+    for p in lin.parameters():
+        p.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, backend="aot_eager" if dev == "cpu" else "inductor", fullgraph=not rht)
+    got = run(compiled, x, g)
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), name
