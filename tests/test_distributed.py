@@ -67,7 +67,8 @@ def test_data_parallel_replicas_stay_identical(tmp_path, world):
     assert (tmp_path / "run" / "metrics.jsonl").exists()  # rank 0 logs
 
 
-def _gem_rank(rank: int, world: int, port: int, tmp: str, steps: int, resume: bool, dense: str = "fsdp") -> None:
+def _gem_rank(rank: int, world: int, port: int, tmp: str, steps: int, resume: bool, dense: str = "fsdp",
+              sharding: str = "table_wise") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import json
@@ -91,7 +92,7 @@ def _gem_rank(rank: int, world: int, port: int, tmp: str, steps: int, resume: bo
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(root, "configs", "gem-tiny.toml"),
                       overrides=[f"run.steps={steps}", "eval.every=0", "checkpoint.every=2", f"run.out_dir='{tmp}/run'",
-                                 "plugins.options.torchrec.sharding_types=['table_wise']",
+                                 f"plugins.options.torchrec.sharding_types=['{sharding}']",
                                  f"run.dense_parallel='{dense}'"])
     result = train(cfg, resume=resume, progress=False)
     fsdp = sum(isinstance(p, DTensor) for p in built["model"].parameters())
@@ -113,22 +114,23 @@ def _spawn(target, world, *args):
         assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
 
 
-def test_gem_with_sharded_tables_trains_checkpoints_and_resumes(tmp_path):
-    """gem-tiny on 2 gloo ranks, tables sharded table-wise by the torchrec planner (fused Adagrad)."""
+@pytest.mark.parametrize("sharding", ["table_wise", "column_wise"])
+def test_gem_with_sharded_tables_trains_checkpoints_and_resumes(tmp_path, sharding):
+    """gem-tiny on 2 gloo ranks, tables sharded by the torchrec planner (fused Adagrad)."""
     pytest.importorskip("torchrec")
     import json
 
     from gemzoo.train import checkpoint as ckpt
 
-    _spawn(_gem_rank, 2, str(tmp_path), 4, False)
+    _spawn(_gem_rank, 2, str(tmp_path), 4, False, "fsdp", sharding)
     saved = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")
     assert [p.name for p in saved] == ["step-00000002", "step-00000004"]
     state = ckpt.load_checkpoint(saved[-1])
     assert any(k.endswith("weight") and v.shape[0] == 1000 for k, v in state["model"].items())  # full tables
     fused = {k: v for k, v in state["fused_optimizer"].items() if k.endswith("momentum1")}
     assert fused and all(v.abs().sum() > 0 for v in fused.values())  # the tables' Adagrad accumulators
-    _spawn(_gem_rank, 2, str(tmp_path), 6, True)
-    _spawn(_gem_rank, 2, str(tmp_path / "straight"), 6, False)
+    _spawn(_gem_rank, 2, str(tmp_path), 6, True, "fsdp", sharding)
+    _spawn(_gem_rank, 2, str(tmp_path / "straight"), 6, False, "fsdp", sharding)
     straight = json.loads((tmp_path / "straight" / "gem-rank0-6-fsdp.json").read_text())
     for rank in range(2):
         out = json.loads((tmp_path / f"gem-rank{rank}-6-fsdp.json").read_text())
