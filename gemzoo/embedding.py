@@ -3,7 +3,8 @@
 With torchrec importable, :class:`SparseArch` holds a ``torchrec.EmbeddingBagCollection`` (so torchrec's
 planner and DistributedModelParallel can shard it) and feeds it a ``KeyedJaggedTensor``. Without
 torchrec (the GPU image has none), or with ``GEMZOO_NO_TORCHREC=1``, it holds one ``nn.EmbeddingBag``
-per table with the same parameter names and says so once.
+per table with the same parameter names and says so once. Its tables get sparse gradients (only the rows
+a batch looked up), which the trainer's Adagrad applies as a sparse update.
 
 Inputs follow torchrec's KeyedJaggedTensor layout: ``keys`` (feature names), ``values [N]`` int64 ids
 and ``lengths [F * B]`` int64, key-major (all samples of key 0, then key 1, ...).
@@ -151,11 +152,15 @@ class SparseArch(nn.Module):
 
 
 class TorchEmbeddingBagCollection(nn.Module):
-    """Plain-torch stand-in for torchrec's EmbeddingBagCollection (same parameter names)."""
+    """Plain-torch stand-in for torchrec's EmbeddingBagCollection (same parameter names).
 
-    def __init__(self, tables: list[TableConfig], device=None):
+    ``sparse_grad``: table gradients hold only the looked-up rows, so backward and the optimizer touch
+    those rows rather than whole tables (at gem-bench scale, 8 GB of dense gradients a step)."""
+
+    def __init__(self, tables: list[TableConfig], device=None, sparse_grad: bool = True):
         super().__init__()
         self.tables = list(tables)
+        self.sparse_grad = sparse_grad
         self.embedding_bags = nn.ModuleDict({
             t.name: nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, device=device)
             for t in tables
@@ -180,5 +185,6 @@ class TorchEmbeddingBagCollection(nn.Module):
                     f"feature {key!r} has ids outside [0, {bag.num_embeddings}) for table "
                     f"{self._feature_table[key]!r}"
                 )
-            outs.append(F.embedding_bag(ids, bag.weight, offsets, mode=bag.mode, include_last_offset=True))
+            outs.append(F.embedding_bag(ids, bag.weight, offsets, mode=bag.mode, include_last_offset=True,
+                                        sparse=self.sparse_grad))
         return torch.cat(outs, dim=1)

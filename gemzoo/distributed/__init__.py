@@ -54,6 +54,9 @@ def all_reduce_gradients(params, world: World) -> None:
     """Average dense gradients across data-parallel ranks (one flat bucket)."""
     if world.world_size <= 1:
         return
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:  # replicated fallback tables: all-reduce densely
+            p.grad = p.grad.to_dense()
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
