@@ -3,8 +3,8 @@
 With torchrec importable, :class:`SparseArch` holds a ``torchrec.EmbeddingBagCollection`` (so torchrec's
 planner and DistributedModelParallel can shard it) and feeds it a ``KeyedJaggedTensor``. Without
 torchrec (the GPU image has none), or with ``GEMZOO_NO_TORCHREC=1``, it holds one ``nn.EmbeddingBag``
-per table with the same parameter names and says so once. Its tables get sparse gradients (only the rows
-a batch looked up), which the trainer's Adagrad applies as a sparse update.
+per table with the same parameter names and says so once. The trainer switches its tables to sparse
+gradients (only the rows a batch looked up), which its Adagrad applies as a sparse update.
 
 Inputs follow torchrec's KeyedJaggedTensor layout: ``keys`` (feature names), ``values [N]`` int64 ids
 and ``lengths [F * B]`` int64, key-major (all samples of key 0, then key 1, ...).
@@ -155,9 +155,10 @@ class TorchEmbeddingBagCollection(nn.Module):
     """Plain-torch stand-in for torchrec's EmbeddingBagCollection (same parameter names).
 
     ``sparse_grad``: table gradients hold only the looked-up rows, so backward and the optimizer touch
-    those rows rather than whole tables (at gem-bench scale, 8 GB of dense gradients a step)."""
+    those rows rather than whole tables (at gem-bench scale, 8 GB of dense gradients a step). Off by
+    default, since not every optimizer takes sparse gradients; see use_sparse_gradients."""
 
-    def __init__(self, tables: list[TableConfig], device=None, sparse_grad: bool = True):
+    def __init__(self, tables: list[TableConfig], device=None, sparse_grad: bool = False):
         super().__init__()
         self.tables = list(tables)
         self.sparse_grad = sparse_grad
@@ -188,3 +189,13 @@ class TorchEmbeddingBagCollection(nn.Module):
             outs.append(F.embedding_bag(ids, bag.weight, offsets, mode=bag.mode, include_last_offset=True,
                                         sparse=self.sparse_grad))
         return torch.cat(outs, dim=1)
+
+
+def use_sparse_gradients(model: nn.Module) -> int:
+    """Give every plain-torch table collection in ``model`` sparse gradients; returns how many it set.
+    For the owner of the optimizer to call: torch's Adagrad and SGD take sparse gradients, AdamW does not."""
+    collections = [m for m in model.modules() if isinstance(m, TorchEmbeddingBagCollection)]
+    for m in collections:
+        m.sparse_grad = True
+    return len(collections)
+

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from gemzoo.testing import skip_unless_torchrec
+
 pytestmark = pytest.mark.distributed
 SUPPORT = os.path.join(os.path.dirname(__file__), "support")
 
@@ -117,7 +119,7 @@ def _spawn(target, world, *args):
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise"])
 def test_gem_with_sharded_tables_trains_checkpoints_and_resumes(tmp_path, sharding):
     """gem-tiny on 2 gloo ranks, tables sharded by the torchrec planner (fused Adagrad)."""
-    pytest.importorskip("torchrec")
+    skip_unless_torchrec()
     import json
 
     from gemzoo.train import checkpoint as ckpt
@@ -143,7 +145,7 @@ def test_gem_with_sharded_tables_trains_checkpoints_and_resumes(tmp_path, shardi
 
 def test_fsdp_and_replicated_dense_parts_train_alike(tmp_path):
     """FSDP2 on the transformer blocks computes the same steps as plain data parallelism."""
-    pytest.importorskip("torchrec")
+    skip_unless_torchrec()
     import json
 
     _spawn(_gem_rank, 2, str(tmp_path / "fsdp"), 3, False, "fsdp")

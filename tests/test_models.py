@@ -20,6 +20,7 @@ from gemzoo.interfaces.precision import PrecisionConfig
 from gemzoo.jagged import lengths_to_offsets
 from gemzoo.models.common import attention_sites, binary_auc
 from gemzoo.models.retrieval import RankingEvaluator
+from gemzoo.testing import skip_unless_torchrec
 
 ROOT = Path(__file__).resolve().parents[1]
 GEM_DATA = dict(batch_size=16, max_len=40, median_len=10, min_len=0, max_candidates=6, num_items=200,
@@ -236,7 +237,7 @@ def test_retrieval_zero_length_sequences(family, ml_dataset):
 
 
 def test_torchrec_and_plain_torch_engines_agree(gem_dataset, monkeypatch):
-    pytest.importorskip("torchrec")
+    skip_unless_torchrec()
     with_torchrec = build("gem", gem_dataset.info)
     assert with_torchrec.sparse_arch.engine == "torchrec"
     tables = with_torchrec.embedding_tables()
@@ -500,3 +501,26 @@ def test_plain_torch_engine_sparse_gradients_match_dense(gem_dataset, monkeypatc
     for a, b, a0 in zip(models[0].sparse_arch.parameters(), models[1].sparse_arch.parameters(), before):
         assert not torch.equal(a, a0)  # the tables did train
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_plain_torch_engine_sparse_gradients_match_dense(gem_dataset, monkeypatch):
+    """The trainer gives the fallback engine sparse table gradients; Adagrad steps land where dense ones would."""
+    from gemzoo.embedding import use_sparse_gradients
+
+    monkeypatch.setenv("GEMZOO_NO_TORCHREC", "1")
+    models = [build("gem", gem_dataset.info) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    assert use_sparse_gradients(models[0].sparse_arch) == 1
+    before = [t.detach().clone() for t in models[0].sparse_arch.parameters()]
+    for model in models:
+        tables = list(model.sparse_arch.parameters())
+        opt = torch.optim.Adagrad(tables, lr=0.1)
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(gem_dataset.train_batch(step)).loss.backward()
+            assert tables[0].grad.is_sparse == (model is models[0])
+            opt.step()
+    for a, b, a0 in zip(models[0].sparse_arch.parameters(), models[1].sparse_arch.parameters(), before):
+        assert not torch.equal(a, a0)  # the tables did train
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+

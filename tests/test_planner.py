@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from gemzoo.testing import skip_unless_torchrec
+
 pytestmark = pytest.mark.distributed
 
 
@@ -72,7 +74,7 @@ def _rank(rank: int, world: int, port: int, tmp: str, sharding: str) -> None:
 
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise"])
 def test_torchrec_planner_shards_on_gloo(tmp_path, sharding):
-    pytest.importorskip("torchrec")
+    skip_unless_torchrec()
     world, port = 2, _free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, world, port, str(tmp_path), sharding)) for r in range(world)]

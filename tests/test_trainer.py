@@ -95,3 +95,23 @@ def test_plugin_swaps_train(toy, tmp_path, plugins):
     cfg = load_config(raw=raw, plugins=plugins)
     result = train(cfg, progress=False)
     assert torch.isfinite(torch.tensor(result.final_loss))
+
+
+def test_gem_on_the_plain_torch_engine_trains_sparse_and_resumes_bit_exact(tmp_path, monkeypatch):
+    """Without torchrec the tables get sparse gradients from the trainer; --resume stays bit-exact."""
+    from pathlib import Path
+
+    monkeypatch.setenv("GEMZOO_NO_TORCHREC", "1")
+    config = Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"
+
+    def cfg(out, steps):
+        return load_config(config, overrides=[f"run.steps={steps}", "eval.every=0", "checkpoint.every=2",
+                                              f"run.out_dir='{tmp_path / out}'", "data.batch_size=8"])
+
+    trainer = Trainer(cfg("a", 4), progress=False).assemble()
+    assert trainer.model.sparse_arch.engine == "torch" and trainer.model.sparse_arch.ebc.sparse_grad
+    full = trainer.fit()
+    train(cfg("b", 2), progress=False)
+    resumed = train(cfg("b", 4), resume=True, progress=False)
+    assert resumed.history[0]["step"] == 3
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history[2:]]

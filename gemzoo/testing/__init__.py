@@ -11,4 +11,16 @@ A third-party plugin gets the same checks by calling these from its own tests::
 from gemzoo.testing.attention import AttentionCase, attention_cases, check_attention, random_jagged_lengths
 from gemzoo.testing.precision import check_precision_linear
 
-__all__ = ["AttentionCase", "attention_cases", "check_attention", "random_jagged_lengths", "check_precision_linear"]
+__all__ = ["AttentionCase", "attention_cases", "check_attention", "random_jagged_lengths", "check_precision_linear",
+           "skip_unless_torchrec"]
+
+
+def skip_unless_torchrec() -> None:
+    """Skip the calling test when the sparse side would not use torchrec (not installed, or
+    ``GEMZOO_NO_TORCHREC`` set), as on the GPU image."""
+    import pytest
+
+    from gemzoo.embedding import torchrec_available
+
+    if not torchrec_available():
+        pytest.skip("needs torchrec (not installed, or GEMZOO_NO_TORCHREC is set)")

@@ -21,6 +21,7 @@ from gemzoo import registry
 from gemzoo.config import Config
 from gemzoo.distributed import (World, all_reduce_gradients, clip_grad_norm, init_distributed, pick_device,
                                 shard_dense_blocks)
+from gemzoo.embedding import use_sparse_gradients
 from gemzoo.errors import CheckpointError, PluginError, TrainingError
 from gemzoo.interfaces.planner import Topology
 from gemzoo.interfaces.precision import PrecisionConfig
@@ -180,8 +181,11 @@ class Trainer:
         self.forward = torch.compile(model) if cfg.run.compile else model
         self.hook.gemzoo_model_built(model=model, config=cfg)
 
-        # 9. Optimizers: sparse tables and dense AdamW.
+        # 9. Optimizers: sparse tables and dense AdamW. Unsharded plain-torch tables get sparse gradients,
+        #    which the tables' Adagrad applies row by row.
         self.optimizers = build_optimizers(model, cfg)
+        if getattr(model, "sparse_arch", None) is not None:
+            use_sparse_gradients(model.sparse_arch)
         self.dense_params = [p for p in split_parameters(model)[0] if is_local_tensor(p) or is_fsdp_shard(p)]
         # Parameters every rank holds a full copy of (sharded tables excluded): averaged each step.
         self.replicated_params = [p for p in model.parameters() if p.requires_grad and is_local_tensor(p)]
