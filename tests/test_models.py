@@ -484,26 +484,6 @@ def test_backward_is_bitwise_repeatable(family, gem_dataset, ml_dataset):
 
 
 def test_plain_torch_engine_sparse_gradients_match_dense(gem_dataset, monkeypatch):
-    """The fallback engine's sparse table gradients: Adagrad steps land where dense gradients would."""
-    monkeypatch.setenv("GEMZOO_NO_TORCHREC", "1")
-    models = [build("gem", gem_dataset.info) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    models[1].sparse_arch.ebc.sparse_grad = False
-    before = [t.detach().clone() for t in models[0].sparse_arch.parameters()]
-    for model in models:
-        tables = list(model.sparse_arch.parameters())
-        opt = torch.optim.Adagrad(tables, lr=0.1)
-        for step in range(3):
-            opt.zero_grad(set_to_none=True)
-            model(gem_dataset.train_batch(step)).loss.backward()
-            assert tables[0].grad.is_sparse == model.sparse_arch.ebc.sparse_grad
-            opt.step()
-    for a, b, a0 in zip(models[0].sparse_arch.parameters(), models[1].sparse_arch.parameters(), before):
-        assert not torch.equal(a, a0)  # the tables did train
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_plain_torch_engine_sparse_gradients_match_dense(gem_dataset, monkeypatch):
     """The trainer gives the fallback engine sparse table gradients; Adagrad steps land where dense ones would."""
     from gemzoo.embedding import use_sparse_gradients
 
