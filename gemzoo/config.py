@@ -220,6 +220,17 @@ def apply_plugin_list(plugins_table: dict, plugin_list: str | list[str] | None, 
     return plugins_table, blocked
 
 
+def read_toml(path: str | Path, what: str, examples: str) -> dict:
+    """A TOML file as a dict; a missing or malformed file is a ConfigError that says which."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {path} does not exist; see {examples} for examples")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+
 def load_config(path: str | Path | None = None, *, raw: dict | None = None, overrides: list[str] | None = None,
                 plugins: str | None = None, registry=None) -> Config:
     """Read, override and validate a config against the registries."""
@@ -227,13 +238,7 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
         from gemzoo import registry
     source = str(path) if path is not None else "<dict>"
     if raw is None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {source} does not exist; see configs/ for examples")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{source} is not valid TOML: {exc}") from None
+        raw = read_toml(path, "config file", "configs/")
     raw = apply_overrides(_deepcopy(raw), overrides or [])
     known = set(SECTIONS) | {"model", "data", "plugins"}
     for section in raw:
@@ -306,12 +311,7 @@ class Ablation:
 def load_ablation(path: str | Path, registry=None) -> Ablation:
     """Read an ablation file and check every run's plugin set against the registries."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"ablation file {path} does not exist; see configs/ablations/ for examples")
-    try:
-        raw = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    raw = read_toml(p, "ablation file", "configs/ablations/")
     ablation = build_dataclass(Ablation, raw, "ablation", str(path))
     if not ablation.runs:
         raise ConfigError(f"{path}: runs is empty; list plugin sets such as \"jfa,bf16\"")

@@ -244,22 +244,25 @@ def gather_full_state(state: dict[str, Any], is_main: bool) -> dict[str, torch.T
     return full
 
 
+def _block(offsets, sizes) -> tuple[slice, ...]:
+    """The index of one shard inside the whole tensor."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
 def _copy_into_shards(sharded, full: torch.Tensor) -> None:
     """Copy this rank's pieces of the whole tensor ``full`` into a ShardedTensor's local shards."""
     for shard in sharded.local_shards():
-        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        shard.tensor.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+        shard.tensor.copy_(full[_block(shard.metadata.shard_offsets, shard.metadata.shard_sizes)])
 
 
 def fused_optimizer_state(model: torch.nn.Module) -> dict[str, Any]:
     """This rank's state of the optimizers fused into torchrec-sharded modules (the tables' Adagrad
     accumulators), keyed ``module/param/state``: ShardedTensors for the tables this rank stores."""
-    out, owners = {}, []
+    out = {}
     for name, module in model.named_modules():
-        fused = getattr(module, "fused_optimizer", None)
-        if fused is None or any(name.startswith(o + ".") for o in owners):
-            continue  # DMP and the sharded modules inside it expose the same optimizer: take the outermost
-        owners.append(name)
+        fused = getattr(module, "fused_optimizer", None)  # torchrec's sharded collections
+        if fused is None:
+            continue
         for param, pstate in fused.state_dict()["state"].items():
             for key, value in pstate.items():
                 if isinstance(value, torch.Tensor) or _is_sharded(value):
@@ -288,7 +291,7 @@ def gather_fused_optimizer_state(model: torch.nn.Module, is_main: bool) -> dict[
     full = {}
     for name, size, offsets, tensor in pieces:
         whole = full.setdefault(name, torch.zeros(size, dtype=tensor.dtype))
-        whole[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
+        whole[_block(offsets, tensor.shape)] = tensor
     return full
 
 

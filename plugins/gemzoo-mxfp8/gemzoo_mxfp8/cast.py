@@ -59,17 +59,17 @@ def quantize_mx(x: torch.Tensor, axis: int = -1, block: int = 32, elem: torch.dt
     if not _use_triton(x, block):
         return _cpu_quantize(x, axis, block, elem) if not x.is_cuda else \
             mx_ref.quantize_mx_torch(x, axis=axis, block=block, elem=elem)
-    from gemzoo_mxfp8.ops import cast_op as mx_cast
+    from gemzoo_mxfp8.ops import cast_op
 
     n = x.shape[axis]
     if axis == x.dim() - 1:  # rowwise
         x2 = x.reshape(-1, n)
-        data, scale = mx_cast(x2, row_q=True, elem=elem)["row"]
+        data, scale = cast_op(x2, row_q=True, elem=elem)["row"]
         return data.view(x.shape), scale.view(*x.shape[:-1], -1).view(torch.float8_e8m0fnu)
     # columnwise: view as [n, rest] and let the kernel quantize along n, written in that same layout
     moved = x.movedim(axis, 0)
     x2 = moved.reshape(n, -1)
-    data_n, scale_n = mx_cast(x2, col_q=True, elem=elem, col_layout="n")["col"]  # [n_pad, rest], [n_pad/32, rest]
+    data_n, scale_n = cast_op(x2, col_q=True, elem=elem, col_layout="n")["col"]  # [n_pad, rest], [n_pad/32, rest]
     data = data_n[:n].reshape(moved.shape).movedim(0, axis)
     scale = scale_n.reshape(-1, *moved.shape[1:]).movedim(0, axis)
     return data, scale.view(torch.float8_e8m0fnu)
@@ -83,7 +83,7 @@ def dequantize_mx(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, block
         if data.is_cuda:
             return mx_ref.dequantize_mx_torch(data, scale, axis=axis, block=block, dtype=dtype)
         return _cpu_dequantize(data, scale, axis, block, dtype)
-    from gemzoo_mxfp8.ops import dequant_op as mx_dequant
+    from gemzoo_mxfp8.ops import dequant_op
 
     last = axis == data.dim() - 1
     dm = data.movedim(axis, -1 if last else 0)
@@ -92,7 +92,7 @@ def dequantize_mx(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, block
         d2, s2 = dm.reshape(-1, dm.shape[-1]), sm.reshape(-1, sm.shape[-1])
     else:
         d2, s2 = dm.reshape(dm.shape[0], -1), sm.reshape(sm.shape[0], -1)
-    out = mx_dequant(d2.contiguous(), s2.contiguous().view(torch.uint8), dtype, axis=-1 if last else 0)
+    out = dequant_op(d2.contiguous(), s2.contiguous().view(torch.uint8), dtype, axis=-1 if last else 0)
     return out.view(dm.shape).movedim(-1 if last else 0, axis)
 
 
@@ -104,11 +104,11 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
     ``rht`` = (signs, block) applies H diag(signs) along R before the columnwise quantization.
     """
     if on_triton(x):
-        from gemzoo_mxfp8.ops import cast_op as mx_cast
+        from gemzoo_mxfp8.ops import cast_op
         from gemzoo_mxfp8.triton_kernels import hadamard_sign_matrix
 
         h = None if rht is None else hadamard_sign_matrix(rht[0], rht[1], x.device)
-        return mx_cast(x, row_q=row_q, row_dq=row_dq, col_q=col_q, col_dq=col_dq, elem=elem, rht=h,
+        return cast_op(x, row_q=row_q, row_dq=row_dq, col_q=col_q, col_dq=col_dq, elem=elem, rht=h,
                        dq_dtype=dq_dtype, col_layout=col_layout)
     out = {}
     R, C = x.shape

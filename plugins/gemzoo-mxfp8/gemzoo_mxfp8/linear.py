@@ -69,11 +69,11 @@ class MXLinearFunction(torch.autograd.Function):
             if bias is not None:
                 y = y + bias.float()
         elif cfg.cuda_backend() == "triton":
-            from gemzoo_mxfp8.ops import gemm_op as mx_gemm
+            from gemzoo_mxfp8.ops import gemm_op
 
             xo = cast2d(x2, row_q=True, col_q=need_w, elem=cfg.elem, rht=rht)
             wdq = cast2d(weight, row_dq=True, elem=cfg.elem)["row_dq"]  # small: dequantized once, exact in bf16
-            y = mx_gemm(*xo["row"], wdq, None, bias=bias, out_dtype=out_dtype)
+            y = gemm_op(*xo["row"], wdq, None, bias=bias, out_dtype=out_dtype)
         else:  # cublas, hybrid; hybrid's Triton wgrad reads X^T along tokens, cuBLAS takes X's own layout
             layout = "t" if cfg.cuda_backend() == "hybrid" else "n"
             xo = cast2d(x2, row_dq=True, col_q=need_w, elem=cfg.elem, rht=rht, col_layout=layout)
@@ -102,14 +102,14 @@ class MXLinearFunction(torch.autograd.Function):
             if need_w:
                 dw = do["col_dq"] @ dequant2d(xc_data, xc_scale, torch.float32).t()
         elif cfg.cuda_backend() == "triton":
-            from gemzoo_mxfp8.ops import gemm_op as mx_gemm
+            from gemzoo_mxfp8.ops import gemm_op
 
             do = cast2d(dy2, row_q=need_x, col_q=need_w, elem=cfg.grad_elem, rht=rht)
             if need_x:
                 wc = cast2d(weight, col_dq=True, elem=cfg.elem)["col_dq"]  # W^T in MX along N: [K, Np]
-                dx = mx_gemm(*do["row"], wc, None, k=n, out_dtype=ctx.x_dtype)
+                dx = gemm_op(*do["row"], wc, None, k=n, out_dtype=ctx.x_dtype)
             if need_w:
-                dw = mx_gemm(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
+                dw = gemm_op(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
         else:
             hybrid = cfg.cuda_backend() == "hybrid"
             do = cast2d(dy2, row_dq=need_x, col_dq=need_w and not hybrid, col_q=need_w and hybrid,
@@ -118,9 +118,9 @@ class MXLinearFunction(torch.autograd.Function):
                 wc = cast2d(weight, col_dq=True, elem=cfg.elem)["col_dq"]
                 dx = do["row_dq"] @ wc[:, :n].t()
             if need_w and hybrid:
-                from gemzoo_mxfp8.ops import gemm_op as mx_gemm
+                from gemzoo_mxfp8.ops import gemm_op
 
-                dw = mx_gemm(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
+                dw = gemm_op(*do["col"], xc_data, xc_scale, k=mp, out_dtype=weight.dtype)
             elif need_w:  # both in their own layout, [Mp, N] and [Mp, K]: cuBLAS reads the transpose
                 dw = do["col_dq"].t() @ dequant2d(xc_data, xc_scale, torch.bfloat16, axis=0)
         if need_x:

@@ -39,12 +39,12 @@ def _quant(x: torch.Tensor, transposed: bool = False, pad_to: int = 1):
 
     dynamic=True and a detached input keep it to one graph per dtype (weights fp32, activations bf16),
     where token counts that change every step would otherwise recompile until dynamo gives up."""
-    fn = quantize_rowwise_t if transposed else quantize_rowwise
+    fn, args = (quantize_rowwise_t, (pad_to,)) if transposed else (quantize_rowwise, ())
     if x.is_cuda and COMPILE_CASTS and not torch.compiler.is_compiling():
         if fn not in _compiled:
             _compiled[fn] = torch.compile(fn, dynamic=True)
-        return _compiled[fn](x.detach(), pad_to) if transposed else _compiled[fn](x.detach())
-    return fn(x, pad_to) if transposed else fn(x)
+        fn, x = _compiled[fn], x.detach()
+    return fn(x, *args)
 
 
 def _mm(a, sa, b_t, sb, out_dtype, fast_accum=False):
