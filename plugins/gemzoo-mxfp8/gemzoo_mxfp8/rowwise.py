@@ -25,9 +25,10 @@ def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12):
 
 def quantize_rowwise_t(x: torch.Tensor, pad_to: int = 1):
     """quantize_rowwise(x.t()), with x's rows (the tokens) zero-padded to a multiple of ``pad_to``:
-    _scaled_mm needs a contraction that is a multiple of 16, and zero tokens add nothing to dY^T X.
-    Its own function, so torch.compile keeps a separate cache for it."""
-    return quantize_rowwise(F.pad(x, (0, 0, 0, (-x.shape[0]) % pad_to)).t())
+    _scaled_mm needs a contraction that is a multiple of 16, and zero tokens add nothing to dY^T X. No
+    tokens at all pad to one block. Its own function, so torch.compile keeps a separate cache for it."""
+    pad = (-x.shape[0]) % pad_to if x.shape[0] else pad_to
+    return quantize_rowwise(F.pad(x, (0, 0, 0, pad)).t())
 
 
 _compiled = {}
@@ -53,6 +54,8 @@ def _mm(a, sa, b_t, sb, out_dtype, fast_accum=False):
     ``fast_accum`` (forward only, as torchao does) lets cuBLAS skip the periodic fp32 promotion."""
     m, k = a.shape
     n = b_t.shape[0]
+    if m == 0 or n == 0:  # no tokens: _scaled_mm rejects the empty scales
+        return torch.zeros(m, n, device=a.device, dtype=out_dtype)
     if a.is_cuda and k % 16 == 0 and n % 16 == 0:
         return torch._scaled_mm(a, b_t.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16,
                                 use_fast_accum=fast_accum).to(out_dtype)

@@ -581,10 +581,10 @@ def rowwise_cast(x: torch.Tensor, *, row=True, col=False, pad_to: int = 1):
                                                      ROUND=CAST_VARIANT["ROUND"], BR=16, BC=256,
                                                      num_warps=4)
             out["row"] = (q, s)
-        else:
+        elif R:
             camax = x.abs().amax(0).float()
     if col:
-        RP = triton.cdiv(R, pad_to) * pad_to
+        RP = triton.cdiv(R, pad_to) * pad_to or pad_to  # no tokens: one block of zeros
         qt = torch.empty(C, RP, device=dev, dtype=torch.float8_e4m3fn)
         st = torch.empty(C, 1, device=dev, dtype=torch.float32)
         _colwise_q_kernel[(triton.cdiv(RP, 64), triton.cdiv(C, 64))](x, camax, qt, st, R, RP, C, x.stride(0),

@@ -224,3 +224,17 @@ def test_mx_linear_compiles_without_graph_breaks(backend, rht, monkeypatch):
     got = run(compiled, x, g)
     for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), name
+
+
+@pytest.mark.parametrize("triton_path", [False, True])
+@pytest.mark.parametrize("make", [lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=True)),
+                                  FP8RowwiseLinear.from_linear], ids=["mxfp8", "fp8-rowwise"])
+def test_zero_tokens(make, triton_path, monkeypatch):
+    """A batch with no tokens: empty outputs and input grads, zero weight grads."""
+    dev = _dev_and_force(monkeypatch) if triton_path else "cpu"
+    lin = make(nn.Linear(64, 40).to(dev))
+    x = torch.randn(0, 64, device=dev, requires_grad=True)
+    y = lin(x)
+    y.float().sum().backward()
+    assert y.shape == (0, 40) and x.grad.shape == (0, 64)
+    assert torch.equal(lin.weight.grad, torch.zeros_like(lin.weight))
