@@ -175,3 +175,6 @@ def test_triton_rowwise_casts():
         assert torch.allclose(s.cpu(), ws, rtol=1e-6, atol=0)
         # the GPU divides with a 2-ulp approximate division: a rare neighbour value is allowed there
         assert (q.cpu().float() != wq.float()).float().mean() <= (1e-3 if torch.cuda.is_available() else 0)
+    empty = rowwise_cast(x[:0].to(_dev()), row=True, col=True, pad_to=16)  # no tokens: one zero block
+    assert empty["row"][0].shape == (0, 300) and empty["col"][0].shape == (300, 16)
+    assert torch.all(empty["col"][0].float() == 0)
