@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+if __name__ == "__main__":  # a script run: switch the interpreter on before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 

@@ -108,7 +108,7 @@ def same_mx(got, want):
 @guarded("cast variants")
 def choose_cast_variant():
     """Check each cast-kernel variant against the reference, per output; keep the first exact one."""
-    from cases import edge_tensor
+    from mxfp8_cases import edge_tensor
 
     order = [(2, 0), (2, 1), (0, 1), (0, 0)]  # (ROUND, ROW_SPLIT); the first exact one is used
     table = {}
@@ -148,7 +148,7 @@ def choose_cast_variant():
 
 @guarded("cast checks")
 def check_casts():
-    from cases import ELEMS, edge_tensor
+    from mxfp8_cases import ELEMS, edge_tensor
 
     bad = 0
     n = 0
@@ -298,7 +298,7 @@ def bench_casts():
     }
     # columnwise variants (identity MMA, explicit transpose) in both layouts: check exactness and time them;
     # the fastest exact one in x's layout (what quantize_mx and the cublas linear use) is kept
-    from cases import edge_tensor
+    from mxfp8_cases import edge_tensor
 
     xs = [torch.randn(4096, 1024, device=DEV, dtype=torch.bfloat16), edge_tensor(64, 256, seed=3).bfloat16().to(DEV)]
     x32 = x.float()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from cases import ELEMS, edge_tensor
+from mxfp8_cases import ELEMS, edge_tensor
 
 import gemzoo.mx as ref
 from gemzoo_mxfp8 import dequantize_mx, quantize_mx
