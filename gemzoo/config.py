@@ -187,6 +187,7 @@ def apply_plugin_list(plugins_table: dict, plugin_list: str | list[str] | None, 
         return plugins_table, set()
     names = plugin_list.split(",") if isinstance(plugin_list, str) else list(plugin_list)
     blocked = {n.strip()[3:] for n in names if n.strip().startswith("no:")}
+    chosen: dict[str, str] = {}  # kind -> the name --plugins gave it (one per kind; memory may take several)
     for raw_name in names:
         name = raw_name.strip()
         if not name or name.startswith("no:"):
@@ -204,6 +205,13 @@ def apply_plugin_list(plugins_table: dict, plugin_list: str | list[str] | None, 
                     f"comms: {', '.join(registry.names('comms'))}; batching: {', '.join(registry.names('batching'))}. "
                     f"({exc})"
                 ) from None
+        if entry.kind != "memory":
+            if chosen.get(entry.kind, entry.name) != entry.name:
+                raise PluginError(
+                    f"--plugins names two {entry.kind} plugins, {chosen[entry.kind]!r} and {entry.name!r}; a run uses "
+                    f"one {entry.kind}: keep one of them"
+                )
+            chosen[entry.kind] = entry.name
         if entry.kind == "memory":
             current = list(plugins_table.get("memory", []))
             if entry.name not in current:
