@@ -57,7 +57,7 @@ def cmd_plugins(args) -> int:
     from gemzoo import registry
 
     _prepare_registry(None)
-    registry.names("attention")  # load everything
+    registry.clashes()  # load everything; a name clash is shown in its row, not raised
     infos = sorted(registry.host().infos.values(), key=lambda i: (i.distribution != "gemzoo", i.name))
     rows = [{"name": i.name, "distribution": i.distribution, "version": i.version, "hooks": i.hooks,
              "registered": i.registered, "error": i.error} for i in infos]
@@ -173,10 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Plugins may add commands; blocked ones must not load, so honour no:NAME first.
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--plugins" in argv[:-1]:
-        _prepare_registry(argv[argv.index("--plugins") + 1])
+    plugins_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--plugins=")), None)
+    if plugins_arg is None and "--plugins" in argv[:-1]:
+        plugins_arg = argv[argv.index("--plugins") + 1]
+    if plugins_arg is not None:
+        _prepare_registry(plugins_arg)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    registry.host().pm.hook.gemzoo_register_commands(cli=sub)
+    for plugin, error in registry.host().call_each("gemzoo_register_commands", cli=sub).items():
+        print(f"gemzoo: warning: plugin {plugin!r} could not add its commands ({error}); the others work. "
+              f"Block it with GEMZOO_DISABLE_PLUGINS={plugin}.", file=sys.stderr)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0

@@ -46,6 +46,7 @@ class Registry:
     def __init__(self, host: PluginHost | None = None):
         self._host = host
         self._entries: dict[str, dict[str, Entry]] | None = None
+        self._clashes: list[str] = []  # names registered twice: every lookup raises the first
         self._lock = threading.RLock()
 
     # -- loading -----------------------------------------------------------------------------
@@ -56,11 +57,20 @@ class Registry:
                 self._host = PluginHost()
             return self._host
 
-    def _load(self) -> dict[str, dict[str, Entry]]:
+    def _load(self, strict: bool = True) -> dict[str, dict[str, Entry]]:
         with self._lock:
             if self._entries is None:
+                self._clashes = []
                 self._entries = self._collect()
+            if strict and self._clashes:
+                raise PluginError(self._clashes[0])
             return self._entries
+
+    def clashes(self) -> list[str]:
+        """Loads every plugin without raising on names registered twice; returns those errors (for
+        ``gemzoo plugins``, which must work while a clash is being diagnosed)."""
+        self._load(strict=False)
+        return list(self._clashes)
 
     def _collect(self) -> dict[str, dict[str, Entry]]:
         host = self.host
@@ -78,19 +88,21 @@ class Registry:
                         raise PluginError(f"plugin {_impl.plugin_name!r} registered a {_kind} with an empty name")
                     old = entries[_kind].get(name) or by_name.get(name)
                     if old is not None and (old.kind == _kind or old.distribution != _dist):
-                        raise PluginError(
+                        msg = (
                             f"{_kind} name {name!r} is registered twice: by distribution {old.distribution!r} "
                             f"(plugin {old.plugin!r}, as a {old.kind}) and by {_dist!r} (plugin {_impl.plugin_name!r}). "
                             f"Uninstall one of them or block it with GEMZOO_DISABLE_PLUGINS={_impl.plugin_name}."
                         )
+                        self._clashes.append(msg)
+                        if info is not None:
+                            info.error = msg
+                        return
                     entry = Entry(_kind, name, obj, _impl.plugin_name, _dist, _ver)
                     entries[_kind][name] = entry
                     by_name.setdefault(name, entry)
 
                 try:
                     impl.function(register=register)
-                except PluginError:
-                    raise
                 except Exception as exc:
                     if info is not None:
                         info.error = f"{hook_name} raised {type(exc).__name__}: {exc}"
@@ -105,6 +117,7 @@ class Registry:
         with self._lock:
             self._host = host
             self._entries = None
+            self._clashes = []
 
     def register(self, kind: str, name: str, obj: Any, *, distribution: str = "<local>") -> None:
         """Add one entry directly, without a plugin object (tests and notebooks)."""
@@ -162,26 +175,33 @@ class Registry:
     def _unknown_message(self, kind: str, name: str) -> str:
         import difflib
 
+        from gemzoo.plugins import first_party_plugins, install_hint
+
         existing = self.names(kind)
         msg = f"unknown {kind} {name!r}. Registered {kind} names: {', '.join(existing) or '(none)'}."
-        close = difflib.get_close_matches(name, existing, n=1)
-        if close:
-            msg += f" Did you mean {close[0]!r}?"
         others = [k for k, es in self._load().items() if name in es and k != kind]
         if others:
-            msg += f" ({name!r} exists, but as a {others[0]}.)"
+            return msg + f" ({name!r} exists, but as a {others[0]}.)"
+        blocked = self.host.blocked_by(name)
+        if blocked is not None:
+            return msg + f" {name!r} is disabled by {blocked}; lift that to use it."
         failed = self.host.failed()
+        dist = first_party_plugins().get(name, (None, None))[0]
         for pname, info in failed.items():
-            if name in (pname, info.distribution, f"gemzoo-{name}"):
-                msg += f" Plugin {pname!r} from {info.distribution!r} failed to load: {info.error}"
-                break
-        else:
-            if failed:
-                msg += " Plugins that failed to load: " + "; ".join(
-                    f"{p} ({i.distribution}): {i.error}" for p, i in failed.items()
-                )
-        if not failed and not others:
-            msg += f" If it comes from a plugin, install it: pip install gemzoo-{name}."
+            if name in (pname, info.distribution) or info.distribution == dist:
+                return msg + f" Plugin {pname!r} from {info.distribution!r} failed to load: {info.error}"
+        hint = install_hint(name)
+        if hint is not None:
+            msg += f" {hint}."
+        else:  # a typo, or a third-party plugin: suggest close names, never an install name built from it
+            known = sorted({e.name for e in self.entries()} | set(first_party_plugins()))
+            close = difflib.get_close_matches(name, existing, n=1) or difflib.get_close_matches(name, known, n=1)
+            if close:
+                msg += f" Did you mean {close[0]!r}?"
+        if failed:
+            msg += " Plugins that failed to load: " + "; ".join(
+                f"{p} ({i.distribution}): {i.error}" for p, i in failed.items()
+            )
         return msg
 
 
@@ -195,6 +215,7 @@ find = _default.find
 register = _default.register
 unregister = _default.unregister
 reset = _default.reset
+clashes = _default.clashes
 
 
 def host() -> PluginHost:
