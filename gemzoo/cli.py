@@ -5,6 +5,8 @@
     gemzoo list KIND [PATTERN]
     gemzoo config show|validate F [--plugins ...] [--set ...]
     gemzoo info
+    gemzoo ablate F.toml [--steps N] [--out DIR]
+    gemzoo plot RUN [RUN ...] [--out PNG]
 """
 
 from __future__ import annotations
@@ -41,15 +43,34 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from gemzoo.train.trainer import train
+    import shlex
+
+    from gemzoo.train import run_folder
+    from gemzoo.train.metrics import json_safe
+    from gemzoo.train.trainer import TrainingInterrupted, train
 
     cfg = _load(args)
     if args.out:
         cfg.run.out_dir = args.out
-    result = train(cfg, resume=args.resume if args.resume is not None else False, progress=not args.quiet)
-    summary = {"final_loss": result.final_loss, "steps": result.steps, **result.eval,
-               "out_dir": str(result.out_dir)}
-    print(json.dumps(summary))
+    elif isinstance(args.resume, str) and run_folder.run_folder_of(args.resume) is not None:
+        cfg.run.out_dir = str(run_folder.run_folder_of(args.resume))  # --resume RUN_FOLDER continues it there
+    resume = args.resume if args.resume is not None else False
+    try:
+        result = train(cfg, resume=resume, progress=not args.quiet, overwrite=args.overwrite)
+    except (TrainingInterrupted, KeyboardInterrupt) as exc:
+        argv = [a for a in sys.argv[1:] if a != "--overwrite"]
+        again = shlex.join(["gemzoo", *argv, *([] if args.resume is not None else ["--resume"])])
+        if isinstance(exc, TrainingInterrupted):
+            print(f"gemzoo: {exc.signal_name}: stopped after step {exc.step}; checkpoint "
+                  f"{exc.checkpoint or cfg.run.out_dir}. Resume with:\n  {again}", file=sys.stderr)
+            return 128 + exc.signum
+        print(f"gemzoo: interrupted at once, without a checkpoint; resume from the last one with:\n  {again}",
+              file=sys.stderr)
+        return 130
+    if result.is_main:
+        summary = {"final_loss": result.final_loss, "steps": result.steps, **result.eval,
+                   "out_dir": str(result.out_dir)}
+        print(json.dumps(json_safe(summary), allow_nan=False))
     return 0
 
 
@@ -91,32 +112,18 @@ def cmd_list(args) -> int:
 
 
 def cmd_config(args) -> int:
+    from gemzoo.interfaces.precision import precision_report
+    from gemzoo.train.trainer import build_on_meta
+
     cfg = _load(args)
+    model = build_on_meta(cfg)  # the dataset, the model on meta, attention per site, the precision policy
     if args.action == "validate":
-        print(f"{args.config}: OK")
+        print(f"{args.config}: OK (dataset, model on meta, attention kernels and precision policy built)")
         return 0
     out = cfg.to_dict()
-    out["precision_by_module"] = _precision_by_module(cfg)
+    out["precision_by_module"] = precision_report(model)
     print(json.dumps(out, indent=1, default=str))
     return 0
-
-
-def _precision_by_module(cfg) -> dict[str, str]:
-    """Build the model on meta, apply the precision policy, report each module's precision."""
-    import torch
-
-    from gemzoo import registry
-    from gemzoo.interfaces.precision import PrecisionConfig, precision_report
-
-    dataset = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
-    with torch.device("meta"):
-        model = registry.get("model", cfg.model.family).build(cfg.model, dataset.info)
-    policy = registry.get("precision", cfg.plugins.precision)
-    options = cfg.plugins.options.get(cfg.plugins.precision)
-    if options is not None:
-        policy = policy.configure(options)
-    model = policy.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
-    return precision_report(model)
 
 
 def cmd_info(args) -> int:
@@ -130,23 +137,51 @@ def cmd_info(args) -> int:
     return 0
 
 
+EXAMPLES = """examples:
+  gemzoo train --config configs/gem-tiny.toml --plugins jfa,mxfp8
+  gemzoo train --config configs/gem-tiny.toml --resume          # continue runs/gem-tiny
+  gemzoo config validate configs/gem-tiny.toml --set model.num_heads=4
+  gemzoo list attention 's*'
+  gemzoo plugins --json
+"""
+
+TRAIN_EXAMPLES = """examples:
+  gemzoo train --config configs/gem-tiny.toml --plugins jfa,mxfp8 --out runs/tiny-jfa
+  gemzoo train --config configs/gem-tiny.toml --out runs/tiny-jfa --resume --steps 800
+  gemzoo train --config configs/gem-tiny.toml --overwrite --set optim.lr=1e-3
+
+A run folder holds one run (metrics.jsonl, checkpoints/step-*/): a fresh run refuses a folder that
+is not empty; --resume continues it, --overwrite replaces it, --out DIR starts a new one. SIGTERM or
+Ctrl-C finishes the step, writes a checkpoint and prints the command that resumes.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gemzoo", description="Train LLM-scale recommendation models with plugins.")
+    from gemzoo import __version__
+
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="gemzoo", description="Train LLM-scale recommendation models with plugins.",
+                                formatter_class=raw, epilog=EXAMPLES)
+    p.add_argument("--version", action="version", version=f"gemzoo {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train from a config")
-    t.add_argument("--config", required=True)
+    t = sub.add_parser("train", help="train from a config", formatter_class=raw, epilog=TRAIN_EXAMPLES,
+                       description="Train from a TOML config into a run folder (run.out_dir, or --out).")
+    t.add_argument("--config", required=True, metavar="FILE", help="TOML config, e.g. configs/gem-tiny.toml")
     t.add_argument("--plugins", help="comma-separated plugin names, e.g. jfa,mxfp8; no:NAME blocks one")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. run.steps=50")
-    t.add_argument("--steps", type=int)
-    t.add_argument("--out", help="run folder (overrides run.out_dir)")
-    t.add_argument("--resume", nargs="?", const=True, default=None,
-                   help="continue from the newest valid checkpoint in the run folder, or from PATH")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--steps", type=int, metavar="N", help="train until step N (the same as --set run.steps=N)")
+    t.add_argument("--out", metavar="DIR", help="run folder (overrides run.out_dir)")
+    t.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
+                   help="continue the run in the run folder from its newest valid checkpoint; PATH: another run "
+                        "folder (continued there), its checkpoints/ folder, or one step-* checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="delete the run folder's metrics.jsonl and checkpoints/ first, then start from step 0")
+    t.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
     t.set_defaults(func=cmd_train)
 
     pl = sub.add_parser("plugins", help="list installed plugins")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--json", action="store_true", help="the same as JSON")
     pl.set_defaults(func=cmd_plugins)
 
     ls = sub.add_parser("list", help="list registered names of a kind")
@@ -164,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="versions, and what the C++ extension provides")
     i.set_defaults(func=cmd_info)
+
+    from gemzoo import ablate, plotting  # each adds its own sub-command (light imports; torch loads later)
+
+    for module in (ablate, plotting):
+        module.add_command(sub)
     return p
 
 

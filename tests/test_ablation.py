@@ -1,4 +1,4 @@
-"""Ablation files (configs/ablations/*.toml) and bench/e2e.py, which runs them."""
+"""Ablation files (configs/ablations/*.toml) and ``gemzoo ablate``, which runs them (bench/e2e.py calls it)."""
 
 import json
 import subprocess
@@ -33,15 +33,78 @@ def test_unknown_key_and_unknown_plugin(tmp_path):
         load_ablation(bad)
 
 
-def test_e2e_runs_an_ablation(tmp_path):
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_ablate_writes_table_plots_and_report(tmp_path):
+    """Two plugin sets train, one fails at assembly (flex has no CPU backward): every row, every file."""
     ablation = tmp_path / "tiny.toml"
-    ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nruns = ["cpu,fp32", "cpu,bf16"]\n'
-                        'steps = 3\nwarmup = 1\nset = ["data.batch_size=8"]\n')
-    out = tmp_path / "e2e.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--ablation", str(ablation),
-                           "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nruns = ["cpu,fp32", "flex,fp32", "cpu,bf16"]\n'
+                        'steps = 3\nwarmup = 1\nset = ["data.batch_size=8", "eval.batches=1"]\n')
+    out = tmp_path / "abl"
+    proc = subprocess.run([sys.executable, "-m", "gemzoo.cli", "ablate", str(ablation), "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((out / "ablation.json").read_text())
+    rows = {r["plugins"]: r for r in data["rows"]}
+    assert list(rows) == ["cpu,fp32", "flex,fp32", "cpu,bf16"]
+    for name in ("cpu,fp32", "cpu,bf16"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["steps"] == 3 and r["samples_per_s"] > 0 and r["tflops"] > 0
+        assert set(r["eval"]) >= {"eval/auc_click"} and 0 < r["eval"]["eval/auc_click"] < 1
+        assert r["peak_mem_source"] == "max RSS of the run's process" and 0.05 < r["peak_mem_gib"] < 20
+        assert (out / r["run_dir"] / "metrics.jsonl").is_file()  # each set has its own run folder
+    assert rows["cpu,fp32"]["run_dir"] != rows["cpu,bf16"]["run_dir"]
+    failed = rows["flex,fp32"]
+    assert failed["status"] == "failed" and "flex" in failed["error"] and "backward" in failed["error"]
+
+    header = (out / "ablation.csv").read_text().splitlines()[0].split(",")
+    assert {"plugins", "samples_per_s", "mfu", "peak_mem_gib", "final_loss", "error", "eval/auc_click"} <= set(header)
+    for png in ("throughput.png", "memory.png", "loss.png", "eval.png"):
+        blob = (out / png).read_bytes()
+        assert blob.startswith(PNG) and len(blob) > 10_000, png
+    report = (out / "report.md").read_text()
+    assert f"gemzoo ablate {ablation} --out {out}" in report
+    assert "| `cpu,fp32` |" in report and "FAILED" in report and "![loss](loss.png)" in report
+    assert "torch " in report and "Python " in report and "MFU peak: CPU" in report
+    assert "| plugins |" in proc.stdout
+
+
+def test_ablate_refuses_a_used_folder(tmp_path, capsys, fresh_registry):
+    from gemzoo.cli import main
+
+    ablation = tmp_path / "tiny.toml"
+    ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nruns = ["cpu,fp32"]\n')
+    out = tmp_path / "abl"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["ablate", str(ablation), "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err and "--overwrite" in capsys.readouterr().err + "--overwrite"
+    assert main(["ablate", str(ablation), "--out", str(out), "--runs", "jfa,bf16"]) == 2
+    assert "not in" in capsys.readouterr().err
+
+
+def test_peak_memory_is_per_run_not_cumulative():
+    """Each run's peak is its own process's max RSS (wait4), so a big run does not inflate the next one."""
+    from gemzoo.ablate import _wait
+
+    def peak(code):
+        proc = subprocess.Popen([sys.executable, "-c", code])
+        rc, usage = _wait(proc, None)
+        assert rc == 0
+        return usage.ru_maxrss * 1024
+
+    big = peak("x = bytearray(300 * 2**20); x[::4096] = b'1' * len(x[::4096])")
+    small = peak("pass")
+    assert big > 300 * 2**20 > small + 200 * 2**20, (big, small)
+
+
+def test_e2e_script_is_a_thin_caller(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--config", str(ROOT / "configs/gem-tiny.toml"),
+                           "--runs", "cpu,fp32", "--steps", "2", "--warmup", "0", "--set", "data.batch_size=8",
+                           "--set", "eval.every=0", "--out", str(tmp_path / "e2e")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["plugins"] for r in rows] == ["cpu,fp32", "cpu,bf16"]
-    assert all(r["steps"] == 3 and r["samples_per_s"] > 0 for r in rows)
-    assert "vs first" in proc.stdout
+    rows = json.loads((tmp_path / "e2e" / "ablation.json").read_text())["rows"]
+    assert [(r["plugins"], r["status"], r["steps"]) for r in rows] == [("cpu,fp32", "ok", 2)]
+    assert (tmp_path / "e2e" / "report.md").is_file()
