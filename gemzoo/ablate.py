@@ -255,13 +255,25 @@ def run_ablation(plan: AblationPlan, *, overwrite: bool = False, echo=print) -> 
         echo("   " + summary_line(row))
         write_json(plan, rows, started)  # after every run, so a killed ablation keeps what it measured
     data = write_json(plan, rows, started)
-    write_csv(plan.out / "ablation.csv", rows)
+    write_report(data, plan.out, echo)
+    return data
+
+
+def write_report(data: dict, out: Path, echo=print) -> list[Path]:
+    """ablation.csv, the PNGs and report.md from ``data`` (ablation.json). Without matplotlib the report
+    says so and has no plots; ``gemzoo ablate --report DIR`` draws them later, on another machine."""
     from gemzoo import plotting
 
-    plots = plotting.ablation_plots(data, plan.out)
-    (plan.out / "report.md").write_text(render_report(data, plots))
-    echo(f"wrote {plan.out}/: ablation.json, ablation.csv, report.md, {', '.join(p.name for p in plots)}")
-    return data
+    write_csv(out / "ablation.csv", data["rows"])
+    try:
+        plots = plotting.ablation_plots(data, out)
+        data.pop("plots_skipped", None)
+    except ConfigError as exc:  # matplotlib missing
+        plots, data["plots_skipped"] = [], str(exc)
+        echo(f"no plots: {exc}; draw them later with: gemzoo ablate --report {out}")
+    (out / "report.md").write_text(render_report(data, plots))
+    echo(f"wrote {out}/: ablation.json, ablation.csv, report.md" + "".join(f", {p.name}" for p in plots))
+    return plots
 
 
 def summary_line(row: dict) -> str:
@@ -417,6 +429,8 @@ def render_report(data: dict, plots: list[Path]) -> str:
               "eval": "Eval metrics"}
     for p in plots:
         lines += [f"## {titles.get(p.stem, p.stem)}", "", f"![{p.stem}]({p.name})", ""]
+    if data.get("plots_skipped"):
+        lines += [f"No plots: {data['plots_skipped']}. Draw them with `gemzoo ablate --report DIR`.", ""]
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         lines += ["## Failures", ""]
@@ -437,7 +451,7 @@ def add_command(sub) -> None:
                        description="Train the config of an ablation file (configs/ablations/*.toml) under each of "
                        "its plugin sets, each in its own process and run folder, then write ablation.json, "
                        "ablation.csv, PNG plots and report.md into --out.")
-    a.add_argument("ablation", metavar="F.toml", help="ablation file: config, runs, steps, warmup, set")
+    a.add_argument("ablation", metavar="F.toml", nargs="?", help="ablation file: config, runs, steps, warmup, set")
     a.add_argument("--steps", type=int, help="steps per run (default: the file's steps)")
     a.add_argument("--warmup", type=int, help="steps left out of the medians (default: the file's warmup)")
     a.add_argument("--out", help="ablation folder (default runs/ablations/<file stem>)")
@@ -445,6 +459,8 @@ def add_command(sub) -> None:
     a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override for every run")
     a.add_argument("--overwrite", action="store_true", help="replace an earlier ablation in --out")
     a.add_argument("--timeout", type=float, help="seconds one run may take before it is killed and marked failed")
+    a.add_argument("--report", metavar="DIR", help="train nothing: redraw the plots and report.md of the ablation "
+                   "folder DIR from its ablation.json and run folders (e.g. after copying it off a GPU machine)")
     a.set_defaults(func=cmd_ablate)
 
 
@@ -465,6 +481,16 @@ def command_line(args) -> str:
 
 
 def cmd_ablate(args) -> int:
+    if args.report:
+        path = Path(args.report) / "ablation.json"
+        if not path.is_file():
+            raise ConfigError(f"--report {args.report}: no ablation.json there; give a folder gemzoo ablate wrote")
+        data = json.loads(path.read_text())
+        write_report(data, Path(args.report), echo=lambda s: print(s, flush=True))
+        print(markdown_table(data))
+        return 0
+    if not args.ablation:
+        raise ConfigError("gemzoo ablate needs an ablation file (configs/ablations/*.toml), or --report DIR")
     plan = make_plan(args.ablation, steps=args.steps, warmup=args.warmup, out=args.out, overrides=args.set,
                      runs=args.runs, command=command_line(args), timeout_s=args.timeout)
     data = run_ablation(plan, overwrite=args.overwrite, echo=lambda s: print(s, flush=True))

@@ -29,6 +29,7 @@ class RunConfig:
     compile: bool = False
     peak_tflops: float | None = None  # overrides the device table for MFU
     dense_parallel: str = "fsdp"  # several ranks: "fsdp" shards transformer blocks (FSDP2), "ddp" replicates
+    tensorboard: bool = False  # also write metrics.jsonl's rows as TensorBoard scalars (pip install gemzoo[tensorboard])
 
 
 @dataclass

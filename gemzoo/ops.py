@@ -39,7 +39,8 @@ OPS = (
     "jagged_attention_fwd",
     "jagged_attention_bwd",
 )
-ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4}
+ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4, "gelu_tanh": 5, "relu2": 6,
+                    "leaky_relu": 7, "hardswish": 8}
 
 
 def _torch_version_key(version: str) -> str:

@@ -2,8 +2,8 @@
 
     gemzoo plot runs/a runs/b --out curves.png     # loss, throughput and eval curves of run folders
 
-``read_metrics`` is the one reader of ``metrics.jsonl``: a resumed run logs a ``start`` event at the step
-it resumed from, and the steps after that point that the earlier process had logged are superseded.
+``read_metrics`` is the one reader of ``metrics.jsonl``: a resumed run logs a ``start`` or ``resume`` event at
+the step it resumed from, and the steps after that point that the earlier process had logged are superseded.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             if n == len(path.read_text().splitlines()):
                 continue  # a last line cut short by a crash
             raise ConfigError(f"{path}:{n} is not JSON; the file is corrupt") from None
-        if rec.get("event") == "start":
+        if rec.get("event") in ("start", "resume"):
             start = int(rec.get("step", 0))
             by_step = {s: r for s, r in by_step.items() if s <= start}
         elif "event" not in rec and "step" in rec:

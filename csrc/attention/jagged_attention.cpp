@@ -1,5 +1,6 @@
 // CPU jagged attention, forward and backward, with the full DESIGN.md semantics:
-// softmax / silu / gelu / relu / identity (÷ norm), causal bottom-right, window, block, Lq != Lk.
+// softmax / silu / gelu / gelu_tanh / relu / relu2 / leaky_relu / hardswish / identity (÷ norm), causal
+// bottom-right, window, block, Lq != Lk.
 //
 // FlashAttention-style blocking: each work item is (sequence, head[, query tile]); it walks tiles of
 // BQ queries x BK keys, skipping tiles with no allowed pair, with tile matmuls in BLAS (MKL's sgemm
@@ -28,7 +29,9 @@ constexpr int64_t BQ = 64;
 constexpr int64_t BK = 64;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-enum Activation { SOFTMAX = 0, SILU = 1, GELU = 2, RELU = 3, IDENTITY = 4 };
+enum Activation { SOFTMAX = 0, SILU = 1, GELU = 2, RELU = 3, IDENTITY = 4, GELU_TANH = 5, RELU2 = 6, LEAKY_RELU = 7,
+                  HARDSWISH = 8 };
+constexpr int64_t LAST_ACTIVATION = HARDSWISH;
 
 // Row-major C[M,N] = alpha * op(A) op(B) + beta * C, op = transpose when the flag is set.
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
@@ -145,6 +148,13 @@ inline float act_fwd(float x, int64_t act) {
     case SILU: return x / (1.0f + fast_exp(-x));
     case GELU: return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
     case RELU: return x > 0.0f ? x : 0.0f;
+    case GELU_TANH: {
+      const float t = std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x));
+      return 0.5f * x * (1.0f + t);
+    }
+    case RELU2: return x > 0.0f ? x * x : 0.0f;
+    case LEAKY_RELU: return x > 0.0f ? x : 0.01f * x;
+    case HARDSWISH: return x * std::min(std::max(x + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f);
     default: return x;
   }
 }
@@ -158,6 +168,13 @@ inline float act_grad(float x, int64_t act) {
       return 0.5f * (1.0f + std::erf(x * 0.70710678118654752f)) +
              x * 0.39894228040143268f * std::exp(-0.5f * x * x);
     case RELU: return x > 0.0f ? 1.0f : 0.0f;
+    case GELU_TANH: {
+      const float t = std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x));
+      return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.79788456080286536f * (1.0f + 0.134145f * x * x);
+    }
+    case RELU2: return x > 0.0f ? 2.0f * x : 0.0f;
+    case LEAKY_RELU: return x > 0.0f ? 1.0f : 0.01f;
+    case HARDSWISH: return x < -3.0f ? 0.0f : (x <= 3.0f ? x * (1.0f / 3.0f) + 0.5f : 1.0f);
     default: return 1.0f;
   }
 }
@@ -243,6 +260,12 @@ void act_row(const float* srow, float* prow, int64_t a, int64_t b, int64_t act, 
         prow[c] = (x > 0.0f ? x : 0.0f) * inv_norm;
       }
       break;
+    case GELU_TANH:
+    case RELU2:
+    case LEAKY_RELU:
+    case HARDSWISH:
+      for (int64_t c = 0; c < BK; ++c) prow[c] = (c >= a && c < b) ? act_fwd(srow[c], act) * inv_norm : 0.0f;
+      break;
     default:
       for (int64_t c = 0; c < BK; ++c) prow[c] = ((c >= a && c < b) ? srow[c] : 0.0f) * inv_norm;
   }
@@ -266,6 +289,13 @@ void act_grad_row(const float* srow, float* grow, int64_t a, int64_t b, int64_t 
       break;
     case RELU:
       for (int64_t c = 0; c < BK; ++c) grow[c] = (c >= a && c < b && srow[c] > 0.0f) ? grow[c] * inv_norm : 0.0f;
+      break;
+    case GELU_TANH:
+    case RELU2:
+    case LEAKY_RELU:
+    case HARDSWISH:
+      for (int64_t c = 0; c < BK; ++c)
+        grow[c] = (c >= a && c < b) ? grow[c] * act_grad(srow[c], act) * inv_norm : 0.0f;
       break;
     default:
       for (int64_t c = 0; c < BK; ++c) grow[c] = (c >= a && c < b) ? grow[c] * inv_norm : 0.0f;
@@ -305,7 +335,7 @@ std::vector<Seq> sequences(const at::Tensor& q_offsets, const at::Tensor& k_offs
 
 Params make_params(const at::Tensor& q, const at::Tensor& v, bool causal, int64_t act, double scale, double norm,
                    int64_t window, int64_t block) {
-  TORCH_CHECK(act >= SOFTMAX && act <= IDENTITY, "activation code must be 0..4, got ", act);
+  TORCH_CHECK(act >= SOFTMAX && act <= LAST_ACTIVATION, "activation code must be 0..", LAST_ACTIVATION, ", got ", act);
   TORCH_CHECK(norm != 0.0, "norm must be non-zero");
   return {causal, act, static_cast<float>(scale), static_cast<float>(1.0 / norm), window, block,
           q.size(1), q.size(2), v.size(2)};

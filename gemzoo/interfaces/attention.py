@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-ACTIVATIONS = ("softmax", "silu", "gelu", "relu", "identity")
+ACTIVATIONS = ("softmax", "silu", "gelu", "gelu_tanh", "relu", "relu2", "leaky_relu", "hardswish", "identity")
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,16 @@ def apply_activation(scores: torch.Tensor, activation: str) -> torch.Tensor:
         return torch.nn.functional.silu(scores)
     if activation == "gelu":
         return torch.nn.functional.gelu(scores)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(scores, approximate="tanh")
     if activation == "relu":
         return torch.relu(scores)
+    if activation == "relu2":
+        return torch.relu(scores).square()
+    if activation == "leaky_relu":
+        return torch.nn.functional.leaky_relu(scores, 0.01)
+    if activation == "hardswish":
+        return torch.nn.functional.hardswish(scores)
     if activation == "identity":
         return scores
     raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")

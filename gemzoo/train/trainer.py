@@ -29,6 +29,7 @@ from gemzoo.models.common import attention_sites
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train.flops import peak_flops
 from gemzoo.train.metrics import MetricsLog, step_metrics
+from gemzoo.train.tensorboard import maybe_tensorboard
 
 
 @dataclass
@@ -309,6 +310,7 @@ class Trainer:
         # 11. Loop: step; metrics; eval; atomic checkpoint.
         self.peak, peak_source = peak_flops(self.device, cfg.run.peak_tflops)
         log = MetricsLog(self.out_dir / "metrics.jsonl", append=self.start_step > 0) if self.world.is_main else None
+        log = maybe_tensorboard(log, cfg, self.out_dir, self.start_step)  # run.tensorboard: rows as scalars too
         if log:
             log.write({"event": "start", "step": self.start_step, "device": str(self.device),
                        "peak_flops": self.peak, "mfu_peak": peak_source, "attention": cfg.plugins.attention,

@@ -1,16 +1,26 @@
-"""Triton kernels for jagged flash attention (softmax), forward and backward.
+"""Triton kernels for jagged attention, forward and backward: one family for softmax (jfa) and the
+pointwise activations of GDPA (gdpa).
 
-Layout: q [Tq, H, D], k [Tk, H, D], v [Tk, H, DV] with unit stride on the last dim; int64 offsets [B+1].
-Every program takes one work item, a (sequence, block) pair from a schedule built on the device
-(see ``schedule.py``), and one head: ``pid = item * H + head`` so the heads of the costliest items
-start first. Items past the real count carry sequence -1 and exit at once.
+Layout: q [Tq, H, D], k [Tk, H, D], v [Tk, H, DV] with unit stride on the last dim; int64 offsets [B+1]
+with unit stride. Every program takes one work item, a (sequence, block[, key split]) entry of a
+schedule built on the device (see ``schedule.py``), and one head: ``pid = item * H + head`` so the
+heads of the costliest items start first. Items past the real count carry sequence -1 and exit at once.
 
 Key j is allowed for query i iff (not CAUSAL or j <= i + s) and (not WINDOWED or i + s - j < window),
 with s = Lk - Lq (bottom-right causal). Key ranges are cut into fully-allowed blocks (no mask
-arithmetic) and boundary blocks (masked). Softmax runs in base 2; the saved logsumexp is base 2 too
-and is +inf for rows with no allowed key, so their probabilities are 0 in the backward pass.
+arithmetic) and boundary blocks (masked).
+
+ACT (constexpr) picks the activation, see ``ACTIVATION_CODES`` in ops.py:
+  * 0, softmax: online max/rescale in base 2; the saved logsumexp is base 2 and +inf for rows with no
+    allowed key, so their probabilities are 0 in the backward pass (which needs delta = rowsum(dO*O)).
+  * otherwise pointwise: P = act(scale * S) on allowed pairs, 0 elsewhere, times ``inv_norm``; no max,
+    no rescale, no logsumexp. Backward uses the exact derivative dS = dP * act'(scale * S) and needs
+    no preprocess. Because the sum over keys is plain addition, a query block's key range may be split
+    across programs (SPLIT: items carry a key-split index) whose fp32 partials are added atomically.
 
 UPCAST converts loaded tiles to fp32 before any arithmetic: the Triton interpreter gets bf16 wrong.
+With TMA, rows past a sequence's end belong to the next sequence; boundary blocks zero them, so a NaN
+there never reaches this sequence (0 * NaN would).
 """
 
 from __future__ import annotations
@@ -18,10 +28,175 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 @triton.jit
 def _ceil_to(x, m):
     return ((x + m - 1) // m) * m
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """Pointwise activation (codes of ops.ACTIVATION_CODES, 1..8)."""
+    if ACT == 1:  # silu
+        y = x * _sigmoid(x)
+    elif ACT == 2:  # gelu (erf)
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 3:  # gelu_tanh
+        t = 2.0 * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)) - 1.0
+        y = 0.5 * x * (1.0 + t)
+    elif ACT == 4:  # relu
+        y = tl.where(x > 0, x, 0.0)
+    elif ACT == 5:  # relu2
+        r = tl.where(x > 0, x, 0.0)
+        y = r * r
+    elif ACT == 6:  # leaky_relu(0.01)
+        y = tl.where(x > 0, x, 0.01 * x)
+    elif ACT == 7:  # hardswish
+        y = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) * 0.16666666666666666
+    else:  # identity
+        y = x
+    return y
+
+
+@triton.jit
+def _act_fwd_grad(x, ACT: tl.constexpr):
+    """(act(x), act'(x)) with shared subexpressions."""
+    if ACT == 1:
+        sg = _sigmoid(x)
+        y = x * sg
+        g = sg * (1.0 + x * (1.0 - sg))
+    elif ACT == 2:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        y = x * cdf
+        g = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACT == 3:
+        x2 = x * x
+        t = 2.0 * _sigmoid(1.5957691216057308 * (x + 0.044715 * x2 * x)) - 1.0
+        y = 0.5 * x * (1.0 + t)
+        g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x2)
+    elif ACT == 4:
+        y = tl.where(x > 0, x, 0.0)
+        g = tl.where(x > 0, 1.0, 0.0)
+    elif ACT == 5:
+        r = tl.where(x > 0, x, 0.0)
+        y = r * r
+        g = 2.0 * r
+    elif ACT == 6:
+        y = tl.where(x > 0, x, 0.01 * x)
+        g = tl.where(x > 0, 1.0, 0.01)
+    elif ACT == 7:
+        y = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) * 0.16666666666666666
+        g = tl.where(x < -3.0, 0.0, tl.where(x <= 3.0, x * 0.3333333333333333 + 0.5, 1.0))
+    else:
+        y = x
+        g = tl.full(x.shape, 1.0, tl.float32)
+    return y, g
+
+
+@triton.jit
+def _item(ITEMS, n_items_cap, item, SPLIT: tl.constexpr):
+    """(sequence, block, key split) of one work item; split is 0 without SPLIT."""
+    b = tl.load(ITEMS + item)
+    blk = tl.load(ITEMS + n_items_cap + item)
+    split = 0
+    if SPLIT:
+        split = tl.load(ITEMS + 2 * n_items_cap + item)
+    return b, blk, split
+
+
+@triton.jit
+def _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOWED: tl.constexpr, SPLIT: tl.constexpr):
+    """Keys that queries [m_lo, m_last] may see, as [lo, full_lo) masked, [full_lo, full_hi) fully
+    allowed, [full_hi, hi) masked; with SPLIT only those inside key split ``split`` (split_n keys each)."""
+    hi = Lk
+    if CAUSAL:
+        hi = tl.minimum(hi, m_last + shift + 1)
+    lo = 0
+    full_lo = 0
+    if WINDOWED:
+        lo = tl.maximum(m_lo + shift - window + 1, 0)
+        full_lo = _ceil_to(tl.maximum(m_last + shift - window + 1, 0), BN)
+    lo = (lo // BN) * BN
+    if SPLIT:
+        lo = tl.maximum(lo, split * split_n)
+        hi = tl.minimum(hi, split * split_n + split_n)
+    hi = tl.maximum(hi, lo)
+    full_hi = Lk
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, m_lo + shift + 1)
+    full_hi = (tl.maximum(full_hi, 0) // BN) * BN
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_range(n_lo, n_last, Lq, shift, window, BM: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """Queries that may see a key of [n_lo, n_last]: [lo, full_lo) masked, [full_lo, full_hi) fully
+    allowed, [full_hi, hi) masked."""
+    lo = 0
+    full_lo = 0
+    if CAUSAL:
+        lo = tl.maximum(n_lo - shift, 0)
+        full_lo = _ceil_to(tl.maximum(n_last - shift, 0), BM)
+    lo = (lo // BM) * BM
+    hi = Lq
+    full_hi = Lq
+    if WINDOWED:
+        hi = tl.minimum(hi, n_last - shift + window)
+        full_hi = tl.minimum(full_hi, n_lo - shift + window)
+    hi = tl.maximum(hi, lo)
+    full_hi = (tl.maximum(full_hi, 0) // BM) * BM
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _allowed(rows, cols, Lk, shift, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """[BM, BN] allowed pairs of query rows and key cols inside one sequence (cols < Lk included)."""
+    ok = cols[None, :] < Lk
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= rows[:, None] + shift)
+    if WINDOWED:
+        ok = ok & (rows[:, None] + shift - cols[None, :] < window)
+    return ok
+
+
+@triton.jit
+def _load_kv_t(base, n, stride, offs_n, offs_d, desc, row0, h, limit,
+               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr,
+               USE_TMA: tl.constexpr, TRANS: tl.constexpr):
+    """Rows [n, n + BN) of one head of a [T, H, D] tensor as [BN, BD] (or [BD, BN] with TRANS); rows
+    at or past ``limit`` (the sequence end) are 0 in MASKED blocks."""
+    if USE_TMA:
+        x = desc.load([row0 + n, h, 0]).reshape(BN, BD)
+        if MASKED:
+            x = tl.where((n + offs_n)[:, None] < limit, x, 0.0)
+        if TRANS:
+            x = tl.trans(x)
+    elif TRANS:
+        ptrs = base + n.to(tl.int64) * stride + offs_n[None, :] * stride + offs_d[:, None]
+        if MASKED:
+            x = tl.load(ptrs, mask=((n + offs_n)[None, :] < limit) & (offs_d[:, None] < D), other=0.0)
+        elif BD != D:
+            x = tl.load(ptrs, mask=offs_d[:, None] < D, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        ptrs = base + n.to(tl.int64) * stride + offs_n[:, None] * stride + offs_d[None, :]
+        if MASKED:
+            x = tl.load(ptrs, mask=((n + offs_n)[:, None] < limit) & (offs_d[None, :] < D), other=0.0)
+        elif BD != D:
+            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
@@ -29,65 +204,51 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
                qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-               USE_TMA: tl.constexpr):
+               USE_TMA: tl.constexpr, ACT: tl.constexpr):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
-        kt_ptrs = k_base + n.to(tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
-        v_ptrs = v_base + n.to(tl.int64) * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :]
-        if USE_TMA:  # rows past the sequence end belong to the next one: masked below (MASKED blocks only)
-            kt = tl.trans(KD.load([k_row0 + n, h, 0]).reshape(BN, BD))
-        elif MASKED:
-            kt = tl.load(kt_ptrs, mask=(cols[None, :] < Lk) & (offs_d[:, None] < D), other=0.0)
-        elif BD != D:
-            kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
+        kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA, True)
         if UPCAST:
             kt = kt.to(tl.float32)
         qk = tl.dot(q, kt) * qk_scale
-        if MASKED:
-            ok = cols[None, :] < Lk
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= rows[:, None] + shift)
-            if WINDOWED:
-                ok = ok & (rows[:, None] + shift - cols[None, :] < window)
-            qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows so far: keep p = 0
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if USE_TMA:
-            vv = VD.load([k_row0 + n, h, 0]).reshape(BN, BDV)
-        elif MASKED:
-            vv = tl.load(v_ptrs, mask=(cols[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
-        elif BDV != DV:
-            vv = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        if ACT == 0:
+            if MASKED:
+                qk = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows so far: keep p = 0
+            p = tl.math.exp2(qk - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         else:
-            vv = tl.load(v_ptrs)
+            p = _act(qk, ACT)
+            if MASKED:
+                p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED), p, 0.0)
+        vv = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA,
+                        False)
         if UPCAST:
             acc = tl.dot(p, vv.to(tl.float32), acc)
         else:
             acc = tl.dot(p.to(vv.dtype), vv, acc)
-        m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def jfa_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, qk_scale, window,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                   H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr,
-                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, qk_scale, inv_norm, window,
+                    split_n, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                    ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False):
+    """Forward. Softmax writes O and LSE; pointwise writes O (or, with SPLIT, adds to fp32 O)."""
     pid = tl.program_id(0)
     item = pid // H
     h = pid % H
-    b = tl.load(ITEMS + item)
+    b, mblk, split = _item(ITEMS, n_items_cap, item, SPLIT)
     if b < 0:
         return
-    mblk = tl.load(ITEMS + n_items_cap + item)
     q_start = tl.load(QOFF + b)
     Lq = (tl.load(QOFF + b + 1) - q_start).to(tl.int32)
     k_start = tl.load(KOFF + b)
@@ -110,51 +271,40 @@ def jfa_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, 
     k_base = K + k_start * stride_kt + h * stride_kh
     v_base = V + k_start * stride_vt + h * stride_vh
     k_row0 = k_start.to(tl.int32)
-
-    # keys any row of this block may see: [lo, hi); fully-allowed blocks: [full_lo, full_hi)
-    hi = Lk
-    if CAUSAL:
-        hi = tl.minimum(hi, m_last + shift + 1)
-    lo = 0
-    full_lo = 0
-    if WINDOWED:
-        lo = tl.maximum(m_lo + shift - window + 1, 0)
-        full_lo = _ceil_to(tl.maximum(m_last + shift - window + 1, 0), BN)
-    lo = (lo // BN) * BN
-    hi = tl.maximum(hi, lo)
-    full_hi = Lk
-    if CAUSAL:
-        full_hi = tl.minimum(full_hi, m_lo + shift + 1)
-    full_hi = (tl.maximum(full_hi, 0) // BN) * BN
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
+                                          SPLIT)
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
-                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA)
+                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows,
                                Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV,
-                               BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA)
+                               BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
-                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA)
+                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
 
-    empty = l_i == 0.0  # no allowed key: output 0, lse +inf
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
-    o_base = O + (q_start + m_lo) * stride_ot + h * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_ot + offs_dv[None, :], out.to(O.dtype.element_ty),
-             mask=(rows[:, None] < Lq) & (offs_dv[None, :] < DV))
-    tl.store(LSE + h.to(tl.int64) * Tq + q_start + rows, lse, mask=rows < Lq)
+    o_ptrs = O + (q_start + m_lo) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
+    o_mask = (rows[:, None] < Lq) & (offs_dv[None, :] < DV)
+    if ACT == 0:
+        empty = l_i == 0.0  # no allowed key: output 0, lse +inf
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+        tl.store(LSE + h.to(tl.int64) * Tq + q_start + rows, lse, mask=rows < Lq)
+    elif SPLIT:
+        tl.atomic_add(o_ptrs, acc * inv_norm, mask=o_mask, sem="relaxed")
+    else:
+        tl.store(o_ptrs, (acc * inv_norm).to(O.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
-def jfa_bwd_preprocess(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
-                       DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr):
-    """delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32."""
+def attn_bwd_preprocess(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
+                        DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr):
+    """Softmax only: delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     t0 = pid.to(tl.int64) * BT
@@ -173,71 +323,64 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
                 shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
                 D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-                USE_TMA: tl.constexpr):
+                USE_TMA: tl.constexpr, ACT: tl.constexpr):
     for m in range(start, end, BM):
         m = tl.multiple_of(m, BM)
         rows = m + offs_m
-        qt_ptrs = q_base + m.to(tl.int64) * stride_qt + offs_m[None, :] * stride_qt + offs_d[:, None]
-        do_ptrs = do_base + m.to(tl.int64) * stride_dot + offs_m[:, None] * stride_dot + offs_dv[None, :]
-        if USE_TMA:  # rows past the sequence end belong to the next one: their p is masked to 0
-            qt = tl.trans(QD.load([q_row0 + m, h, 0]).reshape(BM, BD))
-            do = DOD.load([q_row0 + m, h, 0]).reshape(BM, BDV)
+        qt = _load_kv_t(q_base, m, stride_qt, offs_m, offs_d, QD, q_row0, h, Lq, D, BD, BM, MASKED, USE_TMA, True)
+        do = _load_kv_t(do_base, m, stride_dot, offs_m, offs_dv, DOD, q_row0, h, Lq, DV, BDV, BM, MASKED, USE_TMA,
+                        False)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+            do = do.to(tl.float32)
+        qkt = tl.dot(k, qt)  # [BN, BM]
+        if MASKED:  # [BN, BM]
+            ok = rows[None, :] < Lq
+            if CAUSAL:
+                ok = ok & (cols[:, None] <= rows[None, :] + shift)
+            if WINDOWED:
+                ok = ok & (rows[None, :] + shift - cols[:, None] < window)
+        if ACT == 0:
             if MASKED:
                 lse = tl.load(lse_base + rows, mask=rows < Lq, other=float("inf"))
                 delta = tl.load(delta_base + rows, mask=rows < Lq, other=0.0)
             else:
                 lse = tl.load(lse_base + rows)
                 delta = tl.load(delta_base + rows)
-        elif MASKED:
-            qt = tl.load(qt_ptrs, mask=(rows[None, :] < Lq) & (offs_d[:, None] < D), other=0.0)
-            do = tl.load(do_ptrs, mask=(rows[:, None] < Lq) & (offs_dv[None, :] < DV), other=0.0)
-            lse = tl.load(lse_base + rows, mask=rows < Lq, other=float("inf"))
-            delta = tl.load(delta_base + rows, mask=rows < Lq, other=0.0)
+            pt = tl.math.exp2(qkt * qk_scale - lse[None, :])
+            if MASKED:
+                pt = tl.where(ok, pt, 0.0)
+            dv = tl.dot(pt.to(do.dtype), do, dv)
+            dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
+            dst = pt * (dpt - delta[None, :])
         else:
-            if BD != D:
-                qt = tl.load(qt_ptrs, mask=offs_d[:, None] < D, other=0.0)
-            else:
-                qt = tl.load(qt_ptrs)
-            if BDV != DV:
-                do = tl.load(do_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
-            else:
-                do = tl.load(do_ptrs)
-            lse = tl.load(lse_base + rows)
-            delta = tl.load(delta_base + rows)
-        if UPCAST:
-            qt = qt.to(tl.float32)
-            do = do.to(tl.float32)
-        qkt = tl.dot(k, qt)  # [BN, BM]
-        pt = tl.math.exp2(qkt * qk_scale - lse[None, :])
-        if MASKED:
-            ok = rows[None, :] < Lq
-            if CAUSAL:
-                ok = ok & (cols[:, None] <= rows[None, :] + shift)
-            if WINDOWED:
-                ok = ok & (rows[None, :] + shift - cols[:, None] < window)
-            pt = tl.where(ok, pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv)
-        dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
-        dst = pt * (dpt - delta[None, :])
+            pt, gt = _act_fwd_grad(qkt * qk_scale, ACT)
+            if MASKED:
+                pt = tl.where(ok, pt, 0.0)
+            dv = tl.dot(pt.to(do.dtype), do, dv)
+            dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
+            dst = dpt * gt
+            if MASKED:
+                dst = tl.where(ok, dst, 0.0)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
     return dk, dv
 
 
 @triton.jit
-def jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD, DOD, n_items_cap, Tq, qk_scale,
-                        sm_scale,
-                        window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                        stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                        H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr,
-                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD, DOD, n_items_cap, Tq, qk_scale,
+                         dk_scale, dv_scale, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr,
+                         CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                         ACT: tl.constexpr = 0):
+    """dK, dV of one key block, looping over the queries that see it (no atomics)."""
     pid = tl.program_id(0)
     item = pid // H
     h = pid % H
-    b = tl.load(ITEMS + item)
+    b, nblk, _ = _item(ITEMS, n_items_cap, item, False)
     if b < 0:
         return
-    nblk = tl.load(ITEMS + n_items_cap + item)
     q_start = tl.load(QOFF + b)
     Lq = (tl.load(QOFF + b + 1) - q_start).to(tl.int32)
     k_start = tl.load(KOFF + b)
@@ -260,23 +403,7 @@ def jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-
-    # queries that may see a key of this block: [lo, hi); fully-allowed query blocks: [full_lo, full_hi)
-    lo = 0
-    full_lo = 0
-    if CAUSAL:
-        lo = tl.maximum(n_lo - shift, 0)
-        full_lo = _ceil_to(tl.maximum(n_last - shift, 0), BM)
-    lo = (lo // BM) * BM
-    hi = Lq
-    full_hi = Lq
-    if WINDOWED:
-        hi = tl.minimum(hi, n_last - shift + window)
-        full_hi = tl.minimum(full_hi, n_lo - shift + window)
-    hi = tl.maximum(hi, lo)
-    full_hi = (tl.maximum(full_hi, 0) // BM) * BM
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    lo, full_lo, full_hi, hi = _query_range(n_lo, n_last, Lq, shift, window, BM, CAUSAL, WINDOWED)
 
     q_base = Q + q_start * stride_qt + h * stride_qh
     do_base = DO + q_start * stride_dot + h * stride_doh
@@ -287,14 +414,15 @@ def jfa_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD,
     dv = tl.zeros([BN, BDV], tl.float32)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, full_lo,
                          cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D, DV, BD,
-                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA)
+                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_lo,
                          full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D,
-                         DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA)
+                         DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_hi, hi,
                          cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D, DV, BD,
-                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA)
-    dk = dk * sm_scale
+                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
+    dk = dk * dk_scale
+    dv = dv * dv_scale
     tl.store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kmask & (offs_d[None, :] < D))
     tl.store(DV_ + (k_start + n_lo) * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :],
@@ -306,60 +434,47 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
               qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-              USE_TMA: tl.constexpr):
+              USE_TMA: tl.constexpr, ACT: tl.constexpr):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
-        kt_ptrs = k_base + n.to(tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
-        vt_ptrs = v_base + n.to(tl.int64) * stride_vt + offs_n[None, :] * stride_vt + offs_dv[:, None]
-        if USE_TMA:  # rows past the sequence end belong to the next one: their p is masked to 0
-            kt = tl.trans(KD.load([k_row0 + n, h, 0]).reshape(BN, BD))
-            vt = tl.trans(VD.load([k_row0 + n, h, 0]).reshape(BN, BDV))
-        elif MASKED:
-            kt = tl.load(kt_ptrs, mask=(cols[None, :] < Lk) & (offs_d[:, None] < D), other=0.0)
-            vt = tl.load(vt_ptrs, mask=(cols[None, :] < Lk) & (offs_dv[:, None] < DV), other=0.0)
-        else:
-            if BD != D:
-                kt = tl.load(kt_ptrs, mask=offs_d[:, None] < D, other=0.0)
-            else:
-                kt = tl.load(kt_ptrs)
-            if BDV != DV:
-                vt = tl.load(vt_ptrs, mask=offs_dv[:, None] < DV, other=0.0)
-            else:
-                vt = tl.load(vt_ptrs)
+        kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA, True)
+        vt = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA, True)
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
         qk = tl.dot(q, kt)
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])
-        if MASKED:
-            ok = cols[None, :] < Lk
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= rows[:, None] + shift)
-            if WINDOWED:
-                ok = ok & (rows[:, None] + shift - cols[None, :] < window)
-            p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, vt)
-        ds = p * (dp - delta[:, None])
+        if ACT == 0:
+            p = tl.math.exp2(qk * qk_scale - lse[:, None])
+            if MASKED:
+                p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED), p, 0.0)
+            ds = p * (dp - delta[:, None])
+        else:
+            _, g = _act_fwd_grad(qk * qk_scale, ACT)
+            ds = dp * g
+            if MASKED:
+                ds = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED), ds, 0.0)
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
     return dq
 
 
 @triton.jit
-def jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, qk_scale, sm_scale,
-                      window,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                      stride_dqt, stride_dqh,
-                      H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr,
-                      CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, qk_scale, dq_scale,
+                       window, split_n,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                       stride_dqt, stride_dqh,
+                       H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr,
+                       CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                       ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False):
+    """dQ of one query block, looping over its keys (with SPLIT: one key split, added to fp32 dQ)."""
     pid = tl.program_id(0)
     item = pid // H
     h = pid % H
-    b = tl.load(ITEMS + item)
+    b, mblk, split = _item(ITEMS, n_items_cap, item, SPLIT)
     if b < 0:
         return
-    mblk = tl.load(ITEMS + n_items_cap + item)
     q_start = tl.load(QOFF + b)
     Lq = (tl.load(QOFF + b + 1) - q_start).to(tl.int32)
     k_start = tl.load(KOFF + b)
@@ -379,42 +494,35 @@ def jfa_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n_
                 mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0)
     do = tl.load(DO + (q_start + m_lo) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
                  + offs_dv[None, :], mask=rmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + h.to(tl.int64) * Tq + q_start + rows, mask=rmask, other=float("inf"))
-    delta = tl.load(DELTA + h.to(tl.int64) * Tq + q_start + rows, mask=rmask, other=0.0)
+    if ACT == 0:
+        lse = tl.load(LSE + h.to(tl.int64) * Tq + q_start + rows, mask=rmask, other=float("inf"))
+        delta = tl.load(DELTA + h.to(tl.int64) * Tq + q_start + rows, mask=rmask, other=0.0)
+    else:
+        lse = tl.zeros([BM], tl.float32)
+        delta = lse
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     k_base = K + k_start * stride_kt + h * stride_kh
     v_base = V + k_start * stride_vt + h * stride_vh
     k_row0 = k_start.to(tl.int32)
-
-    hi = Lk
-    if CAUSAL:
-        hi = tl.minimum(hi, m_last + shift + 1)
-    lo = 0
-    full_lo = 0
-    if WINDOWED:
-        lo = tl.maximum(m_lo + shift - window + 1, 0)
-        full_lo = _ceil_to(tl.maximum(m_last + shift - window + 1, 0), BN)
-    lo = (lo // BN) * BN
-    hi = tl.maximum(hi, lo)
-    full_hi = Lk
-    if CAUSAL:
-        full_hi = tl.minimum(full_hi, m_lo + shift + 1)
-    full_hi = (tl.maximum(full_hi, 0) // BN) * BN
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
+                                          SPLIT)
 
     dq = tl.zeros([BM, BD], tl.float32)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
-                   UPCAST, USE_TMA)
+                   UPCAST, USE_TMA, ACT)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows, Lk, shift,
                    window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, False, CAUSAL,
-                   WINDOWED, UPCAST, USE_TMA)
+                   WINDOWED, UPCAST, USE_TMA, ACT)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
-                   UPCAST, USE_TMA)
-    dq = dq * sm_scale
-    tl.store(DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=rmask[:, None] & (offs_d[None, :] < D))
+                   UPCAST, USE_TMA, ACT)
+    dq = dq * dq_scale
+    dq_ptrs = DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
+    dq_mask = rmask[:, None] & (offs_d[None, :] < D)
+    if SPLIT:
+        tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
+    else:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_mask)

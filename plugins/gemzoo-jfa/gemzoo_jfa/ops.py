@@ -53,23 +53,31 @@ def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Con
     return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
 
 
+# Activation codes of the shared kernel family (kernels.py's ACT constexpr). 0 is softmax (jfa); the
+# rest are GDPA's pointwise activations (gdpa).
+ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4, "relu2": 5, "leaky_relu": 6,
+                    "hardswish": 7, "identity": 8}
+
 _override: Configs | None = None
 _order = "lpt"
 _tma: bool | None = None  # None: TMA where validated (see _tma_ok); True: wherever shapes allow; False: never
+_split: int | None = None  # pointwise key split: None = heuristic (split_plan), 0 = never, n = n keys per split
 
 
 @contextlib.contextmanager
-def using(configs: Configs | None = None, *, order: str | None = None, tma: bool | None = None):
-    """Run with other block configs, schedule order or TMA setting (the bench's sweeps and tests use this)."""
-    global _override, _order, _tma
-    saved = _override, _order, _tma
+def using(configs: Configs | None = None, *, order: str | None = None, tma: bool | None = None,
+          split: int | None = None):
+    """Run with other block configs, schedule order, TMA setting or key split (bench sweeps and tests)."""
+    global _override, _order, _tma, _split
+    saved = _override, _order, _tma, _split
     _override = configs if configs is not None else _override
     _order = order if order is not None else _order
     _tma = tma if tma is not None else _tma
+    _split = split if split is not None else _split
     try:
         yield
     finally:
-        _override, _order, _tma = saved
+        _override, _order, _tma, _split = saved
 
 
 def _tma_ok(*tensors, causal: bool = True) -> bool:
@@ -116,37 +124,92 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def build_schedule(*args, **kw):
-    from gemzoo_jfa.schedule import build_schedule as _build
+def _offsets(off: torch.Tensor) -> torch.Tensor:
+    """The kernels index offsets with unit stride: a strided view (``t[::2]``) is copied first."""
+    return off if off.is_contiguous() else off.contiguous()
 
-    return _build(*args, **kw)
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse):
+def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, block_m: int,
+               block_n: int) -> tuple[int, int] | None:
+    """(keys per split, query block) for the short-Q/long-K path, or None to run unsplit.
+
+    Pointwise only (softmax would need a logsumexp merge). Chosen from shapes alone: on average at most
+    256 queries per sequence and at least 4 keys per query, i.e. GEM's candidates-over-history cross
+    attention. The query block shrinks to 64 rows when the average sequence has at most 64 queries, and
+    the split size aims at about 4 waves of programs: items ~ Tk * ceil(Lq / BM) * H / split.
+    """
+    if activation == 0 or _split == 0 or batch == 0:
+        return None
+    tq, tk, h = q.shape[0], k.shape[0], q.shape[1]
+    if _split is None and not (tq <= 256 * batch and tk >= 4 * tq):
+        return None
+    bm = min(block_m, 64) if tq <= 64 * batch else block_m
+    if _split is not None:
+        return max(block_n, (_split // block_n) * block_n), bm
+    q_blocks = -(-tq // (bm * batch))
+    target = tk * q_blocks * h / (4 * _sm_count(q.device))
+    split_n = 1 << max(int(target) - 1, 1).bit_length()
+    return min(max(split_n, 4 * block_n), 8192), bm
+
+
+def _act_scale(activation: int, scale: float) -> float:
+    return scale * LOG2E if activation == 0 else scale  # softmax runs in base 2
+
+
+def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, activation=0, inv_norm=1.0):
+    """out (and, for softmax, the base-2 lse [H, Tq]) of the forward pass; ``activation`` is a code of
+    ACTIVATION_CODES. Pointwise short-Q/long-K batches take the split-K path (see split_plan)."""
     from gemzoo_jfa import kernels
-    from gemzoo_jfa.schedule import build_schedule
+    from gemzoo_jfa.schedule import build_schedule, build_split_schedule
 
+    q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     cfg = _configs(q).fwd
     tq, h, d = q.shape
     dv = v.shape[2]
-    items = build_schedule(q_offsets, k_offsets, tq, cfg.block_m, over="q", causal=causal,
-                           window=None if window < 0 else window, order=_order)
+    win = None if window < 0 else window
+    plan = split_plan(q, k, q_offsets.numel() - 1, activation, cfg.block_m, cfg.block_n)
+    bm, split_n, target = cfg.block_m, 0, out
+    if plan is not None:
+        split_n, bm = plan
+        items = build_split_schedule(q_offsets, k_offsets, bm, split_n, causal=causal, window=win)
+        target = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device,
+                                                                    dtype=torch.float32)
+        target.zero_()
+    else:
+        items = build_schedule(q_offsets, k_offsets, tq, bm, over="q", causal=causal, window=win, order=_order)
     cap = items.shape[1]
+    if cap == 0:
+        out.zero_()
+        return
     tma = _tma_ok(k, v, causal=causal)
     kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
-    kernels.jfa_fwd_kernel[(cap * h,)](
-        q, k, v, out, lse, q_offsets, k_offsets, items, kd, vd, cap, tq, scale * LOG2E, max(window, 0),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=cfg.block_m, BN=cfg.block_n,
+    kernels.attn_fwd_kernel[(cap * h,)](
+        q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
+        _act_scale(activation, scale), inv_norm, max(window, 0), split_n,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        target.stride(0), target.stride(1),
+        H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
         CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACT=activation, SPLIT=plan is not None,
+        num_warps=min(cfg.num_warps, 4) if bm < cfg.block_m else cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if target is not out:
+        out.copy_(target)
 
 
-def _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv_):
-    delta = _launch_preprocess(out, do)
-    _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_)
-    _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq)
+def _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv_, activation=0,
+                inv_norm=1.0):
+    """dq, dk, dv. Softmax needs out and lse (delta preprocess); pointwise ignores both."""
+    q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
+    delta = _launch_preprocess(out, do) if activation == 0 else None
+    _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm)
+    _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm)
 
 
 def _launch_preprocess(out, do):
@@ -157,55 +220,79 @@ def _launch_preprocess(out, do):
     upcast = out.device.type != "cuda"
     delta = torch.empty(h, tq, device=out.device, dtype=torch.float32)
     bt = 64 if upcast else 128
-    kernels.jfa_bwd_preprocess[(_cdiv(tq, bt), h)](
+    kernels.attn_bwd_preprocess[(_cdiv(tq, bt), h)](
         out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
         DV=dv, BDV=_pow2(dv), BT=bt, num_warps=1 if upcast else 4,
     )
     return delta
 
 
-def _common(q, v, causal, window):
+def _common(q, v, causal, window, activation):
     d, dv = q.shape[2], v.shape[2]
     return dict(H=q.shape[1], D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), CAUSAL=causal, WINDOWED=window >= 0,
-                UPCAST=q.device.type != "cuda")
+                UPCAST=q.device.type != "cuda", ACT=activation)
 
 
-def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_):
+def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation=0,
+                 inv_norm=1.0):
     from gemzoo_jfa import kernels
     from gemzoo_jfa.schedule import build_schedule
 
+    q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     c = _configs(q).dkdv
     items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
                            window=None if window < 0 else window, order=_order)
     cap = items.shape[1]
     tma = _tma_ok(q, do, causal=causal)
     qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if tma else (q, do)
-    kernels.jfa_bwd_dkdv_kernel[(cap * q.shape[1],)](
-        q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0], scale * LOG2E, scale,
+    if activation != 0:  # no lse/delta: any fp32 tensor stands in (never read)
+        lse = delta = dk
+    kernels.attn_bwd_dkdv_kernel[(cap * q.shape[1],)](
+        q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0],
+        _act_scale(activation, scale), scale * inv_norm, 1.0 if activation == 0 else inv_norm,
         max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
         BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
-        **_common(q, v, causal, window),
+        **_common(q, v, causal, window, activation),
     )
 
 
-def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq):
+def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation=0,
+               inv_norm=1.0):
     from gemzoo_jfa import kernels
-    from gemzoo_jfa.schedule import build_schedule
+    from gemzoo_jfa.schedule import build_schedule, build_split_schedule
 
+    q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     c = _configs(q).dq
-    items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal,
-                           window=None if window < 0 else window, order=_order)
+    win = None if window < 0 else window
+    plan = split_plan(q, k, q_offsets.numel() - 1, activation, c.block_m, c.block_n)
+    bm, split_n, target = c.block_m, 0, dq
+    if plan is not None:
+        split_n, bm = plan
+        items = build_split_schedule(q_offsets, k_offsets, bm, split_n, causal=causal, window=win)
+        target = dq if dq.dtype == torch.float32 else torch.empty(dq.shape, device=dq.device, dtype=torch.float32)
+        target.zero_()
+    else:
+        items = build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal, window=win,
+                               order=_order)
     cap = items.shape[1]
+    if cap == 0:
+        dq.zero_()
+        return
     tma = _tma_ok(k, v, causal=causal)
     kd, vd = (_desc(k, c.block_n), _desc(v, c.block_n)) if tma else (k, v)
-    kernels.jfa_bwd_dq_kernel[(cap * q.shape[1],)](
-        q, k, v, do, lse, delta, dq, q_offsets, k_offsets, items, kd, vd, cap, q.shape[0], scale * LOG2E, scale,
-        max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
-        **_common(q, v, causal, window),
+    if activation != 0:
+        lse = delta = target
+    kernels.attn_bwd_dq_kernel[(cap * q.shape[1],)](
+        q, k, v, do, lse, delta, target, q_offsets, k_offsets, items, kd, vd, cap, q.shape[0],
+        _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm), max(window, 0), split_n,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), target.stride(0), target.stride(1),
+        BM=bm, BN=c.block_n, num_warps=min(c.num_warps, 4) if bm < c.block_m else c.num_warps,
+        num_stages=c.num_stages, USE_TMA=tma, SPLIT=plan is not None, **_common(q, v, causal, window, activation),
     )
+    if target is not dq:
+        dq.copy_(target)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -1,0 +1,56 @@
+"""gemzoo plugin: registers the ``gdpa`` attention kernel (Triton on CUDA; the C++ ``cpu`` kernel or
+``reference`` on CPU tensors, so one config runs on any machine)."""
+
+from __future__ import annotations
+
+import torch
+
+import gemzoo
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, FunctionKernel
+
+POINTWISE = frozenset(a for a in ACTIVATIONS if a != "softmax")
+
+
+def _cpu_fallback():
+    from gemzoo import registry
+
+    return registry.get("attention", "cpu" if "cpu" in registry.names("attention") else "reference")
+
+
+def gdpa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
+    """Generalized dot-product attention; CUDA tensors run the Triton kernels, others the CPU kernel.
+    The activation defaults to silu (HSTU's), as in ``gdpa_triton``."""
+    kw.setdefault("activation", "silu")
+    if q.device.type != "cuda":
+        from gemzoo_gdpa.ops import check_request
+
+        check_request(kw["activation"], kw.get("block_size"))  # same errors on every device
+        return _cpu_fallback()(q, k, v, q_offsets, k_offsets, **kw)
+    from gemzoo_gdpa.ops import gdpa_triton
+
+    return gdpa_triton(q, k, v, q_offsets, k_offsets, **kw)
+
+
+KERNEL = FunctionKernel(
+    gdpa_attention,
+    AttentionCapabilities(
+        activations=POINTWISE,
+        causal=True,
+        non_causal=True,
+        asymmetric=True,
+        window=True,
+        block=False,
+        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+        devices=frozenset({"cpu", "cuda"}),
+        backward_devices=frozenset({"cpu", "cuda"}),
+        head_dims=tuple(range(1, 257)),
+    ),
+    "Generalized dot-product attention: pointwise activations (" + ", ".join(sorted(POINTWISE)) + ") with "
+    "norm, causal/full/window, Lq != Lk (split-K path for short-Q/long-K cross attention); Triton fwd+bwd on "
+    "jagged q/k/v sharing jfa's kernels; CPU tensors go to the 'cpu' kernel or 'reference'",
+)
+
+
+@gemzoo.hookimpl
+def gemzoo_register_attention(register):
+    register("gdpa", KERNEL)

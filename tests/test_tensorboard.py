@@ -1,0 +1,67 @@
+"""``run.tensorboard = true``: metrics.jsonl's step rows as TensorBoard scalars, the config as text."""
+
+import copy
+import json
+
+import pytest
+
+from gemzoo.config import load_config
+from gemzoo.train.trainer import train
+from toy_plugin import TOY_CONFIG, install
+
+pytest.importorskip("tensorboard")
+
+
+def _cfg(out, **run):
+    raw = copy.deepcopy(TOY_CONFIG)
+    raw["run"].update(out_dir=str(out), log_every=1, tensorboard=True, **run)
+    raw.setdefault("eval", {}).update(every=4, batches=1)
+    return load_config(raw=raw)
+
+
+def _events(path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_scalars_match_metrics_jsonl(fresh_registry, tmp_path):
+    install(fresh_registry)
+    train(_cfg(tmp_path / "run", steps=8), progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "event" not in r]
+    acc = _events(tmp_path / "run" / "tensorboard")
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss", "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib"} <= tags
+    assert any(t.startswith("eval/") for t in tags)
+    loss = {e.step: e.value for e in acc.Scalars("loss")}
+    assert loss == pytest.approx({r["step"]: r["loss"] for r in rows}, rel=1e-6)  # every row, same values
+    evals = [t for t in tags if t.startswith("eval/")]
+    assert [e.step for e in acc.Scalars(evals[0])] == [4, 8]
+    text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"tensorboard": true' in text and '"steps": 8' in text
+
+
+def test_off_by_default_and_clear_error_without_the_package(fresh_registry, tmp_path, monkeypatch):
+    install(fresh_registry)
+    raw = copy.deepcopy(TOY_CONFIG)
+    raw["run"].update(out_dir=str(tmp_path / "off"), steps=2)
+    train(load_config(raw=raw), progress=False)
+    assert not (tmp_path / "off" / "tensorboard").exists()
+
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kw):
+        if name.startswith(("torch.utils.tensorboard", "tensorboard")):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    from gemzoo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"gemzoo\[tensorboard\]"):
+        train(_cfg(tmp_path / "on", steps=2), progress=False)
