@@ -7,6 +7,7 @@
     gemzoo info
     gemzoo ablate F.toml [--steps N] [--out DIR]
     gemzoo plot RUN [RUN ...] [--out PNG]
+    gemzoo eval --checkpoint PATH [--config F] [--split val|test]
 """
 
 from __future__ import annotations
@@ -200,9 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="versions, and what the C++ extension provides")
     i.set_defaults(func=cmd_info)
 
-    from gemzoo import ablate, plotting  # each adds its own sub-command (light imports; torch loads later)
+    from gemzoo import ablate, evaluate, plotting  # each adds its own sub-command (light imports; torch loads later)
 
-    for module in (ablate, plotting):
+    for module in (ablate, plotting, evaluate):
         module.add_command(sub)
     return p
 
