@@ -1,6 +1,6 @@
 """The ``gemzoo`` command line.
 
-    gemzoo train --config F [--plugins a,b] [--set k=v ...] [--steps N] [--out DIR] [--resume [PATH]]
+    gemzoo train --config F [--plugins a,b] [--set k=v ...] [--steps N] [--out DIR] [--resume [PATH] | --overwrite]
     gemzoo plugins [--json]
     gemzoo list KIND [PATTERN]
     gemzoo config show|validate F [--plugins ...] [--set ...]
@@ -59,7 +59,7 @@ def cmd_train(args) -> int:
     try:
         result = train(cfg, resume=resume, progress=not args.quiet, overwrite=args.overwrite)
     except (TrainingInterrupted, KeyboardInterrupt) as exc:
-        argv = [a for a in sys.argv[1:] if a != "--overwrite"]
+        argv = [a for a in getattr(args, "argv", sys.argv[1:]) if a != "--overwrite"]
         again = shlex.join(["gemzoo", *argv, *([] if args.resume is not None else ["--resume"])])
         if isinstance(exc, TrainingInterrupted):
             print(f"gemzoo: {exc.signal_name}: stopped after step {exc.step}; checkpoint "
@@ -89,11 +89,12 @@ def cmd_plugins(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("plugin", "distribution", "version", "registers")
+    table = Table("plugin", "distribution", "version", "hooks", "registers")
     for r in rows:
         regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(r["registered"].items()))
         name = r["name"].replace("gemzoo.builtin.", "builtin.")
-        table.add_row(name, r["distribution"], r["version"], "[red]FAILED[/red]" if r["error"] else regs)
+        hooks = ", ".join(h.removeprefix("gemzoo_") for h in r["hooks"])
+        table.add_row(name, r["distribution"], r["version"], hooks, "[red]FAILED[/red]" if r["error"] else regs)
     console = Console()
     console.print(table)
     for r in rows:
@@ -132,7 +133,21 @@ def cmd_info(args) -> int:
 
     from gemzoo import __version__, ops
 
-    info = {"gemzoo": __version__, "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+    import platform
+    from importlib import metadata
+
+    def dist_version(*names: str) -> str | None:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    info = {"gemzoo": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "triton": dist_version("triton", "pytorch-triton"), "torchrec": dist_version("torchrec"),
+            "fbgemm": dist_version("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly"),
+            "cuda": torch.cuda.is_available(), "cuda_version": torch.version.cuda,
             "extension": ops.extension_info()}
     print(json.dumps(info, indent=1, default=str))
     return 0
@@ -224,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gemzoo: warning: plugin {plugin!r} could not add its commands ({error}); the others work. "
               f"Block it with GEMZOO_DISABLE_PLUGINS={plugin}.", file=sys.stderr)
     args = parser.parse_args(argv)
+    args.argv = argv  # cmd_train prints the command that resumes an interrupted run
     try:
         return args.func(args) or 0
     except GemzooError as exc:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -18,27 +20,36 @@ from typing import Any
 from gemzoo.errors import ConfigError, PluginError
 
 
+def bounded(default, *, min: float | None = None, choices: tuple | None = None, pattern: str | None = None,
+            means: str = ""):
+    """A dataclass field whose value a config may set only within a range: ``min`` (inclusive), one of
+    ``choices``, or a full match of the regular expression ``pattern`` (``means`` says it in words).
+    Config, model, dataset and plugin option dataclasses all use it; load_config checks it."""
+    return field(default=default, metadata={"min": min, "choices": choices, "pattern": pattern, "means": means})
+
+
 @dataclass
 class RunConfig:
     name: str = "run"
-    steps: int = 100
-    seed: int = 0
+    steps: int = bounded(100, min=1)
+    seed: int = bounded(0, min=0)
     out_dir: str = "runs/run"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    log_every: int = 10
+    device: str = bounded("auto", pattern=r"auto|cpu|cuda(:\d+)?", means="auto, cpu, cuda or cuda:N")
+    log_every: int = bounded(10, min=1)
     compile: bool = False
-    peak_tflops: float | None = None  # overrides the device table for MFU
-    dense_parallel: str = "fsdp"  # several ranks: "fsdp" shards transformer blocks (FSDP2), "ddp" replicates
+    peak_tflops: float | None = bounded(None, min=1e-9)  # overrides the device table for MFU
+    # several ranks: "fsdp" shards transformer blocks (FSDP2), "ddp" replicates them
+    dense_parallel: str = bounded("fsdp", choices=("fsdp", "ddp"))
     tensorboard: bool = False  # also write metrics.jsonl's rows as TensorBoard scalars (pip install gemzoo[tensorboard])
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    sparse_lr: float = 0.05
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
+    lr: float = bounded(1e-3, min=0)
+    weight_decay: float = bounded(0.0, min=0)
+    sparse_lr: float = bounded(0.05, min=0)
+    grad_clip: float = bounded(1.0, min=0)  # 0: no clipping
+    warmup_steps: int = bounded(0, min=0)
 
 
 @dataclass
@@ -59,14 +70,14 @@ class PrecisionSection:
 
 @dataclass
 class EvalConfig:
-    every: int = 100
-    batches: int = 8
+    every: int = bounded(100, min=0)  # 0: no evaluation
+    batches: int = bounded(8, min=1)
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100
-    keep: int = 2
+    every: int = bounded(100, min=0)  # 0: a checkpoint only when SIGTERM / Ctrl-C stops the run
+    keep: int = bounded(2, min=0)  # 0: keep every checkpoint
 
 
 @dataclass
@@ -137,6 +148,26 @@ def _check_type(section: str, f: dataclasses.Field, value: Any, source: str) -> 
     return value
 
 
+def _check_range(section: str, f: dataclasses.Field, value: Any, source: str) -> None:
+    """The bounds a ``bounded`` field declares; NaN and infinities are never in range."""
+    meta = f.metadata
+    if value is None or not meta:
+        return
+    name = f"{source}: {section}.{f.name}"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    low = meta.get("min")
+    if low is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and value < low:
+        bound = ">= 0" if low == 0 else (f">= {low}" if low >= 1 else "> 0")
+        raise ConfigError(f"{name} must be {bound}, got {value!r}")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    pattern = meta.get("pattern")
+    if pattern is not None and not (isinstance(value, str) and re.fullmatch(pattern, value)):
+        raise ConfigError(f"{name} must be {meta.get('means') or pattern}, got {value!r}")
+
+
 def build_dataclass(cls, table: dict, section: str, source: str = "<config>"):
     if not isinstance(table, dict):
         raise ConfigError(f"{source}: [{section}] must be a table, got {table!r}")
@@ -146,6 +177,7 @@ def build_dataclass(cls, table: dict, section: str, source: str = "<config>"):
         if key not in valid:
             raise _unknown_key(section, key, list(valid), source)
         kwargs[key] = _check_type(section, valid[key], value, source)
+        _check_range(section, valid[key], kwargs[key], source)
     try:
         return cls(**kwargs)
     except TypeError as exc:

@@ -111,6 +111,9 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
     full_manifest = {"format": FORMAT_VERSION, "step": step, "files": entries, "optimizers": optim_meta, **manifest}
     with open(tmp / "manifest.json", "w") as f:
         json.dump(full_manifest, f, indent=1, default=str)
+    mode = (tmp / "manifest.json").stat().st_mode & 0o777  # what the umask gives a new file (safetensors: 0600)
+    for fname in files:
+        os.chmod(tmp / fname, mode)
     for path in tmp.iterdir():
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
@@ -135,11 +138,79 @@ def _dedupe_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def remove_stale_temporaries(root: str | Path) -> list[Path]:
+    """Delete the ``.tmp-step-*`` folders that a crash inside ``save_checkpoint`` left behind.
+
+    Call it when a run starts, before it writes any checkpoint: one run folder holds one run."""
+    root = Path(root)
+    stale = sorted(p for p in root.glob(".tmp-step-*") if p.is_dir()) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+
+SAFETENSORS_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*\.safetensors$")
+REQUIRED_FILES = ("model.safetensors", "rng.safetensors")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def validate_manifest(manifest: Any, path: str | Path) -> None:
+    """Check a parsed manifest's schema; CheckpointError naming the first problem.
+
+    File names must be plain ``*.safetensors`` names (no ``/`` or ``..``): a manifest never makes the
+    loader read outside its own folder."""
+    path = Path(path)
+
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(f"{path / 'manifest.json'} {problem}; resume from an earlier checkpoint "
+                               "(--resume picks the newest valid one)")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"holds a JSON {type(manifest).__name__}, not an object")
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')!r} is not {FORMAT_VERSION}")
+    step = manifest.get("step")
+    if type(step) is not int or step < 0:
+        raise bad(f"has step {step!r}, not a non-negative integer")
+    if checkpoint_step(path) not in (None, step):
+        raise bad(f"says step {step} but its folder is {path.name}")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise bad("has no files table")
+    for fname, meta in files.items():
+        if not SAFETENSORS_NAME.match(fname) or ".." in fname:
+            raise bad(f"lists the file {fname!r}: only plain *.safetensors names inside the checkpoint folder")
+        if not (isinstance(meta, dict) and type(meta.get("bytes")) is int and isinstance(meta.get("sha256"), str)
+                and SHA256.match(meta["sha256"])):
+            raise bad(f"gives no valid bytes and sha256 for {fname}")
+    for fname in REQUIRED_FILES:
+        if fname not in files:
+            raise bad(f"lists no {fname}")
+    optimizers = manifest.get("optimizers", {})
+    if not isinstance(optimizers, dict):
+        raise bad("has an optimizers entry that is not an object")
+    for name, meta in optimizers.items():
+        if f"optim-{name}.safetensors" not in files:
+            raise bad(f"has state for optimizer {name!r} but lists no optim-{name}.safetensors")
+        if not (isinstance(meta, dict) and isinstance(meta.get("param_groups"), list)
+                and all(isinstance(g, dict) for g in meta["param_groups"]) and isinstance(meta.get("state"), dict)
+                and all(isinstance(v, dict) for v in meta["state"].values())):
+            raise bad(f"has malformed state for optimizer {name!r} (param_groups must be a list of objects, "
+                      "state an object of objects)")
+    if not isinstance(manifest.get("config", {}), dict):
+        raise bad("has a config entry that is not an object")
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -152,8 +223,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{manifest_path} is corrupt ({exc}); resume from an earlier checkpoint") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')} is not {FORMAT_VERSION}")
+    validate_manifest(manifest, path)
     loaded = {}
     for fname, meta in manifest["files"].items():
         fpath = path / fname
@@ -171,10 +241,14 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             loaded[fname] = load_file(str(fpath))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{fpath} cannot be read as safetensors: {exc}") from None
-    optimizers = {
-        name: unflatten_optimizer(loaded[f"optim-{name}.safetensors"], meta)
-        for name, meta in manifest.get("optimizers", {}).items()
-    }
+    try:
+        optimizers = {
+            name: unflatten_optimizer(loaded[f"optim-{name}.safetensors"], meta)
+            for name, meta in manifest.get("optimizers", {}).items()
+        }
+    except KeyError as exc:
+        raise CheckpointError(f"{manifest_path} names optimizer state {exc} that its files do not hold; "
+                              "resume from an earlier checkpoint") from None
     return {"manifest": manifest, "model": loaded["model.safetensors"], "optimizers": optimizers,
             "fused_optimizer": loaded.get(FUSED_FILE, {}), "rng": loaded["rng.safetensors"], "path": path}
 
@@ -194,6 +268,31 @@ def load_latest(root: str | Path) -> dict[str, Any] | None:
     if problems:
         raise CheckpointError("no usable checkpoint under " + str(root) + ": " + " | ".join(problems))
     return None
+
+
+def load_resume_path(path: str | Path) -> dict[str, Any]:
+    """``--resume PATH``: a run folder, its ``checkpoints/`` folder, or one ``step-*`` folder."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"--resume {path}: it does not exist. Give a run folder (e.g. runs/gem-tiny), its checkpoints/ folder "
+            "or one step-* checkpoint folder, or plain --resume to continue the run in --out / run.out_dir")
+    if checkpoint_step(path) is not None or (path / "manifest.json").exists():
+        return load_checkpoint(path)
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    state = load_latest(root)
+    if state is None:
+        raise CheckpointError(f"--resume {path}: it holds no checkpoint (no {root}/step-* folder)")
+    return state
+
+
+def shape_mismatches(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> list[tuple[str, tuple, tuple]]:
+    """(name, saved shape, model shape) for each saved tensor whose shape differs from the model's (whole) one."""
+    out = []
+    for name, value in model.state_dict().items():
+        if name in full and tuple(full[name].shape) != tuple(value.size()):
+            out.append((name, tuple(full[name].shape), tuple(value.size())))
+    return out
 
 
 def _is_sharded(t) -> bool:
@@ -312,6 +411,10 @@ def load_fused_optimizer_state(model: torch.nn.Module, full: dict[str, torch.Ten
 @torch.no_grad()
 def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     """Load full tensors into ``model``, copying into the local shards of sharded tables."""
+    mismatched = shape_mismatches(model, full)
+    if mismatched:
+        raise CheckpointError("the checkpoint does not fit this model: " + "; ".join(
+            f"{name} is {list(saved)} in the checkpoint but {list(own)} in the model" for name, saved, own in mismatched[:5]))
     own = model.state_dict()
     missing = [k for k in own if k not in full]
     unexpected = [k for k in full if k not in own]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -18,9 +19,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss_kib * (1 if sys.platform == "darwin" else 1024))
 
 
-def step_metrics(*, loss: float, seconds: float, samples: int, tokens: int, flops: int,
-                 peak_flops: float, device: torch.device) -> dict[str, float]:
+def step_metrics(*, loss: float, seconds: float, samples: int, tokens: int, flops: float,
+                 peak_flops: float, device: torch.device, peak_mem_bytes: float | None = None) -> dict[str, float]:
+    """One step's numbers; ``peak_flops`` is the peak of every device the step ran on."""
     achieved = flops / seconds if seconds > 0 else 0.0
+    if peak_mem_bytes is None:
+        peak_mem_bytes = peak_memory_bytes(device)
     return {
         "loss": loss,
         "step_s": seconds,
@@ -28,8 +32,46 @@ def step_metrics(*, loss: float, seconds: float, samples: int, tokens: int, flop
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "tflops": achieved / 1e12,
         "mfu": achieved / peak_flops,
-        "peak_mem_gib": peak_memory_bytes(device) / 2**30,
+        "peak_mem_gib": peak_mem_bytes / 2**30,
     }
+
+
+def reduce_across_ranks(values: dict[str, float], op: str, device: torch.device) -> dict[str, float]:
+    """All-reduce a few numbers at once (``op`` "sum" or "max"), in float64; every rank must call it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(values)
+    t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return dict(zip(values, t.tolist()))
+
+
+def json_safe(value):
+    """NaN and infinities become None (JSON null): ``json.dumps`` would write NaN, which is not JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def last_step_row(path: str | Path, step: int) -> dict | None:
+    """The row of ``metrics.jsonl`` logged at ``step`` (the last one if several), or None."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "event" not in record and record.get("step") == step:
+            found = record
+    return found
 
 
 class MetricsLog:
@@ -41,7 +83,7 @@ class MetricsLog:
         self._f = open(self.path, "a" if append else "w")
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps({"time": time.time(), **record}) + "\n")
+        self._f.write(json.dumps(json_safe({"time": time.time(), **record}), allow_nan=False) + "\n")
         self._f.flush()
 
     def close(self) -> None:

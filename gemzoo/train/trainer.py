@@ -8,7 +8,12 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,23 +27,91 @@ from gemzoo.config import Config
 from gemzoo.distributed import (World, all_reduce_gradients, clip_grad_norm, init_distributed, pick_device,
                                 shard_dense_blocks)
 from gemzoo.embedding import use_sparse_gradients
-from gemzoo.errors import CheckpointError, PluginError, TrainingError
+from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
+from gemzoo.interfaces.memory import needs_compile, policy_report
 from gemzoo.interfaces.planner import Topology
 from gemzoo.interfaces.precision import PrecisionConfig
 from gemzoo.models.common import attention_sites
 from gemzoo.train import checkpoint as ckpt
+from gemzoo.train import run_folder
 from gemzoo.train.flops import peak_flops
-from gemzoo.train.metrics import MetricsLog, step_metrics
+from gemzoo.train.metrics import MetricsLog, last_step_row, peak_memory_bytes, reduce_across_ranks, step_metrics
+from gemzoo.train.resume import check_resumable, config_changes, describe
 from gemzoo.train.tensorboard import maybe_tensorboard
+
+
+class _DropFxTracingNotice(logging.Filter):
+    """torchrec calls ``torch.fx.is_fx_tracing()``, which logs a notice about torch.export on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("is_fx_tracing will return true")
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropFxTracingNotice())
 
 
 @dataclass
 class TrainResult:
-    final_loss: float
+    final_loss: float | None  # None when no step ran and none was logged (e.g. resuming a finished run)
     steps: int
     eval: dict[str, float] = field(default_factory=dict)
     out_dir: Path | None = None
     history: list[dict] = field(default_factory=list)
+    is_main: bool = True  # rank 0 (the one that logs and prints)
+
+
+class TrainingInterrupted(Exception):
+    """SIGTERM or SIGINT stopped the run after a step; a checkpoint of that step was written."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, out_dir: Path):
+        self.signum, self.step, self.checkpoint, self.out_dir = signum, step, checkpoint, out_dir
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"stopped by {self.signal_name} after step {step}; checkpoint "
+                         f"{checkpoint or out_dir / 'checkpoints'} written; continue with --resume")
+
+
+class StopSignals:
+    """While active (main thread only), SIGTERM and SIGINT ask the loop to stop after the current step.
+
+    A second Ctrl-C stops at once (KeyboardInterrupt). With several ranks the request is agreed on by an
+    all-reduce every step, so every rank stops after the same step and writes the same checkpoint."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, world: World, device: torch.device):
+        self.world, self.device = world, device
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signum = signum
+        print(f"\ngemzoo: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+              "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
+
+    def requested(self) -> int | None:
+        """The signal that asked to stop, agreed on by every rank; None to go on."""
+        if self.world.world_size <= 1:
+            return self.signum
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.signum or 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
 
 
 def configured(kind: str, name: str, cfg: Config):
@@ -68,6 +141,26 @@ def select_attention(model: nn.Module, cfg: Config, device: torch.device, dtype:
         site.set_kernel(name, kernel)
         chosen[site_name] = name
     return chosen
+
+
+def attention_dtype(precision) -> torch.dtype:
+    """The dtype attention runs in under a precision policy."""
+    compute_dtype = precision.capabilities.compute_dtype
+    return compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def build_on_meta(cfg: Config) -> nn.Module:
+    """Assembly steps 3-6 with no weights and no training: the dataset, the model on ``meta``, an attention
+    kernel per site and the precision policy. ``gemzoo config validate`` runs it, so what ``train``
+    would reject there (heads that do not divide d_model, batch_size 0, a missing data file, a kernel
+    without a capability a site needs) is reported without training."""
+    device = pick_device(cfg.run.device, World())
+    dataset = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
+    with torch.device("meta"):
+        model = registry.get("model", cfg.model.family).build(cfg.model, dataset.info)
+    precision = configured("precision", cfg.plugins.precision, cfg)
+    select_attention(model, cfg, device, attention_dtype(precision))
+    return precision.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -113,6 +206,18 @@ def build_optimizers(model: nn.Module, cfg: Config) -> dict[str, torch.optim.Opt
     return opts
 
 
+def apply_optimizer_settings(optimizers: dict[str, torch.optim.Optimizer], cfg: Config) -> None:
+    """Set the config's hyper-parameters on the param groups (after loading optimizer state on resume,
+    which brings the checkpoint's back). ``base_lr`` is what warm-up scales each step."""
+    settings = {"dense": {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay},
+                "sparse": {"lr": cfg.optim.sparse_lr}}
+    for name, opt in optimizers.items():
+        for group in opt.param_groups:
+            group.update(settings.get(name, {}))
+            if "lr" in settings.get(name, {}):
+                group["base_lr"] = group["lr"]
+
+
 def lr_factor(step: int, cfg: Config) -> float:
     if cfg.optim.warmup_steps > 0 and step < cfg.optim.warmup_steps:
         return (step + 1) / cfg.optim.warmup_steps
@@ -123,17 +228,25 @@ class Trainer:
     """Holds the assembled run; ``gemzoo_step_end`` hooks receive it."""
 
     def __init__(self, cfg: Config, *, resume: bool | str = False, out_dir: str | None = None,
-                 progress: bool = True):
+                 progress: bool = True, overwrite: bool = False):
         self.cfg = cfg
         self.resume = resume
+        self.overwrite = overwrite
         self.out_dir = Path(out_dir or cfg.run.out_dir)
         self.progress = progress
         self.hook = registry.host().pm.hook
+        self.resume_changes: list[tuple[str, Any, Any]] = []
+
+    def say(self, message: str, *, err: bool = False) -> None:
+        """Print on rank 0 only."""
+        if self.world.is_main:
+            print(message, file=sys.stderr if err else sys.stdout, flush=True)
 
     # ----------------------------------------------------------------------------------------
     def assemble(self) -> "Trainer":
         cfg = self.cfg
-        # 1. Config: validated by load_config; plugins may look at it.
+        # 1. Config: validated by load_config; plugins may look at it. One run folder holds one run.
+        run_folder.check_run_folder(self.out_dir, resume=bool(self.resume), overwrite=self.overwrite)
         self.hook.gemzoo_configure(config=cfg)
         torch.manual_seed(cfg.run.seed)
 
@@ -143,6 +256,14 @@ class Trainer:
             cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world: World = init_distributed(self.comms, device_type)
         self.device = pick_device(cfg.run.device, self.world)
+        if self.world.is_main:
+            if self.overwrite and run_folder.clear_run_folder(self.out_dir):
+                print(f"--overwrite: deleted the previous run's files in {self.out_dir}", flush=True)
+            ckpt.remove_stale_temporaries(self.out_dir / run_folder.CHECKPOINTS)
+        if self.world.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank looks at the run folder before rank 0 has cleaned it
 
         # 3. Dataset, batching policy.
         dspec = registry.get("dataset", cfg.data.source)
@@ -160,9 +281,7 @@ class Trainer:
 
         # 5. Attention kernel per site; 6. precision policy.
         self.precision = configured("precision", cfg.plugins.precision, cfg)
-        compute_dtype = self.precision.capabilities.compute_dtype
-        attn_dtype = compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.float32
-        self.attention_plan = select_attention(model, cfg, self.device, attn_dtype)
+        self.attention_plan = select_attention(model, cfg, self.device, attention_dtype(self.precision))
         model = self.precision.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
 
         # 7. Planner for embedding tables; FSDP2 for transformer blocks, the rest data-parallel.
@@ -174,8 +293,13 @@ class Trainer:
         model = self.planner.shard(model, plan, self.world.mesh)
         model = shard_dense_blocks(model, self.world, cfg.run.dense_parallel)
 
-        # 8. Memory policies, then torch.compile if asked.
+        # 8. Memory policies, then torch.compile if asked (or if a policy works through it, e.g. auto-ac).
         self.memory = [configured("memory", name, cfg) for name in cfg.plugins.memory]
+        compilers = [n for n, p in zip(cfg.plugins.memory, self.memory) if needs_compile(p)]
+        if compilers and not cfg.run.compile:
+            if self.world.is_main:
+                print(f"memory policy {', '.join(compilers)} works through torch.compile: run.compile turned on")
+            cfg.run.compile = True
         for policy in self.memory:
             model = policy.apply(model, cfg)
         self.model = model
@@ -198,14 +322,34 @@ class Trainer:
         return self
 
     def _resume(self) -> None:
-        root = self.out_dir / "checkpoints"
-        if isinstance(self.resume, str):
-            state = ckpt.load_checkpoint(self.resume)
+        root = self.out_dir / run_folder.CHECKPOINTS
+        explicit = isinstance(self.resume, str)
+        if explicit:
+            state = ckpt.load_resume_path(self.resume)
         else:
             state = ckpt.load_latest(root)
             if state is None:
-                print(f"no checkpoint under {root}; starting from step 0")
+                self.say(f"no checkpoint under {root}; starting from step 0")
                 return
+        step = int(state["manifest"]["step"])
+        saved_cfg = state["manifest"].get("config")
+        if saved_cfg is None:
+            self.say(f"warning: {state['path']} records no config; cannot check that it fits this one", err=True)
+        else:
+            self.resume_changes = check_resumable(saved_cfg, self.cfg.to_dict(), str(state["path"]))
+        if step > self.cfg.run.steps:
+            raise ConfigError(f"run.steps is {self.cfg.run.steps} but {state['path']} is at step {step}; "
+                              f"pass --steps N with N >= {step}")
+        later = [p for p in ckpt.list_checkpoints(root) if ckpt.checkpoint_step(p) > step]
+        picked_here = "skipped" in state and Path(state["path"]).parent.resolve() == root.resolve()
+        if later and not picked_here:
+            raise CheckpointError(
+                f"{self.out_dir} holds checkpoints after step {step} ({', '.join(p.name for p in later[:3])}); "
+                f"continuing from {state['path']} in it would mix two histories. Continue in a new run folder "
+                "(--out DIR), or delete the later checkpoints first.")
+        mismatched = ckpt.shape_mismatches(self.model, state["model"])
+        if mismatched:
+            raise CheckpointError(_shape_message(state, mismatched, saved_cfg, self.cfg.to_dict()))
         missing, unexpected = ckpt.load_full_state(self.model, state["model"])
         if missing or unexpected:
             raise CheckpointError(
@@ -217,13 +361,26 @@ class Trainer:
                 raise CheckpointError(f"{state['path']} has no state for optimizer {name!r}")
             opt.load_state_dict(state["optimizers"][name])
             ckpt.redistribute_optimizer_state(opt)
+        apply_optimizer_settings(self.optimizers, self.cfg)  # the config's lr etc., not the checkpoint's
         missing = ckpt.load_fused_optimizer_state(self.model, state["fused_optimizer"])
         if missing:
-            print(f"warning: {state['path']} has no state for the fused optimizers of {len(missing)} sharded "
-                  f"tables (e.g. {missing[0]}); their Adagrad accumulators restart from zero")
+            self.say(f"warning: {state['path']} has no state for the fused optimizers of {len(missing)} sharded "
+                     f"tables (e.g. {missing[0]}); their Adagrad accumulators restart from zero", err=True)
         ckpt.set_rng_state(state["rng"])
-        self.start_step = int(state["manifest"]["step"])
-        print(f"resumed from {state['path']} at step {self.start_step}")
+        self.start_step = step
+        if self.world.is_main:
+            # What the folder holds after `step` is superseded: unusable newer checkpoints (skipped above) are
+            # set aside so checkpoint.keep cannot delete the new ones, and later metrics rows are dropped.
+            for path in later:
+                aside = path.with_name(path.name + ".unusable")
+                shutil.rmtree(aside, ignore_errors=True)
+                path.rename(aside)
+            dropped = run_folder.trim_metrics(self.out_dir / run_folder.METRICS, step)
+        changed = f"; changed since the checkpoint: {describe(self.resume_changes)}" if self.resume_changes else ""
+        self.say(f"resumed from {state['path']} at step {step}{changed}")
+        if self.world.is_main and (later or dropped):
+            self.say(f"  superseded after step {step}: {len(later)} unusable checkpoint(s) renamed *.unusable, "
+                     f"{dropped} row(s) of {run_folder.METRICS} dropped")
 
     # ----------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
@@ -269,10 +426,21 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        metrics = step_metrics(loss=float(loss.detach()), seconds=seconds, samples=batch.num_samples,
-                               tokens=batch.num_tokens, flops=self.model.flops(batch),
-                               peak_flops=self.peak, device=self.device)
-        metrics.update({f"train/{k}": v for k, v in out.logs.items()})
+        # Several ranks: the loss (and the model's logs) is the mean over ranks, the objective the averaged
+        # gradients descend; throughput counts every rank's samples, tokens and FLOPs over the slowest
+        # rank's time; MFU is against the peak of all devices; memory is the largest rank's.
+        means = {"loss": float(loss.detach()), **{f"train/{k}": float(v) for k, v in out.logs.items()}}
+        sums = {"samples": batch.num_samples, "tokens": batch.num_tokens, "flops": self.model.flops(batch)}
+        maxes = {"seconds": seconds, "peak_mem_bytes": peak_memory_bytes(self.device)}
+        world = self.world.world_size
+        if world > 1:
+            means = {k: v / world for k, v in reduce_across_ranks(means, "sum", self.device).items()}
+            sums = reduce_across_ranks(sums, "sum", self.device)
+            maxes = reduce_across_ranks(maxes, "max", self.device)
+        metrics = step_metrics(loss=means.pop("loss"), seconds=maxes["seconds"], samples=int(sums["samples"]),
+                               tokens=int(sums["tokens"]), flops=sums["flops"], peak_flops=self.peak * world,
+                               device=self.device, peak_mem_bytes=maxes["peak_mem_bytes"])
+        metrics.update(means)
         return metrics
 
     @torch.no_grad()
@@ -300,6 +468,22 @@ class Trainer:
             manifest=manifest, keep=self.cfg.checkpoint.keep,
         )
 
+    def memory_reports(self) -> dict[str, dict]:
+        """What each memory policy reports it did (bytes saved per step, chosen budget, ...); {} entries dropped."""
+        reports = {n: policy_report(p) for n, p in zip(self.cfg.plugins.memory, self.memory)}
+        return {n: r for n, r in reports.items() if r}
+
+    def log_memory_reports(self, log: MetricsLog | None) -> None:
+        reports = self.memory_reports()
+        if not reports or not self.world.is_main:
+            return
+        if log:
+            log.write({"event": "memory", **reports})
+        for name, r in reports.items():
+            summary = r.get("summary")
+            if summary:
+                print(f"{name}: {summary}", flush=True)
+
     def _selected_names(self) -> set[str]:
         p = self.cfg.plugins
         return {p.attention, p.precision, p.planner, p.comms, p.batching, *p.memory}
@@ -309,15 +493,27 @@ class Trainer:
         cfg = self.cfg
         # 11. Loop: step; metrics; eval; atomic checkpoint.
         self.peak, peak_source = peak_flops(self.device, cfg.run.peak_tflops)
-        log = MetricsLog(self.out_dir / "metrics.jsonl", append=self.start_step > 0) if self.world.is_main else None
+        main = self.world.is_main
+        metrics_path = self.out_dir / run_folder.METRICS
+        log = MetricsLog(metrics_path, append=self.start_step > 0) if main else None
         log = maybe_tensorboard(log, cfg, self.out_dir, self.start_step)  # run.tensorboard: rows as scalars too
         if log:
-            log.write({"event": "start", "step": self.start_step, "device": str(self.device),
+            mesh = self.world.mesh
+            log.write({"event": "resume" if self.start_step > 0 else "start", "step": self.start_step,
+                       "device": str(self.device), "world_size": self.world.world_size,
+                       "mesh": None if mesh is None else {"shape": list(mesh.mesh.shape),
+                                                          "dims": list(mesh.mesh_dim_names or ())},
                        "peak_flops": self.peak, "mfu_peak": peak_source, "attention": cfg.plugins.attention,
-                       "precision": cfg.plugins.precision, "memory": cfg.plugins.memory})
+                       "precision": cfg.plugins.precision, "memory": cfg.plugins.memory,
+                       **({"changed": {k: [o, n] for k, o, n in self.resume_changes}} if self.resume_changes else {})})
+        if self.start_step >= cfg.run.steps:
+            return self._already_done(log, metrics_path)
         history, last_eval, loss = [], {}, math.nan
-        progress = _progress(self.progress and self.world.is_main)
-        with progress:
+        show = self.progress and main
+        lines = show and not sys.stdout.isatty()  # batch jobs: a plain line every run.log_every steps
+        progress = _progress(show and not lines)
+        t_start = time.perf_counter()
+        with progress, StopSignals(self.world, self.device) as stop:
             task = progress.add_task(cfg.run.name, total=cfg.run.steps, completed=self.start_step, info="")
             for step in range(self.start_step, cfg.run.steps):
                 metrics = self.train_step(step)
@@ -329,16 +525,59 @@ class Trainer:
                     metrics.update(last_eval)
                 record = {"step": done, **metrics, "mfu_peak": peak_source}
                 history.append(record)
-                if log and (done % cfg.run.log_every == 0 or done == cfg.run.steps or evaluated):
+                logged = done % cfg.run.log_every == 0 or done == cfg.run.steps
+                if log and (logged or evaluated):
                     log.write(record)
+                if lines and (logged or evaluated):
+                    eta = (time.perf_counter() - t_start) / (done - self.start_step) * (cfg.run.steps - done)
+                    print(log_line(done, cfg.run.steps, metrics, eta), flush=True)
                 self.hook.gemzoo_step_end(trainer=self, step=done, metrics=metrics)
+                saved = None
                 if cfg.checkpoint.every > 0 and (done % cfg.checkpoint.every == 0 or done == cfg.run.steps):
-                    self.save(done)
+                    saved = self.save(done)
                 progress.update(task, completed=done, info=_short(metrics))
+                signum = stop.requested()
+                if signum and done < cfg.run.steps:
+                    if saved is None:
+                        saved = self.save(done)
+                    if log:
+                        log.write({"event": "interrupted", "step": done, "signal": signal.Signals(signum).name})
+                        log.close()
+                    raise TrainingInterrupted(signum, done, saved, self.out_dir)
+        self.log_memory_reports(log)
         if log:
             log.write({"event": "end", "step": cfg.run.steps, "final_loss": loss, **last_eval})
             log.close()
-        return TrainResult(loss, cfg.run.steps, last_eval, self.out_dir, history)
+        return TrainResult(loss, cfg.run.steps, last_eval, self.out_dir, history, main)
+
+    def _already_done(self, log: MetricsLog | None, metrics_path: Path) -> TrainResult:
+        """Resuming a run that has reached run.steps: nothing to train; report its last logged numbers."""
+        steps = self.cfg.run.steps
+        self.say(f"nothing to train: the run in {self.out_dir} is at step {self.start_step} and run.steps is "
+                 f"{steps}; pass --steps N (N > {self.start_step}) to train further")
+        row = last_step_row(metrics_path, self.start_step) if self.world.is_main else None
+        evals = {k: v for k, v in (row or {}).items() if k.startswith("eval/")}
+        loss = row.get("loss") if row else None
+        if log:
+            log.write({"event": "end", "step": steps, "final_loss": loss, **evals})
+            log.close()
+        return TrainResult(loss, steps, evals, self.out_dir, [], self.world.is_main)
+
+
+def _shape_message(state: dict, mismatched: list, saved_cfg: dict | None, current_cfg: dict) -> str:
+    """CheckpointError text: each tensor with both shapes, and the config keys that may explain it."""
+    tensors = "; ".join(f"{name} is {list(saved)} in the checkpoint but {list(own)} in this model"
+                        for name, saved, own in mismatched[:5])
+    if saved_cfg is None:
+        keys = "the checkpoint records no config to compare with"
+    else:
+        changed = [c for c in sum(config_changes(saved_cfg, current_cfg), [])
+                   if c[0].startswith(("model.", "data."))]
+        keys = (f"config keys that differ: {describe(changed)}" if changed else
+                "the [model] and [data] keys agree, so a size that comes from the data (e.g. the file in "
+                "data.path) or from the model's code has changed")
+    return (f"{state['path']} does not fit this model: {tensors} ({keys}). Resume with the config the checkpoint "
+            "was written with, or start a new run (--out DIR).")
 
 
 def _short(m: dict) -> str:
@@ -347,12 +586,30 @@ def _short(m: dict) -> str:
     return " | ".join(parts)
 
 
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def log_line(step: int, steps: int, m: dict, eta_s: float) -> str:
+    """One plain line for logs that are not a terminal (torchtitan style)."""
+    parts = [f"step {step:>{len(str(steps))}}/{steps}", f"loss {m['loss']:.4f}",
+             f"samples/s {m['samples_per_s']:,.0f}", f"tokens/s {m['tokens_per_s']:,.0f}",
+             f"tflops {m['tflops']:.3g}", f"mfu {100 * m['mfu']:.2f}%", f"mem {m['peak_mem_gib']:.2f} GiB",
+             f"eta {_clock(eta_s)}"]
+    parts += [f"{k} {v:.4f}" for k, v in m.items() if k.startswith("eval/")]
+    return "  ".join(parts)
+
+
 def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"), disable=not enabled)
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    disable=not enabled)
 
 
-def train(cfg: Config, *, resume: bool | str = False, out_dir: str | None = None, progress: bool = True) -> TrainResult:
-    return Trainer(cfg, resume=resume, out_dir=out_dir, progress=progress).assemble().fit()
+def train(cfg: Config, *, resume: bool | str = False, out_dir: str | None = None, progress: bool = True,
+          overwrite: bool = False) -> TrainResult:
+    return Trainer(cfg, resume=resume, out_dir=out_dir, progress=progress, overwrite=overwrite).assemble().fit()
