@@ -9,7 +9,7 @@ from torch import nn
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.jagged import positions, seq_ids
-from gemzoo.train.flops import attention_flops, linear_flops
+from gemzoo.flops import attention_flops, linear_flops
 
 
 class JaggedAttention(nn.Module):

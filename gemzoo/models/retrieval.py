@@ -23,7 +23,7 @@ from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import ModelOutput
 from gemzoo.jagged import max_length
 from gemzoo.models.common import init_weights, log2_discount, require_data_info, reverse_positions
-from gemzoo.train.flops import linear_flops
+from gemzoo.flops import linear_flops
 
 
 @dataclass

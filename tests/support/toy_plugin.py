@@ -12,7 +12,7 @@ import gemzoo
 from gemzoo.interfaces import AttentionRequest, DatasetSpec, ModelOutput, ModelSpec
 from gemzoo.jagged import lengths_to_offsets
 from gemzoo.models.common import JaggedAttention
-from gemzoo.train.flops import attention_flops, attention_pairs, linear_flops
+from gemzoo.flops import attention_flops, attention_pairs, linear_flops
 
 
 @dataclass

@@ -32,7 +32,7 @@ from gemzoo.models.common import (
     init_weights,
     reverse_positions,
 )
-from gemzoo.train.flops import attention_flops, linear_flops
+from gemzoo.flops import attention_flops, linear_flops
 
 
 @dataclass

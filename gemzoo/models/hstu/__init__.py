@@ -24,7 +24,7 @@ from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
 from gemzoo.models.common import JaggedAttention, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel
-from gemzoo.train.flops import linear_flops
+from gemzoo.flops import attention_flops, linear_flops
 
 
 @dataclass
@@ -61,8 +61,7 @@ class HSTUBlock(nn.Module):
         tokens = int(lengths.sum())
         h = self.num_heads
         pairs = self_attention_pairs(lengths, causal=True)
-        # QK^T over qk_dim and AV over v_dim: 2 FLOPs per MAC, x3 for forward + backward
-        attn = 3 * 2 * pairs * h * (self.qk_dim + self.v_dim)
+        attn = attention_flops(pairs, h, self.qk_dim, self.v_dim)  # QK^T over qk_dim, AV over v_dim
         return (linear_flops(tokens, self.uvqk.in_features, self.uvqk.out_features)
                 + linear_flops(tokens, self.out.in_features, self.out.out_features) + attn)
 

@@ -58,6 +58,11 @@ def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Con
 ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4, "relu2": 5, "leaky_relu": 6,
                     "hardswish": 7, "identity": 8}
 
+# Activation codes of the shared kernel family (kernels.py's ACT constexpr). 0 is softmax (jfa); the
+# rest are GDPA's pointwise activations (gdpa).
+ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4, "relu2": 5, "leaky_relu": 6,
+                    "hardswish": 7, "identity": 8}
+
 _override: Configs | None = None
 _order = "lpt"
 _tma: bool | None = None  # None: TMA where validated (see _tma_ok); True: wherever shapes allow; False: never
@@ -162,31 +167,39 @@ def _act_scale(activation: int, scale: float) -> float:
     return scale * LOG2E if activation == 0 else scale  # softmax runs in base 2
 
 
+def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest):
+    """Schedule of a query-block kernel (forward, dq): (items, block_m, keys per split or 0, target). With
+    a split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32)."""
+    from gemzoo_jfa.schedule import build_schedule, build_split_schedule
+
+    win = None if window < 0 else window
+    plan = split_plan(q, k, q_offsets.numel() - 1, activation, c.block_m, c.block_n)
+    if plan is None:
+        items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal, window=win,
+                               order=_order)
+        return items, c.block_m, 0, dest
+    split_n, bm = plan
+    items = build_split_schedule(q_offsets, k_offsets, bm, split_n, causal=causal, window=win)
+    target = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device,
+                                                                  dtype=torch.float32)
+    return items, bm, split_n, target.zero_()
+
+
+def _warps(c: KernelConfig, bm: int) -> int:
+    return min(c.num_warps, 4) if bm < c.block_m else c.num_warps
+
+
 def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, activation=0, inv_norm=1.0):
     """out (and, for softmax, the base-2 lse [H, Tq]) of the forward pass; ``activation`` is a code of
     ACTIVATION_CODES. Pointwise short-Q/long-K batches take the split-K path (see split_plan)."""
     from gemzoo_jfa import kernels
-    from gemzoo_jfa.schedule import build_schedule, build_split_schedule
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     cfg = _configs(q).fwd
     tq, h, d = q.shape
     dv = v.shape[2]
-    win = None if window < 0 else window
-    plan = split_plan(q, k, q_offsets.numel() - 1, activation, cfg.block_m, cfg.block_n)
-    bm, split_n, target = cfg.block_m, 0, out
-    if plan is not None:
-        split_n, bm = plan
-        items = build_split_schedule(q_offsets, k_offsets, bm, split_n, causal=causal, window=win)
-        target = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device,
-                                                                    dtype=torch.float32)
-        target.zero_()
-    else:
-        items = build_schedule(q_offsets, k_offsets, tq, bm, over="q", causal=causal, window=win, order=_order)
-    cap = items.shape[1]
-    if cap == 0:
-        out.zero_()
-        return
+    items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, out)
+    cap = items.shape[1]  # >= 1: there is a query
     tma = _tma_ok(k, v, causal=causal)
     kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
     kernels.attn_fwd_kernel[(cap * h,)](
@@ -196,8 +209,7 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, 
         target.stride(0), target.stride(1),
         H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
         CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=tma,
-        ACT=activation, SPLIT=plan is not None,
-        num_warps=min(cfg.num_warps, 4) if bm < cfg.block_m else cfg.num_warps, num_stages=cfg.num_stages,
+        ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
     )
     if target is not out:
         out.copy_(target)
@@ -260,25 +272,11 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
 def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation=0,
                inv_norm=1.0):
     from gemzoo_jfa import kernels
-    from gemzoo_jfa.schedule import build_schedule, build_split_schedule
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     c = _configs(q).dq
-    win = None if window < 0 else window
-    plan = split_plan(q, k, q_offsets.numel() - 1, activation, c.block_m, c.block_n)
-    bm, split_n, target = c.block_m, 0, dq
-    if plan is not None:
-        split_n, bm = plan
-        items = build_split_schedule(q_offsets, k_offsets, bm, split_n, causal=causal, window=win)
-        target = dq if dq.dtype == torch.float32 else torch.empty(dq.shape, device=dq.device, dtype=torch.float32)
-        target.zero_()
-    else:
-        items = build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal, window=win,
-                               order=_order)
-    cap = items.shape[1]
-    if cap == 0:
-        dq.zero_()
-        return
+    items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, c, causal, window, activation, dq)
+    cap = items.shape[1]  # >= 1: there is a query
     tma = _tma_ok(k, v, causal=causal)
     kd, vd = (_desc(k, c.block_n), _desc(v, c.block_n)) if tma else (k, v)
     if activation != 0:
@@ -288,11 +286,23 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
         _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm), max(window, 0), split_n,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), target.stride(0), target.stride(1),
-        BM=bm, BN=c.block_n, num_warps=min(c.num_warps, 4) if bm < c.block_m else c.num_warps,
-        num_stages=c.num_stages, USE_TMA=tma, SPLIT=plan is not None, **_common(q, v, causal, window, activation),
+        BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=tma, SPLIT=split_n > 0,
+        **_common(q, v, causal, window, activation),
     )
     if target is not dq:
         dq.copy_(target)
+
+
+def backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, activation=0, inv_norm=1.0):
+    """(dq, dk, dv) in fresh tensors, empty batches included (the body of jfa's and gdpa's bwd ops)."""
+    do = do.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.shape[0] == 0 or q.shape[1] == 0:  # no queries: nothing reaches k or v
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if k.shape[0] == 0:
+        return dq.zero_(), dk, dv
+    _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv, activation, inv_norm)
+    return dq, dk, dv
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -321,15 +331,7 @@ def _jfa_fwd_fake(q, k, v, q_offsets, k_offsets, causal, scale, window):
 def jfa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor, causal: bool, scale: float,
             window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    do = do.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.shape[0] == 0 or q.shape[1] == 0:  # no queries: nothing reaches k or v
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    if k.shape[0] == 0:
-        dq.zero_()
-        return dq, dk, dv
-    _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv)
-    return dq, dk, dv
+    return backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window)
 
 
 @jfa_bwd.register_fake
