@@ -271,16 +271,15 @@ def jagged_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activat
     """Jagged attention (DESIGN.md semantics) with the C++ CPU kernel; other devices use ``reference``."""
     from gemzoo.interfaces.attention import check_inputs
 
-    k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation)
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be a positive number of keys, got {window}")
-    if block_size is not None and block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation, causal=causal, scale=scale,
+                                        norm=norm, max_q_len=max_q_len, max_k_len=max_k_len,
+                                        block_size=block_size, window=window)
     if not _use_extension("jagged_attention_fwd", q) or q.dtype == torch.float64:
         from gemzoo.builtin.attention import reference_attention
 
         return reference_attention(q, k, v, q_offsets, k_offsets, causal=causal, activation=activation,
-                                   scale=scale, norm=norm, block_size=block_size, window=window)
+                                   scale=scale, norm=norm, block_size=block_size, window=window,
+                                   max_q_len=max_q_len, max_k_len=max_k_len)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = torch.ops.gemzoo.jagged_attention_fwd(
         q, k, v, q_offsets, k_offsets, causal, ACTIVATION_CODES[activation], scale,

@@ -81,7 +81,7 @@ def test_opcheck(activation, window, block):
 
 def test_bad_arguments_are_named():
     q = torch.randn(4, 1, 8)
-    with pytest.raises(ValueError, match="window must be a positive"):
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
         KERNEL(q, q, q, torch.tensor([0, 4]), window=0)
     with pytest.raises(ValueError, match="unknown activation 'tanh'"):
         KERNEL(q, q, q, torch.tensor([0, 4]), activation="tanh")

@@ -20,9 +20,12 @@ ALL = frozenset(ACTIVATIONS)
 
 
 def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                        norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None):
+                        norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
     """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct."""
-    k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation)
+    q_offsets, k_offsets = check_inputs(
+        q, k, v, q_offsets, k_offsets, activation, capabilities=REFERENCE.capabilities, kernel=REFERENCE,
+        causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
+        window=window, rope_theta=rope_theta)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
@@ -66,11 +69,14 @@ def _padded_mask(q_lens, k_lens, lq_max, lk_max, causal, window, block_size, dev
 
 
 def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                          norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None):
+                          norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
     """Pad to [B, H, Lmax, D], run SDPA (or pointwise attention) with a mask, unpad. The naive baseline."""
     from gemzoo.jagged import jagged_to_padded, max_length, offsets_to_lengths, padded_to_jagged
 
-    k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation)
+    q_offsets, k_offsets = check_inputs(
+        q, k, v, q_offsets, k_offsets, activation, capabilities=SDPA_PADDED.capabilities, kernel=SDPA_PADDED,
+        causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
+        window=window, rope_theta=rope_theta)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     lq_max = max_q_len if max_q_len is not None else max_length(q_offsets)
     lk_max = max_k_len if max_k_len is not None else max_length(k_offsets)
@@ -107,13 +113,16 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
 
 
 def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                          norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None):
+                          norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
     """FlexAttention over the concatenated batch with a document (+causal/window/block) mask."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     from gemzoo.jagged import positions, seq_ids
 
-    k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation)
+    q_offsets, k_offsets = check_inputs(
+        q, k, v, q_offsets, k_offsets, activation, capabilities=FLEX.capabilities, kernel=FLEX,
+        causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
+        window=window, rope_theta=rope_theta)
     tq, tk = q.shape[0], k.shape[0]
     if tq == 0:
         return q.new_zeros(0, q.shape[1], v.shape[2])

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, FunctionKernel
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, FunctionKernel, check_inputs
 from gemzoo.plugins import hookimpl
 
 
 def cpu_attention(q, k, v, q_offsets, k_offsets=None, **kw):
     from gemzoo import ops
 
+    check_inputs(q, k, v, q_offsets, k_offsets, capabilities=CPU.capabilities, kernel=CPU, **kw)
     return ops.jagged_attention(q, k, v, q_offsets, k_offsets, **kw)
 
 

@@ -1,12 +1,14 @@
 """Attention kernels over jagged sequences.
 
     out = kernel(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                 norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None)
+                 norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None)
 
 q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv] -> out [Tq, H, Dv]. For sequence b with lengths Lq, Lk and
 shift s = Lk - Lq, key j is allowed for query i iff (not causal or j <= i + s) and
 (window is None or i + s - j < window) and (block_size is None or (i + s) // block_size == j // block_size).
 softmax: a row with no allowed key outputs 0. Other activations: P = act(S) on allowed keys, / norm.
+NaN stays in its own sequence. docs/attention.md has the whole contract; :func:`check_inputs` is the one
+input check every kernel runs (shapes, dtypes, offsets, option values, hints and declared capabilities).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class AttentionCapabilities:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     backward_devices: frozenset[str] = frozenset({"cpu", "cuda"})
     head_dims: tuple[int, ...] | None = None  # None: any
+    rotary: bool = False  # rope_theta
 
     def missing(self, req: "AttentionRequest") -> list[str]:
         """Human-readable list of what ``req`` needs that this kernel lacks."""
@@ -55,6 +58,8 @@ class AttentionCapabilities:
             out.append(f"backward on {req.device!r}")
         if req.head_dim is not None and self.head_dims is not None and req.head_dim not in self.head_dims:
             out.append(f"head_dim {req.head_dim}")
+        if req.rotary and not self.rotary:
+            out.append("rope_theta (rotary)")
         return out
 
 
@@ -71,6 +76,7 @@ class AttentionRequest:
     device: str | None = None
     backward: bool = True
     head_dim: int | None = None
+    rotary: bool = False
 
     def replace(self, **kw) -> "AttentionRequest":
         from dataclasses import replace
@@ -98,18 +104,31 @@ class AttentionKernel(Protocol):
         max_k_len: int | None = None,
         block_size: int | None = None,
         window: int | None = None,
+        rope_theta: float | None = None,
     ) -> torch.Tensor: ...
 
 
 @dataclass
 class FunctionKernel:
-    """Wrap a plain function as a kernel with capabilities (the usual way to register one)."""
+    """Wrap a plain function as a kernel with capabilities (the usual way to register one).
+
+    ``cpu_fallback`` names a registered kernel that serves CPU tensors (``reference`` when that one is not
+    registered), for GPU-only kernels that still run a config anywhere. The call is first checked
+    against *this* kernel's capabilities, so the fallback never accepts what this kernel does not declare.
+    """
 
     fn: object
     capabilities: AttentionCapabilities = field(default_factory=AttentionCapabilities)
     description: str = ""
+    cpu_fallback: str | None = None
 
     def __call__(self, q, k, v, q_offsets, k_offsets=None, **kw):
+        if self.cpu_fallback is not None and q.device.type == "cpu":
+            check_inputs(q, k, v, q_offsets, k_offsets, capabilities=self.capabilities, kernel=self, **kw)
+            from gemzoo import registry
+
+            name = self.cpu_fallback if self.cpu_fallback in registry.names("attention") else "reference"
+            return registry.get("attention", name)(q, k, v, q_offsets, k_offsets, **kw)
         return self.fn(q, k, v, q_offsets, k_offsets, **kw)
 
 
@@ -154,29 +173,142 @@ def apply_activation(scores: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
 
 
-def check_inputs(q, k, v, q_offsets, k_offsets, activation: str = "softmax"):
-    """Validate shapes and offsets; return ``k_offsets`` (defaulting to ``q_offsets``)."""
-    from gemzoo.errors import JaggedShapeError
-    from gemzoo.jagged import validate_offsets
+def kernels_that_serve(req: AttentionRequest, exclude: str | None = None) -> list[str]:
+    """Registered attention kernels whose capabilities cover ``req`` (for error messages)."""
+    from gemzoo import registry
+
+    return [n for n in registry.names("attention")
+            if n != exclude and not registry.get("attention", n).capabilities.missing(req)]
+
+
+def _kernel_name(kernel) -> str:
+    if isinstance(kernel, str) or kernel is None:
+        return kernel or "this kernel"
+    from gemzoo import registry
+
+    try:
+        return next(e.name for e in registry.entries("attention") if e.obj is kernel)
+    except Exception:  # not registered (or the registry cannot load): the function's own name
+        return getattr(kernel, "__name__", type(kernel).__name__)
+
+
+class _OffsetsCache:
+    """Offsets tensors validated already (validation syncs with the device): id -> (weakref, version, total,
+    longest). A tensor modified in place has a new ``_version`` and is validated again."""
+
+    def __init__(self, size: int = 64):
+        self.size, self.seen = size, {}
+
+    def longest(self, offsets: torch.Tensor, total: int, device, name: str) -> int:
+        import weakref
+
+        from gemzoo.jagged import max_length, validate_offsets
+
+        hit = self.seen.get(id(offsets))
+        if hit is not None and hit[0]() is offsets and hit[1] == offsets._version and hit[2] == total:
+            return hit[3]
+        validate_offsets(offsets, total, device=device, name=name)
+        longest = max_length(offsets)
+        if len(self.seen) >= self.size:
+            self.seen.clear()
+        self.seen[id(offsets)] = (weakref.ref(offsets), offsets._version, total, longest)
+        return longest
+
+
+_offsets_cache = _OffsetsCache()
+
+
+def _positive_int(value, name: str, meaning: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 ({meaning}) or None, got {value!r}")
+
+
+def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax", *, capabilities=None,
+                 kernel=None, causal: bool = True, scale=None, norm=None, max_q_len=None, max_k_len=None,
+                 block_size=None, window=None, rope_theta=None):
+    """The one input check of every attention kernel; returns ``(q_offsets, k_offsets)``, contiguous, with
+    ``k_offsets`` defaulting to ``q_offsets``.
+
+    Checks shapes, dtypes and devices; option values (``window`` and ``block_size`` are ints >= 1, ``norm``
+    only with pointwise activations); the offsets (validated fully the first time a tensor is seen, then
+    trusted until it changes); the hints ``max_q_len``/``max_k_len`` against the real longest sequences;
+    and, given ``capabilities``, that the call asks for nothing the kernel does not declare. An option outside
+    them raises :class:`PluginError` naming the registered kernels that can serve the call. ``kernel`` is the
+    kernel (or its name) for messages. Under ``torch.compile`` the data-dependent checks are skipped.
+    """
+    from gemzoo.errors import JaggedShapeError, PluginError
 
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
         if t.dim() != 3:
             raise JaggedShapeError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
     if k.shape[:2] != v.shape[:2]:
         raise JaggedShapeError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on [Tk, H]")
     if q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
         raise JaggedShapeError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on H and D")
-    validate_offsets(q_offsets, q.shape[0], device=q.device, name="q_offsets")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _positive_int(window, "window", "the number of keys a query sees: itself and the window - 1 before it")
+    _positive_int(block_size, "block_size", "the length of each attention block")
+    for name, hint in (("max_q_len", max_q_len), ("max_k_len", max_k_len)):
+        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, int) or hint < 0):
+            raise ValueError(f"{name} must be an int >= 0 (a bound on the sequence lengths) or None, got {hint!r}")
+    if norm is not None:
+        if activation == "softmax":
+            raise ValueError("norm divides pointwise activations only (softmax is normalised already); "
+                             "pass norm=None with activation='softmax'")
+        if not isinstance(norm, (int, float)) or isinstance(norm, bool) or norm == 0 or norm != norm:
+            raise ValueError(f"norm must be a non-zero number or None, got {norm!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale):
+        raise ValueError(f"scale must be a number or None (None: 1/sqrt(D)), got {scale!r}")
     if k_offsets is None:
         k_offsets = q_offsets
         if k.shape[0] != q.shape[0]:
             raise JaggedShapeError("k_offsets is required when k and q have different numbers of rows")
-    else:
-        validate_offsets(k_offsets, k.shape[0], device=k.device, name="k_offsets")
-        if k_offsets.numel() != q_offsets.numel():
-            raise JaggedShapeError(
-                f"q_offsets has {q_offsets.numel() - 1} sequences but k_offsets has {k_offsets.numel() - 1}"
+    compiling = torch.compiler.is_compiling()
+    if capabilities is not None:
+        asymmetric = False
+        if not capabilities.asymmetric and k_offsets is not q_offsets:
+            asymmetric = compiling or k_offsets.shape != q_offsets.shape or not torch.equal(k_offsets, q_offsets)
+        req = AttentionRequest(
+            activation, bool(causal), asymmetric, window is not None, block_size is not None, q.dtype,
+            q.device.type, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)), q.shape[2],
+            rope_theta is not None,
+        )
+        missing = capabilities.missing(req)
+        if missing:
+            name = _kernel_name(kernel)
+            able = kernels_that_serve(req, exclude=name)
+            raise PluginError(
+                f"attention kernel {name!r} does not support {', '.join(missing)} (see its capabilities). "
+                f"Registered kernels that can serve this call: {', '.join(able) or '(none)'}."
             )
-    return k_offsets
+    elif rope_theta is not None:
+        raise PluginError(f"attention kernel {_kernel_name(kernel)!r} does not support rope_theta (rotary)")
+    for name, off, t in (("q_offsets", q_offsets, q), ("k_offsets", k_offsets, k)):
+        if not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or off.dim() != 1:
+            raise JaggedShapeError(f"{name} must be a 1-D int64 tensor, got "
+                                   f"{getattr(off, 'dtype', type(off).__name__)}; convert with {name}.long()")
+        if off.device != t.device:
+            raise JaggedShapeError(f"{name} is on {off.device} but the values are on {t.device}; "
+                                   f"move it with {name}.to(values.device)")
+    if k_offsets.numel() != q_offsets.numel():
+        raise JaggedShapeError(
+            f"q_offsets has {q_offsets.numel() - 1} sequences but k_offsets has {k_offsets.numel() - 1}")
+    if not compiling:
+        for name, off, t, hint in (("q", q_offsets, q, max_q_len), ("k", k_offsets, k, max_k_len)):
+            longest = _offsets_cache.longest(off, t.shape[0], t.device, f"{name}_offsets")
+            if hint is not None and hint < longest:
+                raise JaggedShapeError(
+                    f"max_{name}_len={hint} is smaller than the longest {'query' if name == 'q' else 'key'} "
+                    f"sequence ({longest}); pass max_{name}_len >= {longest}, or None to have it computed"
+                )
+    same = k_offsets is q_offsets
+    q_offsets = q_offsets if q_offsets.is_contiguous() else q_offsets.contiguous()
+    k_offsets = q_offsets if same else (k_offsets if k_offsets.is_contiguous() else k_offsets.contiguous())
+    return q_offsets, k_offsets

@@ -1,4 +1,10 @@
-"""Attention conformance: random jagged batches (zero-length sequences included) against ``reference``."""
+"""Attention conformance: random jagged batches (zero-length sequences included) against ``reference``.
+
+Each case has a ``check``: ``match`` (forward and gradients against ``reference``), ``hints`` (hints smaller
+than a real length raise, exact or larger ones change nothing), ``unsupported`` (every option outside the
+declared capabilities raises PluginError; window=0 and block_size=0 raise ValueError). docs/attention.md
+is the contract these test.
+"""
 
 from __future__ import annotations
 
@@ -26,13 +32,15 @@ class AttentionCase:
     batch: int = 4
     max_len: int = 24
     seed: int = 0
+    check: str = "match"  # match | hints | unsupported
 
     def request(self, dtype=None, device=None, backward=True) -> AttentionRequest:
         return AttentionRequest(self.activation, self.causal, self.asymmetric, self.window is not None,
                                 self.block_size is not None, dtype, device, backward, self.head_dim)
 
     def __str__(self) -> str:
-        parts = [self.activation, "causal" if self.causal else "full"]
+        parts = [] if self.check == "match" else [self.check]
+        parts += [self.activation, "causal" if self.causal else "full"]
         if self.asymmetric:
             parts.append("asym")
         if self.window is not None:
@@ -62,7 +70,39 @@ def attention_cases(caps: AttentionCapabilities, *, head_dims=(16,), quick: bool
     if caps.block:
         cases.append(AttentionCase("softmax", True, False, block_size=8, seed=102))
         cases.append(AttentionCase("softmax", False, False, block_size=4, seed=103))
-    return [c for c in cases if not caps.missing(c.request())]
+    cases = [c for c in cases if not caps.missing(c.request())]
+    if cases:
+        from dataclasses import replace
+
+        first = cases[-1] if caps.asymmetric else cases[0]
+        cases.append(replace(first, check="hints", asymmetric=caps.asymmetric, seed=200))
+        cases.append(replace(cases[0], check="unsupported", seed=201))
+    return cases
+
+
+def unsupported_options(caps: AttentionCapabilities) -> list[tuple[str, dict]]:
+    """(what, call options) for each option outside ``caps``; ``dtype``/``asymmetric`` keys are not kernel
+    options but say how to build the inputs."""
+    from gemzoo.interfaces.attention import ACTIVATIONS
+
+    out = [(f"activation={a!r}", {"activation": a, "norm": 8.0}) for a in ACTIVATIONS if a not in caps.activations]
+    if not caps.block:
+        out.append(("block_size", {"block_size": 4}))
+    if not caps.window:
+        out.append(("window", {"window": 3}))
+    if not caps.non_causal:
+        out.append(("causal=False", {"causal": False}))
+    if not caps.causal:
+        out.append(("causal=True", {"causal": True}))
+    if not caps.rotary:
+        out.append(("rope_theta", {"rope_theta": 10000.0}))
+    if not caps.asymmetric:
+        out.append(("asymmetric", {"asymmetric": True}))
+    for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.float32):
+        if dtype not in caps.dtypes:
+            out.append((f"dtype {dtype}", {"dtype": dtype}))
+            break
+    return out
 
 
 def random_jagged_lengths(batch: int, max_len: int, generator: torch.Generator, zero_frac: float = 0.25):
@@ -109,6 +149,10 @@ def check_attention(kernel, case: AttentionCase, *, device: str = "cpu", dtype: 
 
     reference = reference or reference_attention
     tol = TOLERANCE[dtype] if tol is None else tol
+    if case.check == "hints":
+        return _check_hints(kernel, case, device, dtype, reference, tol)
+    if case.check == "unsupported":
+        return _check_unsupported(kernel, case, device, dtype)
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
     kw = dict(causal=case.causal, activation=case.activation, norm=case.norm, window=case.window,
@@ -133,3 +177,77 @@ def check_attention(kernel, case: AttentionCase, *, device: str = "cpu", dtype: 
     bad = {n: e for n, e in errors.items() if not e <= tol}  # `not <=` also catches NaN
     assert not bad, f"{case}: relative error over {tol:g} in {bad} (all: {errors})"
     return errors
+
+
+def _raises(fn, exc_type, what: str) -> str:
+    try:
+        fn()
+    except exc_type as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - the wrong error type is the failure being reported
+        raise AssertionError(f"{what}: expected {exc_type.__name__}, got {type(exc).__name__}: {exc}") from exc
+    raise AssertionError(f"{what}: expected {exc_type.__name__}, nothing was raised")
+
+
+def _case_kw(case: AttentionCase) -> dict:
+    return dict(causal=case.causal, activation=case.activation, norm=case.norm, window=case.window,
+                block_size=case.block_size)
+
+
+def _check_hints(kernel, case, device, dtype, reference, tol) -> dict[str, float]:
+    """max_q_len / max_k_len below a real length raise JaggedShapeError; exact and larger ones match."""
+    from gemzoo.errors import JaggedShapeError
+    from gemzoo.jagged import max_length
+
+    gen = torch.Generator().manual_seed(1234 + case.seed)
+    q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
+    lq, lk = max_length(q_off), max_length(q_off if k_off is None else k_off)
+    kw = _case_kw(case)
+    for hints in ({"max_q_len": lq - 1}, {"max_k_len": lk - 1}, {"max_q_len": lq - 1, "max_k_len": lk}):
+        msg = _raises(lambda: kernel(q, k, v, q_off, k_off, **kw, **hints), JaggedShapeError,
+                      f"{case}: hints {hints} below the longest sequences ({lq}, {lk})")
+        assert "smaller than the longest" in msg, msg
+    ref = reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), q_off.cpu(),
+                    None if k_off is None else k_off.cpu(), **kw)
+    errors = {}
+    for name, hints in (("exact", {"max_q_len": lq, "max_k_len": lk}), ("larger", {"max_q_len": lq + 5,
+                                                                                  "max_k_len": lk + 7})):
+        with torch.no_grad():
+            errors[name] = _rel(kernel(q, k, v, q_off, k_off, **kw, **hints).cpu(), ref)
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    assert not bad, f"{case}: valid hints changed the output: {bad}"
+    return errors
+
+
+def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
+    """Every option outside the kernel's capabilities raises PluginError naming registered kernels that can
+    serve it; window=0 and block_size=0 are ValueErrors for every kernel."""
+    from dataclasses import replace
+
+    from gemzoo import registry
+    from gemzoo.errors import PluginError
+
+    caps = kernel.capabilities
+    tried = 0
+    for what, options in unsupported_options(caps):
+        options = dict(options)
+        in_dtype = options.pop("dtype", dtype)
+        c = replace(case, asymmetric=options.pop("asymmetric", case.asymmetric))
+        gen = torch.Generator().manual_seed(1234 + case.seed)
+        q, k, v, q_off, k_off = make_inputs(c, in_dtype, device, gen)
+        kw = {**_case_kw(c), **options}
+        if kw["activation"] == "softmax":
+            kw["norm"] = None
+        msg = _raises(lambda: kernel(q, k, v, q_off, k_off, **kw), PluginError,
+                      f"{case}: {what} is outside the declared capabilities")
+        if "can serve this call: " in msg:
+            named = [n.strip(" .") for n in msg.split("can serve this call: ", 1)[1].split(",")]
+            unknown = set(named) - set(registry.names("attention")) - {"(none)"}
+            assert not unknown, f"{what}: the error names kernels that are not registered: {unknown} ({msg})"
+        tried += 1
+    gen = torch.Generator().manual_seed(1234 + case.seed)
+    q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
+    for bad in ({"window": 0}, {"block_size": 0}, {"window": -1}):
+        _raises(lambda: kernel(q, k, v, q_off, k_off, **{**_case_kw(case), **bad}), ValueError,
+                f"{case}: {bad} is not a valid option")
+    return {"unsupported_options": float(tried)}

@@ -358,68 +358,27 @@ jfa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # -- public entry ------------------------------------------------------------------------------------
 
-_validated: dict[int, tuple[weakref.ref, int, int]] = {}
-
-
 def _validate_offsets_once(offsets: torch.Tensor, total: int, device, name: str) -> None:
-    """Full offsets validation (host sync) the first time a given offsets tensor is seen."""
-    from gemzoo.jagged import validate_offsets
+    """Full offsets validation (host sync) the first time a given offsets tensor is seen (the shared cache
+    of gemzoo.interfaces.attention.check_inputs)."""
+    from gemzoo.interfaces.attention import _offsets_cache
 
-    key = id(offsets)
-    seen = _validated.get(key)
-    if seen is not None and seen[0]() is offsets and seen[1] == offsets._version and seen[2] == total:
-        return
-    validate_offsets(offsets, total, device=device, name=name)
-    if len(_validated) > 64:
-        _validated.clear()
-    _validated[key] = (weakref.ref(offsets), offsets._version, total)
+    _offsets_cache.longest(offsets, total, device, name)
 
 
-def _check(q, k, v, q_offsets, k_offsets, activation, block_size, window):
-    if activation != "softmax":
-        raise ValueError(
-            f"jfa computes softmax attention only, got activation={activation!r}; use attention='gdpa' or "
-            "'reference' for pointwise activations"
-        )
-    if block_size is not None:
-        raise ValueError("jfa does not implement block_size masks; use attention='block-attention', 'flex' or "
-                         "'reference'")
-    if window is not None and window < 0:
-        raise ValueError(f"window must be >= 0 (or None for no window), got {window}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise JaggedShapeError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"jfa supports float32, bfloat16 and float16 inputs, got {name}.dtype={t.dtype}; "
-                            f"cast with {name}.to(torch.bfloat16)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape[:2] != v.shape[:2]:
-        raise JaggedShapeError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on [Tk, H]")
-    if q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
-        raise JaggedShapeError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on H and D")
-    if max(q.shape[2], v.shape[2]) > MAX_HEAD_DIM:
-        raise JaggedShapeError(f"jfa supports head dims up to {MAX_HEAD_DIM}, got D={q.shape[2]}, Dv={v.shape[2]}; "
+def _check(q, k, v, q_offsets, k_offsets, **options):
+    """jfa's input check: the shared one (gemzoo.interfaces.attention.check_inputs) against the registered
+    kernel's capabilities, so every option it does not declare fails the same way on every device, plus
+    the Triton kernels' own limit on Dv. Returns contiguous (q_offsets, k_offsets)."""
+    from gemzoo.interfaces.attention import check_inputs
+    from gemzoo_jfa.plugin import KERNEL
+
+    q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, capabilities=KERNEL.capabilities,
+                                        kernel=KERNEL, **options)
+    if v.shape[2] > MAX_HEAD_DIM:
+        raise JaggedShapeError(f"jfa supports head dims up to {MAX_HEAD_DIM}, got Dv={v.shape[2]}; "
                                "split heads further or use attention='reference'")
-    if k_offsets is None:
-        if k.shape[0] != q.shape[0]:
-            raise JaggedShapeError("k_offsets is required when k and q have different numbers of rows")
-        k_offsets = q_offsets
-    for name, off, t in (("q_offsets", q_offsets, q), ("k_offsets", k_offsets, k)):
-        if not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or off.dim() != 1:
-            raise JaggedShapeError(f"{name} must be a 1-D int64 tensor, got "
-                                   f"{getattr(off, 'dtype', type(off).__name__)}; convert with {name}.long()")
-        if off.device != t.device:
-            raise JaggedShapeError(f"{name} is on {off.device} but the values are on {t.device}; "
-                                   f"move it with {name}.to(values.device)")
-    if k_offsets.numel() != q_offsets.numel():
-        raise JaggedShapeError(
-            f"q_offsets has {q_offsets.numel() - 1} sequences but k_offsets has {k_offsets.numel() - 1}")
-    if not torch.compiler.is_compiling():
-        _validate_offsets_once(q_offsets, q.shape[0], q.device, "q_offsets")
-        if k_offsets is not q_offsets:
-            _validate_offsets_once(k_offsets, k.shape[0], k.device, "k_offsets")
-    return k_offsets
+    return q_offsets, k_offsets
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -427,14 +386,16 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def jfa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None, norm=None,
-               max_q_len=None, max_k_len=None, block_size=None, window=None):
+               max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
     """Jagged flash attention through the Triton kernels on q's device (CPU needs TRITON_INTERPRET=1).
 
-    Same signature and meaning as every gemzoo attention kernel (see gemzoo.interfaces.attention);
-    ``norm``, ``max_q_len`` and ``max_k_len`` are accepted and unused (softmax needs no norm, and the
-    schedule is built from the offsets on the device).
+    Same signature and meaning as every gemzoo attention kernel (see docs/attention.md), checked by the
+    shared check_inputs: an option jfa does not declare (pointwise activations, norm, block_size,
+    rope_theta) is an error naming the kernels that serve it; hints smaller than a real length are errors.
     """
-    k_offsets = _check(q, k, v, q_offsets, k_offsets, activation, block_size, window)
+    q_offsets, k_offsets = _check(q, k, v, q_offsets, k_offsets, activation=activation, causal=causal,
+                                  scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len,
+                                  block_size=block_size, window=window, rope_theta=rope_theta)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out, _ = jfa_fwd(q, k, v, q_offsets, k_offsets, bool(causal), scale, -1 if window is None else int(window))

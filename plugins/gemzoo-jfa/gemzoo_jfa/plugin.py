@@ -9,23 +9,20 @@ import gemzoo
 from gemzoo.interfaces.attention import AttentionCapabilities, FunctionKernel
 
 
-def _cpu_fallback():
-    from gemzoo import registry
-
-    return registry.get("attention", "cpu" if "cpu" in registry.names("attention") else "reference")
-
-
-def jfa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
-    """Jagged flash attention; CUDA tensors run the Triton kernels, others the CPU kernel."""
-    if q.device.type != "cuda":
-        return _cpu_fallback()(q, k, v, q_offsets, k_offsets, **kw)
+def _jfa_cuda(q, k, v, q_offsets, k_offsets=None, **kw):
     from gemzoo_jfa.ops import jfa_triton
 
     return jfa_triton(q, k, v, q_offsets, k_offsets, **kw)
 
 
+def jfa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
+    """Jagged flash attention; CUDA tensors run the Triton kernels, others the CPU kernel (after the same
+    capability check, so the fallback accepts nothing jfa does not declare)."""
+    return KERNEL(q, k, v, q_offsets, k_offsets, **kw)
+
+
 KERNEL = FunctionKernel(
-    jfa_attention,
+    _jfa_cuda,
     AttentionCapabilities(
         activations=frozenset({"softmax"}),
         causal=True,
@@ -40,6 +37,7 @@ KERNEL = FunctionKernel(
     ),
     "Jagged flash attention (Triton, fwd+bwd on jagged q/k/v, longest-first work schedule); CPU tensors "
     "go to the 'cpu' kernel or 'reference'",
+    cpu_fallback="cpu",
 )
 
 

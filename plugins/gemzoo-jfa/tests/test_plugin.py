@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gemzoo
-from gemzoo.errors import JaggedShapeError
+from gemzoo.errors import JaggedShapeError, PluginError
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.jagged import lengths_to_offsets
 from gemzoo.testing import attention_cases, check_attention
@@ -51,25 +51,35 @@ def _inputs(lens=(3, 4)):
     return q, off
 
 
-def test_errors_name_the_problem_and_fix():
+@pytest.mark.parametrize("entry", ["jfa_triton", "KERNEL"])
+def test_errors_name_the_problem_and_fix(entry):
+    """The Triton entry and the registered kernel (CPU fallback included) fail the same way, through the
+    shared check: options jfa does not declare name the registered kernels that can serve them."""
     from gemzoo_jfa.ops import jfa_triton
 
+    fn = jfa_triton if entry == "jfa_triton" else KERNEL
     q, off = _inputs()
-    with pytest.raises(ValueError, match="softmax attention only.*gdpa"):
-        jfa_triton(q, q, q, off, activation="silu")
-    with pytest.raises(ValueError, match="block_size.*block-attention"):
-        jfa_triton(q, q, q, off, block_size=4)
+    with pytest.raises(PluginError, match=r"'jfa' does not support activation='silu'.*can serve this call: ") as exc:
+        fn(q, q, q, off, activation="silu")
+    able = [n.strip(" .") for n in str(exc.value).split("can serve this call: ")[1].split(",")]
+    assert "reference" in able and set(able) <= set(gemzoo.registry.names("attention"))  # registered ones only
+    with pytest.raises(PluginError, match=r"does not support block_size.*reference"):
+        fn(q, q, q, off, block_size=4)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        fn(q, q, q, off, window=0)
     with pytest.raises(JaggedShapeError, match="int64.*long"):
-        jfa_triton(q, q, q, off.int())
+        fn(q, q, q, off.int())
     with pytest.raises(JaggedShapeError, match="non-decreasing"):
-        jfa_triton(q, q, q, torch.tensor([0, 5, 4, 7]))
-    with pytest.raises(JaggedShapeError, match="head dims up to 256"):
+        fn(q, q, q, torch.tensor([0, 5, 4, 7]))
+    with pytest.raises(PluginError, match="head_dim 320"):
         big = torch.randn(7, 1, 320)
-        jfa_triton(big, big, big, off)
-    with pytest.raises(TypeError, match="float32, bfloat16 and float16"):
-        jfa_triton(q.double(), q.double(), q.double(), off)
+        fn(big, big, big, off)
+    with pytest.raises(PluginError, match="dtype torch.float64"):
+        fn(q.double(), q.double(), q.double(), off)
     with pytest.raises(JaggedShapeError, match="k_offsets is required"):
-        jfa_triton(q, q[:5], q[:5], off)
+        fn(q, q[:5], q[:5], off)
+    with pytest.raises(JaggedShapeError, match="max_k_len=3 is smaller than the longest key sequence"):
+        fn(q, q, q, off, max_k_len=3)
 
 
 def _expected_items(lens, block):

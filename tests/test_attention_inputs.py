@@ -1,0 +1,115 @@
+"""The shared attention input check and semantics every kernel follows (issue #10, items 11-13, 21-23).
+
+Parametrised over every registered kernel that runs on CPU, so a plugin's kernel is held to the same rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemzoo
+from gemzoo.errors import JaggedShapeError, PluginError
+from gemzoo.jagged import lengths_to_offsets
+
+
+def _cpu_kernels():
+    return [n for n in gemzoo.registry.names("attention")
+            if "cpu" in gemzoo.registry.get("attention", n).capabilities.devices]
+
+
+def _softmax_kernels():
+    return [n for n in _cpu_kernels() if "softmax" in gemzoo.registry.get("attention", n).capabilities.activations]
+
+
+def _inputs(q_lens=(3, 0, 5), k_lens=None, heads=2, dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k_lens = q_lens if k_lens is None else k_lens
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    k = torch.randn(sum(k_lens), heads, dim, generator=gen)
+    v = torch.randn(sum(k_lens), heads, dim, generator=gen)
+    return q, k, v, lengths_to_offsets(torch.tensor(q_lens)), lengths_to_offsets(torch.tensor(k_lens))
+
+
+def _some_activation(caps):
+    return "softmax" if "softmax" in caps.activations else sorted(caps.activations)[0]
+
+
+@pytest.mark.parametrize("name", _cpu_kernels())
+@pytest.mark.parametrize("hint", ["max_q_len", "max_k_len"])
+def test_too_small_hints_raise_in_every_kernel(name, hint):
+    """Item 21: sdpa-padded silently dropped keys when max_k_len was too small."""
+    kernel = gemzoo.registry.get("attention", name)
+    act = _some_activation(kernel.capabilities)
+    q, k, v, qo, ko = _inputs((3, 0, 5), (4, 2, 6))
+    with pytest.raises(JaggedShapeError, match=f"{hint}=4 is smaller than the longest"):
+        kernel(q, k, v, qo, ko, causal=True, activation=act, **{hint: 4})
+    kernel(q, k, v, qo, ko, causal=True, activation=act, max_q_len=5, max_k_len=6)  # exact hints are fine
+
+
+@pytest.mark.parametrize("name", _cpu_kernels())
+@pytest.mark.parametrize("bad", [{"window": 0}, {"window": -2}, {"block_size": 0}, {"window": 2.5}])
+def test_window_and_block_must_be_positive_ints_in_every_kernel(name, bad):
+    """Item 22: window=0 gave zeros in three kernels and a ValueError in cpu; one rule now: an int >= 1."""
+    kernel = gemzoo.registry.get("attention", name)
+    q, k, v, qo, _ = _inputs()
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an int >= 1"):
+        kernel(q, k, v, qo, activation=_some_activation(kernel.capabilities), **bad)
+
+
+@pytest.mark.parametrize("name", _cpu_kernels())
+def test_options_outside_capabilities_are_rejected_by_every_kernel(name):
+    """Item 22: flex computed softmax whatever activation it was given; jfa's CPU fallback accepted block_size
+    and silu, neither of which jfa declares. Item 11: the error names registered kernels that can serve."""
+    kernel = gemzoo.registry.get("attention", name)
+    caps = kernel.capabilities
+    q, k, v, qo, _ = _inputs()
+    requests = [{"activation": a, "norm": 4.0} for a in ("silu", "gelu", "relu") if a not in caps.activations]
+    requests += [{"activation": "softmax"}] if "softmax" not in caps.activations else []
+    requests += [{"block_size": 2}] if not caps.block else []
+    requests += [{"window": 2}] if not caps.window else []
+    requests += [{"rope_theta": 10000.0}] if not caps.rotary else []
+    act = _some_activation(caps)
+    for req in requests:
+        kw = {"activation": act, **req}
+        with pytest.raises(PluginError, match=f"attention kernel {name!r} does not support") as exc:
+            kernel(q, k, v, qo, **kw)
+        named = set(str(exc.value).split("can serve this call: ")[1].rstrip(".").split(", ")) - {"(none)"}
+        assert named <= set(gemzoo.registry.names("attention")), exc.value
+        for other in named:  # each kernel it names really serves the call
+            assert gemzoo.registry.get("attention", other)(q, k, v, qo, **kw).shape == (8, 2, 8)
+
+
+def test_flex_rejects_pointwise_activations():
+    flex = gemzoo.registry.get("attention", "flex")
+    q, k, v, qo, _ = _inputs()
+    with pytest.raises(PluginError, match=r"'flex' does not support activation='silu'"):
+        flex(q, k, v, qo, activation="silu", norm=4.0)
+
+
+def test_jfa_fallback_rejects_what_jfa_does_not_declare():
+    if "jfa" not in gemzoo.registry.names("attention"):
+        pytest.skip("gemzoo-jfa is not installed")
+    jfa = gemzoo.registry.get("attention", "jfa")
+    q, k, v, qo, _ = _inputs()
+    with pytest.raises(PluginError, match="'jfa' does not support block_size"):
+        jfa(q, k, v, qo, block_size=2)
+    with pytest.raises(PluginError, match="'jfa' does not support activation='silu'"):
+        jfa(q, k, v, qo, activation="silu", norm=2.0)
+
+
+def test_norm_only_with_pointwise_activations():
+    ref = gemzoo.registry.get("attention", "reference")
+    q, k, v, qo, _ = _inputs()
+    with pytest.raises(ValueError, match="norm divides pointwise activations only"):
+        ref(q, k, v, qo, norm=4.0)
+
+
+def test_strided_offsets_are_read_correctly():
+    """Valid offsets given as a strided view are validated, then made contiguous for the kernel."""
+    q, k, v, qo, _ = _inputs((3, 2, 5))
+    strided = torch.stack([qo, torch.zeros_like(qo)], 1).reshape(-1)[::2]
+    assert not strided.is_contiguous()
+    for name in _softmax_kernels():
+        kernel = gemzoo.registry.get("attention", name)
+        torch.testing.assert_close(kernel(q, k, v, strided), kernel(q, k, v, qo))
