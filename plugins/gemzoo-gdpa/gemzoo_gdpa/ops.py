@@ -52,17 +52,9 @@ def _gdpa_fwd_fake(q, k, v, q_offsets, k_offsets, causal, activation, scale, inv
 def gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
              k_offsets: torch.Tensor, causal: bool, activation: int, scale: float, inv_norm: float,
              window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from gemzoo_jfa.ops import _launch_bwd
+    from gemzoo_jfa.ops import backward
 
-    do = do.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.shape[0] == 0 or q.shape[1] == 0:  # no queries: nothing reaches k or v
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    if k.shape[0] == 0:
-        return dq.zero_(), dk, dv
-    _launch_bwd(do, q, k, v, None, None, q_offsets, k_offsets, causal, scale, window, dq, dk, dv, activation,
-                inv_norm)
-    return dq, dk, dv
+    return backward(do, q, k, v, None, None, q_offsets, k_offsets, causal, scale, window, activation, inv_norm)
 
 
 @gdpa_bwd.register_fake

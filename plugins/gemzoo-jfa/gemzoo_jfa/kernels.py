@@ -98,14 +98,38 @@ def _act_fwd_grad(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _item(ITEMS, n_items_cap, item, SPLIT: tl.constexpr):
-    """(sequence, block, key split) of one work item; split is 0 without SPLIT."""
+def _work(ITEMS, n_items_cap, QOFF, KOFF, H: tl.constexpr, SPLIT: tl.constexpr):
+    """This program's head and work item: (b, h, block, key split, q_start, Lq, k_start, Lk); b < 0 marks
+    an empty slot (the caller returns). ``split`` is 0 without SPLIT."""
+    pid = tl.program_id(0)
+    item = pid // H
+    h = pid % H
     b = tl.load(ITEMS + item)
     blk = tl.load(ITEMS + n_items_cap + item)
     split = 0
     if SPLIT:
         split = tl.load(ITEMS + 2 * n_items_cap + item)
-    return b, blk, split
+    bs = tl.maximum(b, 0)
+    q_start = tl.load(QOFF + bs)
+    Lq = (tl.load(QOFF + bs + 1) - q_start).to(tl.int32)
+    k_start = tl.load(KOFF + bs)
+    Lk = (tl.load(KOFF + bs + 1) - k_start).to(tl.int32)
+    return b, h, blk, split, q_start, Lq, k_start, Lk
+
+
+@triton.jit
+def _q_block(mblk, Lq, BM: tl.constexpr):
+    """First and last query of block ``mblk``, the block's row offsets and its rows."""
+    m_lo = mblk * BM
+    offs_m = tl.arange(0, BM)
+    return m_lo, tl.minimum(m_lo + BM, Lq) - 1, offs_m, m_lo + offs_m
+
+
+@triton.jit
+def _load_block(base, offs, stride, rows, L, offs_d, D: tl.constexpr):
+    """[len(offs), len(offs_d)] tile at ``base`` (rows ``stride`` apart); rows >= L and columns >= D are 0."""
+    return tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=(rows[:, None] < L) & (offs_d[None, :] < D),
+                   other=0.0)
 
 
 @triton.jit
@@ -243,29 +267,14 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False):
     """Forward. Softmax writes O and LSE; pointwise writes O (or, with SPLIT, adds to fp32 O)."""
-    pid = tl.program_id(0)
-    item = pid // H
-    h = pid % H
-    b, mblk, split = _item(ITEMS, n_items_cap, item, SPLIT)
+    b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
         return
-    q_start = tl.load(QOFF + b)
-    Lq = (tl.load(QOFF + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(KOFF + b)
-    Lk = (tl.load(KOFF + b + 1) - k_start).to(tl.int32)
     shift = Lk - Lq
+    m_lo, m_last, offs_m, rows = _q_block(mblk, Lq, BM)
+    offs_n, offs_d, offs_dv = tl.arange(0, BN), tl.arange(0, BD), tl.arange(0, BDV)
 
-    m_lo = mblk * BM
-    m_last = tl.minimum(m_lo + BM, Lq) - 1
-    offs_m = tl.arange(0, BM)
-    rows = m_lo + offs_m
-    offs_n = tl.arange(0, BN)
-    offs_d = tl.arange(0, BD)
-    offs_dv = tl.arange(0, BDV)
-
-    q_base = Q + (q_start + m_lo) * stride_qt + h * stride_qh
-    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=(rows[:, None] < Lq) & (offs_d[None, :] < D), other=0.0)
+    q = _load_block(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, offs_d, D)
     if UPCAST:
         q = q.to(tl.float32)
     k_base = K + k_start * stride_kt + h * stride_kh
@@ -375,16 +384,9 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                          ACT: tl.constexpr = 0):
     """dK, dV of one key block, looping over the queries that see it (no atomics)."""
-    pid = tl.program_id(0)
-    item = pid // H
-    h = pid % H
-    b, nblk, _ = _item(ITEMS, n_items_cap, item, False)
+    b, h, nblk, _, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, False)
     if b < 0:
         return
-    q_start = tl.load(QOFF + b)
-    Lq = (tl.load(QOFF + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(KOFF + b)
-    Lk = (tl.load(KOFF + b + 1) - k_start).to(tl.int32)
     shift = Lk - Lq
 
     n_lo = nblk * BN
@@ -396,10 +398,8 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
     offs_dv = tl.arange(0, BDV)
 
     kmask = cols[:, None] < Lk
-    k = tl.load(K + (k_start + n_lo) * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                mask=kmask & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(V + (k_start + n_lo) * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                mask=kmask & (offs_dv[None, :] < DV), other=0.0)
+    k = _load_block(K + (k_start + n_lo) * stride_kt + h * stride_kh, offs_n, stride_kt, cols, Lk, offs_d, D)
+    v = _load_block(V + (k_start + n_lo) * stride_vt + h * stride_vh, offs_n, stride_vt, cols, Lk, offs_dv, DV)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -469,31 +469,16 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                        ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False):
     """dQ of one query block, looping over its keys (with SPLIT: one key split, added to fp32 dQ)."""
-    pid = tl.program_id(0)
-    item = pid // H
-    h = pid % H
-    b, mblk, split = _item(ITEMS, n_items_cap, item, SPLIT)
+    b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
         return
-    q_start = tl.load(QOFF + b)
-    Lq = (tl.load(QOFF + b + 1) - q_start).to(tl.int32)
-    k_start = tl.load(KOFF + b)
-    Lk = (tl.load(KOFF + b + 1) - k_start).to(tl.int32)
     shift = Lk - Lq
-
-    m_lo = mblk * BM
-    m_last = tl.minimum(m_lo + BM, Lq) - 1
-    offs_m = tl.arange(0, BM)
-    rows = m_lo + offs_m
-    offs_n = tl.arange(0, BN)
-    offs_d = tl.arange(0, BD)
-    offs_dv = tl.arange(0, BDV)
+    m_lo, m_last, offs_m, rows = _q_block(mblk, Lq, BM)
+    offs_n, offs_d, offs_dv = tl.arange(0, BN), tl.arange(0, BD), tl.arange(0, BDV)
     rmask = rows < Lq
 
-    q = tl.load(Q + (q_start + m_lo) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + (q_start + m_lo) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
-                 + offs_dv[None, :], mask=rmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    q = _load_block(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, offs_d, D)
+    do = _load_block(DO + (q_start + m_lo) * stride_dot + h * stride_doh, offs_m, stride_dot, rows, Lq, offs_dv, DV)
     if ACT == 0:
         lse = tl.load(LSE + h.to(tl.int64) * Tq + q_start + rows, mask=rmask, other=float("inf"))
         delta = tl.load(DELTA + h.to(tl.int64) * Tq + q_start + rows, mask=rmask, other=0.0)

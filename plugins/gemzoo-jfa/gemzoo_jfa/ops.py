@@ -58,11 +58,6 @@ def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Con
 ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4, "relu2": 5, "leaky_relu": 6,
                     "hardswish": 7, "identity": 8}
 
-# Activation codes of the shared kernel family (kernels.py's ACT constexpr). 0 is softmax (jfa); the
-# rest are GDPA's pointwise activations (gdpa).
-ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4, "relu2": 5, "leaky_relu": 6,
-                    "hardswish": 7, "identity": 8}
-
 _override: Configs | None = None
 _order = "lpt"
 _tma: bool | None = None  # None: TMA where validated (see _tma_ok); True: wherever shapes allow; False: never

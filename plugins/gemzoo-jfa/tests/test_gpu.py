@@ -137,3 +137,17 @@ def test_tma_and_pointer_paths_agree_with_reference(tma, d, causal, asym, window
 
     with using(tma=tma):
         test_against_fp64_reference_poisoned(d, causal, asym, window, dtype)
+
+
+def test_strided_offsets_view_on_cuda():
+    """Issue #10 item 20: a strided offsets view (t[::2]) gives the same result as contiguous offsets."""
+    from gemzoo_jfa import jfa_triton
+
+    lens = torch.tensor([300, 0, 17, 129, 1])
+    off = lengths_to_offsets(lens).cuda()
+    strided = torch.stack([off, torch.full_like(off, 10**6)], 1).reshape(-1)[::2]
+    assert not strided.is_contiguous() and torch.equal(strided, off)
+    q, k, v = (torch.randn(int(lens.sum()), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ref = reference_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), off.cpu())
+    assert _rel(jfa_triton(q, k, v, strided, strided), ref) < 1e-2
+    assert _rel(jfa_triton(q, k, v, strided), ref) < 1e-2
