@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -46,3 +47,33 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
     assert _final(resumed.stdout)["final_loss"] == _final(full.stdout)["final_loss"]
+
+
+@pytest.mark.parametrize("signame,code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_signal_checkpoints_prints_the_resume_command_and_exits_nonzero(tmp_path, signame, code):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gemzoo.cli", "train", "--config", str(ROOT / "configs" / "gem-tiny.toml"),
+           "--out", str(out), "--quiet", "--set", "run.steps=100000", "--set", "run.log_every=1",
+           "--set", "checkpoint.every=0", "--set", "eval.every=0", "--set", "data.batch_size=8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text().count('"loss"') < 2:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.time() < deadline, "no step was logged"
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, signame))
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stopped = rows[-1]
+    assert stopped["event"] == "interrupted" and stopped["signal"] == signame
+    assert (out / "checkpoints" / f"step-{stopped['step']:08d}").is_dir()
+    again = shlex.split(stderr.split("Resume with:")[1].strip().splitlines()[0])
+    assert again[0] == "gemzoo" and again[-1] == "--resume"
+    step = stopped["step"]
+    resumed = subprocess.run([sys.executable, "-m", "gemzoo.cli", *again[1:], "--steps", str(step + 1)],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"at step {step}" in resumed.stdout and _final(resumed.stdout)["steps"] == step + 1

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gemzoo.config import load_config
-from gemzoo.errors import CheckpointError, PluginError, TrainingError
+from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train.trainer import Trainer, train
 from toy_plugin import TOY_CONFIG, install
@@ -115,3 +115,74 @@ def test_gem_on_the_plain_torch_engine_trains_sparse_and_resumes_bit_exact(tmp_p
     resumed = train(cfg("b", 4), resume=True, progress=False)
     assert resumed.history[0]["step"] == 3
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history[2:]]
+
+
+# ------------------------------------------------------------------------- resume under a changed config
+def test_resume_applies_a_changed_lr_and_says_so(toy, tmp_path, capsys):
+    train(_cfg(tmp_path, run={"steps": 20}), progress=False)
+    changed = _cfg(tmp_path, run={"steps": 30}, optim={"lr": 0.5})
+    trainer = Trainer(changed, resume=True, progress=False).assemble()
+    out = capsys.readouterr().out
+    assert "changed since the checkpoint: optim.lr 0.01 -> 0.5, run.steps 20 -> 30" in out
+    assert all(g["lr"] == g["base_lr"] == 0.5 for g in trainer.optimizers["dense"].param_groups)
+    assert trainer.fit().history[0]["step"] == 21
+
+
+@pytest.mark.parametrize("section,key,value,old", [
+    ("model", "d_model", 32, 16),
+    ("data", "batch_size", 4, 8),
+    ("plugins", "attention", "sdpa-padded", "reference"),
+    ("run", "seed", 1, 0),
+])
+def test_resume_refuses_a_changed_model_data_plugins_or_seed(toy, tmp_path, section, key, value, old):
+    train(_cfg(tmp_path, run={"steps": 10}), progress=False)
+    with pytest.raises(ConfigError) as exc:
+        sections = {"run": {"steps": 20}}
+        sections.setdefault(section, {})[key] = value
+        Trainer(_cfg(tmp_path, **sections), resume=True, progress=False).assemble()
+    assert f"{section}.{key} is {old!r} in the checkpoint, {value!r} now" in str(exc.value)
+    assert "--out DIR" in str(exc.value)
+
+
+def test_checkpoint_of_another_shape_names_tensor_shapes_and_keys(toy, tmp_path):
+    """A checkpoint whose recorded config agrees but whose tensors do not (data-derived sizes, older code)."""
+    train(_cfg(tmp_path, run={"steps": 10}), progress=False)
+    newest = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["config"]["model"]["d_model"] = 32
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    trainer = Trainer(_cfg(tmp_path, run={"steps": 20}, model={"d_model": 32}), resume=True, progress=False)
+    with pytest.raises(CheckpointError, match=r"emb\.weight is \[\d+, 16\] in the checkpoint but "
+                                              r"\[\d+, 32\] in this model.*agree"):
+        trainer.assemble()
+    del manifest["config"]
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"in this model.*records no config"):
+        Trainer(_cfg(tmp_path, run={"steps": 20}, model={"d_model": 32}), resume=True, progress=False).assemble()
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_finishes_the_step_checkpoints_and_resumes_bit_exact(toy, tmp_path, signame):
+    import os
+    import signal
+
+    import gemzoo
+    from gemzoo.train.trainer import TrainingInterrupted
+
+    class SignalAtStep3:  # what a scheduler or Ctrl-C does, from inside the loop
+        @gemzoo.hookimpl
+        def gemzoo_step_end(self, trainer, step, metrics):
+            if step == 3 and not trainer.resume:
+                os.kill(os.getpid(), getattr(signal, signame))
+
+    straight = train(_cfg(tmp_path / "straight", run={"steps": 6}), progress=False)
+    toy.host().register(SignalAtStep3(), name="signal-at-step-3")
+    with pytest.raises(TrainingInterrupted) as exc:
+        train(_cfg(tmp_path / "stopped", run={"steps": 6}), progress=False)
+    assert exc.value.step == 3 and exc.value.signal_name == signame
+    assert exc.value.checkpoint.name == "step-00000003"  # checkpoint.every is 10: written for the signal
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    rows = [json.loads(l) for l in (tmp_path / "stopped" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["event"] == "interrupted" and rows[-1]["signal"] == signame
+    resumed = train(_cfg(tmp_path / "stopped", run={"steps": 6}), resume=True, progress=False)
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history[3:]]
