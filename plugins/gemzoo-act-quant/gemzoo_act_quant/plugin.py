@@ -1,0 +1,280 @@
+"""Registers the memory policy ``act-quant``: tensors saved for backward are kept in fp8.
+
+Inside each forward+backward, ``torch.autograd.graph.saved_tensors_hooks`` packs every eligible saved
+tensor into fp8 (``gemzoo_act_quant.quant``) and unpacks it back to its own dtype and shape when backward
+needs it. Options (``[plugins.options.act-quant]``, validated by ``ActQuantOptions``)::
+
+    modules = ["*"]       # fnmatch patterns on module names whose saved tensors are quantized ("" = the root)
+    exclude = []          # patterns never quantized, e.g. ["head.*", "*.attn.attn"]
+    min_numel = 4096      # smaller tensors stay as they are
+    elem = "e4m3"         # element format: "e4m3" or "e5m2"
+    scale = "auto"        # "row" (a power of two per row), "block32" (per 32 along the last dim; the MX
+                          # cast of gemzoo-mxfp8 when installed), "auto" (block32 with gemzoo-mxfp8, else row)
+    fp32 = "auto"         # fp32 saved tensors too: "always", "never", "auto" (eager: yes; compiled: no)
+
+Never quantized: integer and bool tensors (offsets, indices, masks), sparse tensors and tensor subclasses,
+tensors already in 8 bits (mxfp8's saved MX data and scales: no double quantization), parameters and
+their casts/views (the weight a linear saves), rows narrower than 32, and in eager mode tensors outside
+autograd's graph (softmax log-sum-exp, norm statistics: quantizing them would distort every gradient
+downstream). Each kind of skip is said once. With ``full-ac`` the checkpointed blocks save nothing but
+their inputs, so act-quant quantizes what is still saved; with ``auto-ac`` (compiled graphs) it quantizes
+what the partitioner decided to save. Module patterns are resolved from module forward hooks, which
+compiled graphs do not run: under ``torch.compile`` every eligible tensor the graphs save is quantized
+(bf16/fp16 only with fp32 = "auto") and the report lists them by shape instead of module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gemzoo.errors import ConfigError
+from gemzoo.plugins import hookimpl
+from gemzoo_act_quant.quant import ELEMS, FP8_DTYPES, SCALES, Packed, dequantize, mx_api, quantize, resolve_scale
+
+GIB = 2**30
+MIN_ROW = 32
+# autograd nodes that only view or cast their input: a saved tensor reached from a parameter through
+# these is the parameter itself (e.g. a bf16 linear's weight.to(bf16).t())
+_PASS_THROUGH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackward", "PermuteBackward",
+                 "ExpandBackward", "UnsqueezeBackward", "SqueezeBackward", "AliasBackward", "CloneBackward")
+FP32_MODES = ("auto", "always", "never")
+
+
+@dataclass
+class ActQuantOptions:
+    modules: list[str] = field(default_factory=lambda: ["*"])
+    exclude: list[str] = field(default_factory=list)
+    min_numel: int = 4096
+    elem: str = "e4m3"
+    scale: str = "auto"
+    fp32: str = "auto"
+
+    def __post_init__(self):
+        where = "plugins.options.act-quant"
+        for name in ("modules", "exclude"):
+            v = getattr(self, name)
+            if isinstance(v, str) or not all(isinstance(p, str) for p in v):
+                raise ConfigError(f"{where}.{name} must be a list of fnmatch patterns on module names, e.g. "
+                                  f"[\"tower.blocks.*\"], got {v!r}")
+        if self.min_numel < 0:
+            raise ConfigError(f"{where}.min_numel must be >= 0, got {self.min_numel}")
+        if self.elem not in ELEMS:
+            raise ConfigError(f"{where}.elem must be one of {', '.join(ELEMS)}, got {self.elem!r}")
+        if self.scale not in SCALES:
+            raise ConfigError(f"{where}.scale must be one of {', '.join(SCALES)}, got {self.scale!r}")
+        if self.fp32 not in FP32_MODES:
+            raise ConfigError(f"{where}.fp32 must be one of {', '.join(FP32_MODES)}, got {self.fp32!r}")
+
+
+SKIP_NOTES = {
+    "integer": "integer/bool saved tensors (offsets, indices, masks) are kept as they are",
+    "sparse": "sparse saved tensors are kept as they are (no fp8 layout for them)",
+    "subclass": "tensor subclasses (DTensor, ...) among the saved tensors are kept as they are",
+    "8-bit": "saved tensors already in 8 bits (e.g. mxfp8's MX data and scales) are kept as they are, not quantized twice",
+    "statistic": "saved tensors outside autograd's graph (softmax log-sum-exp, norm statistics) are kept exact",
+}
+
+
+def _derived_from_parameter(t: torch.Tensor, depth: int = 4) -> bool:
+    fn = t.grad_fn
+    for _ in range(depth):
+        if fn is None:
+            return False
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+        if not type(fn).__name__.startswith(_PASS_THROUGH):
+            return False
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return False
+
+
+class _Stats:
+    def __init__(self):
+        self.by_key: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # tensors, bytes before, bytes after
+        self.skipped: dict[str, int] = defaultdict(int)
+
+    def add(self, key: str, before: int, after: int) -> None:
+        row = self.by_key[key]
+        row[0] += 1
+        row[1] += before
+        row[2] += after
+
+    @property
+    def before(self) -> int:
+        return sum(r[1] for r in self.by_key.values())
+
+    @property
+    def after(self) -> int:
+        return sum(r[2] for r in self.by_key.values())
+
+
+class ActQuantPolicy:
+    """Saved activations in fp8 through saved_tensors_hooks (see the module docstring)."""
+
+    options_cls = ActQuantOptions
+    description = "tensors saved for backward stored in fp8 (e4m3, power-of-two row or MX block scales)"
+
+    def __init__(self, options: ActQuantOptions | None = None):
+        self.options = options or ActQuantOptions()
+        self.elem = ELEMS[self.options.elem]
+        self.compiled = False
+        self.said: set[str] = set()
+        self._names: list[str] = []
+        self._handles = []
+        self._param_keys: set[int] = set()
+        self.last = _Stats()
+        self.steps = 0
+
+    def configure(self, options: ActQuantOptions) -> "ActQuantPolicy":
+        if not isinstance(options, ActQuantOptions):
+            raise ConfigError(f"act-quant options must be ActQuantOptions, got {type(options).__name__}")
+        return ActQuantPolicy(options)
+
+    # -- MemoryPolicy -------------------------------------------------------------------------------
+    def apply(self, model: nn.Module, cfg=None) -> nn.Module:
+        run = getattr(cfg, "run", None)
+        self.compiled = bool(getattr(run, "compile", False))
+        self._param_keys = {p.untyped_storage().data_ptr() for p in model.parameters()
+                            if p.device.type != "meta" and p.layout == torch.strided}
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if not self.compiled:  # eager: track the running module for the fnmatch patterns
+            for name, module in model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._enter_module(name)))
+                self._handles.append(module.register_forward_hook(self._leave_module, always_call=True))
+        elif self.options.modules != ["*"] or self.options.exclude:
+            self._say("compiled", "act-quant: module patterns cannot be resolved inside torch.compile graphs; every "
+                                  "eligible tensor the compiled graphs save is quantized")
+        return model
+
+    def _enter_module(self, name: str):
+        def hook(module, args):
+            self._names.append(name)
+        return hook
+
+    def _leave_module(self, module, args, output):
+        if self._names:
+            self._names.pop()
+
+    def step_context(self):
+        return self._step()
+
+    @contextlib.contextmanager
+    def _step(self):
+        self._names.clear()
+        stats = _Stats()
+        cache: dict[tuple, Packed] = {}
+        pack = torch.compiler.disable(lambda t: self._pack(t, stats, cache))
+        unpack = torch.compiler.disable(self._unpack)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+        cache.clear()
+        self.last = stats
+        self.steps += 1
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def _say(self, key: str, message: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            print(message, file=sys.stderr, flush=True)
+
+    def _skip_reason(self, t: torch.Tensor) -> str | None:
+        if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+            return "subclass"
+        if t.layout != torch.strided:
+            return "sparse"
+        if not t.is_floating_point():
+            return "integer"
+        if t.dtype in FP8_DTYPES or t.element_size() < 2:
+            return "8-bit"
+        if t.device.type == "meta":
+            return "meta"
+        if t.untyped_storage().data_ptr() in self._param_keys or _derived_from_parameter(t):
+            return "parameter"
+        if t.numel() < max(self.options.min_numel, 1) or t.dim() == 0 or t.shape[-1] < MIN_ROW:
+            return "small"
+        if t.dtype == torch.float32:
+            mode = self.options.fp32
+            if mode == "never" or (mode == "auto" and self.compiled):
+                return "fp32"
+        if not self.compiled and not t.requires_grad:
+            return "statistic"
+        return None
+
+    def _module(self) -> str:
+        return self._names[-1] if self._names else ""
+
+    def _selected(self, name: str) -> bool:
+        o = self.options
+        return (any(fnmatch.fnmatchcase(name, p) for p in o.modules)
+                and not any(fnmatch.fnmatchcase(name, p) for p in o.exclude))
+
+    def _pack(self, t: torch.Tensor, stats: _Stats, cache: dict):
+        reason = self._skip_reason(t)
+        if reason is None and not self.compiled and not self._selected(self._module()):
+            reason = "pattern"
+        if reason is not None:
+            stats.skipped[reason] += 1
+            if reason in SKIP_NOTES:
+                self._say(reason, f"act-quant: {SKIP_NOTES[reason]} (first: {str(t.dtype).removeprefix('torch.')} "
+                                  f"{list(t.shape)})")
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+               t._version)
+        packed = cache.get(key)
+        before = t.numel() * t.element_size()
+        if packed is None:
+            with torch.no_grad():
+                packed = quantize(t.detach(), self.elem, self.options.scale)
+            cache[key] = packed
+            where = self._module() if not self.compiled else "<compiled>"
+            stats.add(f"{where or '<root>'} {str(t.dtype).removeprefix('torch.')}[{t.dim()}d x{t.shape[-1]}]",
+                      before, packed.nbytes)
+        return packed
+
+    @staticmethod
+    def _unpack(p):
+        if isinstance(p, Packed):
+            with torch.no_grad():
+                return dequantize(p)
+        return p
+
+    # -- reporting ----------------------------------------------------------------------------------
+    def report(self) -> dict:
+        s = self.last
+        saved = s.before - s.after
+        scale = resolve_scale(self.options.scale)
+        cast = ("gemzoo_mxfp8 MX cast" if scale == "block32" and mx_api() is not None
+                else f"torch power-of-two {scale}")
+        quantized = {k: {"tensors": v[0], "bytes": v[1], "fp8_bytes": v[2]}
+                     for k, v in sorted(s.by_key.items(), key=lambda kv: -kv[1][1])}
+        summary = (f"{sum(v[0] for v in s.by_key.values())} saved tensors a step in {self.options.elem} "
+                   f"({cast}): {s.before / GIB:.3f} -> {s.after / GIB:.3f} GiB, {saved / GIB:.3f} GiB saved per step"
+                   + (f"; skipped {dict(s.skipped)}" if s.skipped else ""))
+        return {"elem": self.options.elem, "scale": scale, "cast": cast, "compiled": self.compiled,
+                "bytes_before_per_step": s.before, "bytes_after_per_step": s.after, "bytes_saved_per_step": saved,
+                "quantized": quantized, "skipped": dict(s.skipped), "steps": self.steps, "summary": summary}
+
+    def selection(self) -> dict:
+        """What ``gemzoo config show`` lists: the options that pick the quantized tensors."""
+        o = self.options
+        return {"modules": list(o.modules), "exclude": list(o.exclude), "min_numel": o.min_numel,
+                "elem": o.elem, "scale": resolve_scale(o.scale), "fp32": o.fp32,
+                "never": ["integer/bool", "sparse", "subclasses", "8-bit (e.g. mxfp8's own)", "parameters",
+                          f"rows narrower than {MIN_ROW}", "tensors outside autograd's graph (eager)"]}
+
+
+@hookimpl
+def gemzoo_register_memory(register):
+    register("act-quant", ActQuantPolicy())
