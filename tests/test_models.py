@@ -314,6 +314,36 @@ def test_ranking_evaluator_hand_case(ml_dataset, monkeypatch):
     assert m["mrr"] == pytest.approx((1 + 1 / 3) / 2)
 
 
+def test_ranking_unseen_leaves_history_items_out(ml_dataset, monkeypatch):
+    """eval_ranking="unseen": items of the user's own history (not the target) drop out of the ranking."""
+    model = build("sasrec", ml_dataset.info, eval_ks=[1, 3], eval_ranking="unseen")
+    with torch.no_grad():
+        model.item_emb.weight.zero_()
+        model.item_emb.weight[:, 0] = -1.0
+        model.item_emb.weight[:5, 0] = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6])
+        model.item_emb.weight[:5, 1] = torch.tensor([0.0, 0.3, 0.6, 0.9, 1.2])
+    user = torch.zeros(4, model.cfg.embedding_dim)
+    user[:, 0] = 1.0  # cosine ranks items 0 > 1 > 2 > 3 > 4 > the rest
+    monkeypatch.setattr(model, "encode", lambda batch: user)
+    # user 0 saw items 0 and 1, target 2: rank 2 among all items, 0 among unseen ones. User 1 saw 0 and 3,
+    # target 3 repeats a seen item and stays rankable: rank 3 among all, 2 among unseen (0 left out).
+    items = torch.tensor([0, 1, 0, 3])
+    targets = torch.tensor([-1, 2, -1, 3])
+    batch = SeqBatch(items, lengths_to_offsets(torch.tensor([2, 2])), targets)
+    ev = RankingEvaluator(model)
+    ev.update(batch)
+    m = ev.compute()
+    assert set(m) >= {"hr@1_unseen", "hr@3_unseen", "ndcg@3_unseen", "mrr_unseen"} and "hr@1" not in m
+    assert m["mrr_unseen"] == pytest.approx((1 / 1 + 1 / 3) / 2)
+    assert m["hr@1_unseen"] == 0.5 and m["hr@3_unseen"] == 1.0 and m["eval_users"] == 2
+    full = build("sasrec", ml_dataset.info, eval_ks=[1, 3])
+    full.item_emb.weight.data.copy_(model.item_emb.weight.data)
+    monkeypatch.setattr(full, "encode", lambda batch: user)
+    ev = RankingEvaluator(full)
+    ev.update(batch)
+    assert ev.compute()["mrr"] == pytest.approx((1 / 3 + 1 / 4) / 2)
+
+
 # -- learning: a short plain loop per family (the trainer does the same with more machinery) ---------
 def _use_kernel(model, name: str) -> None:
     kernel = gemzoo.registry.get("attention", name)

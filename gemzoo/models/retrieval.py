@@ -8,7 +8,8 @@ accidental hits of the target masked out; the loss is the softmax cross-entropy 
 ``num_negatives`` for every position, as the HSTU reference code does (memory O(positions x negatives x d)).
 
 Evaluation: the user state at each evaluated position is scored against every item; HR@K and NDCG@K
-(K in ``eval_ks``) use the target's rank, ties counted at their average rank.
+(K in ``eval_ks``) use the target's rank, ties counted at their average rank; ``eval_ranking = "unseen"``
+leaves the user's own history items out of the ranking (the HSTU paper's way; metric names end in ``_unseen``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class RetrievalConfig:
     negatives: str = "shared"  # "shared" (one draw per batch) or "per_position"
     temperature: float = 0.05
     eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])
+    # "all": rank the target among every item. "unseen": leave out the items of the user's own input history
+    # (the target excepted), as the HSTU paper's evaluation does (filter_invalid_ids); metric names then end
+    # in "_unseen", so the two are never compared by mistake.
+    eval_ranking: str = "all"
     init_std: float = 0.02
 
 
@@ -55,6 +60,8 @@ def check_retrieval_config(cfg: RetrievalConfig, family: str) -> None:
          f"negatives must be 'shared' or 'per_position', got {cfg.negatives!r}")
     need(cfg.temperature > 0, f"temperature must be > 0, got {cfg.temperature}")
     need(bool(cfg.eval_ks) and min(cfg.eval_ks) >= 1, f"eval_ks must list positive cut-offs, got {cfg.eval_ks}")
+    need(cfg.eval_ranking in ("all", "unseen"),
+         f"eval_ranking must be 'all' or 'unseen' (history items left out), got {cfg.eval_ranking!r}")
 
 
 class RetrievalModel(nn.Module):
@@ -136,10 +143,13 @@ class RetrievalModel(nn.Module):
 
 
 class RankingEvaluator:
-    """Full ranking over all items: ``hr@K``, ``ndcg@K`` for K in ``eval_ks``, and ``mrr``."""
+    """Full ranking: ``hr@K``, ``ndcg@K`` for K in ``eval_ks``, and ``mrr``, over every item
+    (``eval_ranking = "all"``) or over the items not in the user's input history (``"unseen"``; the names
+    then end in ``_unseen``)."""
 
     def __init__(self, model: RetrievalModel, chunk: int = 1024):
         self.model, self.chunk = model, chunk
+        self.unseen = model.cfg.eval_ranking == "unseen"
         self.ks = sorted(set(model.cfg.eval_ks))
         self.hits = {k: 0.0 for k in self.ks}
         self.ndcg = {k: 0.0 for k in self.ks}
@@ -152,9 +162,13 @@ class RankingEvaluator:
         user = F.normalize(h[keep].float(), dim=-1)
         target = batch.targets[keep]
         items = F.normalize(self.model.item_emb.weight.float(), dim=-1)
+        where = keep.nonzero().squeeze(1)  # token index of each ranked position
         for start in range(0, user.shape[0], self.chunk):
             u, tgt = user[start:start + self.chunk], target[start:start + self.chunk]
             scores = u @ items.T  # [n, num_items]
+            if self.unseen:
+                scores = scores.masked_fill(self._seen(batch, where[start:start + self.chunk], tgt, scores.shape),
+                                            float("-inf"))
             own = scores.gather(1, tgt.unsqueeze(1))
             greater = (scores > own).sum(1).double()
             ties = (scores == own).sum(1).double() - 1  # other items with exactly the target's score
@@ -166,12 +180,27 @@ class RankingEvaluator:
             self.rr += float((1.0 / (rank + 1)).sum())
             self.count += int(tgt.numel())
 
+    @staticmethod
+    def _seen(batch, where: torch.Tensor, target: torch.Tensor, shape) -> torch.Tensor:
+        """[n, num_items] mask of the items each ranked position's own sequence showed up to that position,
+        the target left rankable."""
+        offsets = batch.offsets.to(where.device)
+        seq = torch.searchsorted(offsets, where, right=True) - 1  # sequence of each ranked position
+        tok = torch.arange(batch.items.numel(), device=where.device)
+        tok_seq = torch.searchsorted(offsets, tok, right=True) - 1
+        row, col = ((tok_seq[None, :] == seq[:, None]) & (tok[None, :] <= where[:, None])).nonzero(as_tuple=True)
+        seen = torch.zeros(shape, dtype=torch.bool, device=where.device)
+        seen[row, batch.items.to(where.device)[col]] = True
+        seen[torch.arange(shape[0], device=where.device), target] = False
+        return seen
+
     def compute(self) -> dict[str, float]:
         n = max(self.count, 1)
         out = {}
+        tag = "_unseen" if self.unseen else ""
         for k in self.ks:
-            out[f"hr@{k}"] = self.hits[k] / n
-            out[f"ndcg@{k}"] = self.ndcg[k] / n
-        out["mrr"] = self.rr / n
+            out[f"hr@{k}{tag}"] = self.hits[k] / n
+            out[f"ndcg@{k}{tag}"] = self.ndcg[k] / n
+        out[f"mrr{tag}"] = self.rr / n
         out["eval_users"] = float(self.count)
         return out
