@@ -14,10 +14,8 @@ from __future__ import annotations
 import torch
 
 from gemzoo.errors import JaggedShapeError
-from gemzoo.interfaces.attention import ACTIVATIONS
 
 MAX_HEAD_DIM = 256
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _codes() -> dict[str, int]:
@@ -79,52 +77,19 @@ gdpa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # -- public entry ------------------------------------------------------------------------------------
 
-def check_request(activation, block_size) -> None:
-    """What gdpa cannot do, named with the kernels that can (the same on every device)."""
-    if activation == "softmax":
-        raise ValueError("gdpa computes pointwise attention (GDPA); softmax attention is served by "
-                         "attention='jfa' (or 'cpu', 'flex', 'reference')")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; gdpa supports "
-                         f"{', '.join(a for a in ACTIVATIONS if a != 'softmax')}")
-    if block_size is not None:
-        raise ValueError("gdpa does not implement block_size masks; use attention='cpu', 'sdpa-padded' or "
-                         "'reference'")
-
-
-def _check(q, k, v, q_offsets, k_offsets, activation, block_size, window, norm, max_q_len, max_k_len):
-    check_request(activation, block_size)
-    if window is not None and int(window) < 0:
-        raise ValueError(f"window must be >= 0 (or None for no window), got {window}")
-    if norm is not None and (float(norm) == 0.0 or float(norm) != float(norm)):
-        raise ValueError(f"norm must be a non-zero number (HSTU uses the max sequence length), got {norm}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise JaggedShapeError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"gdpa supports float32, bfloat16 and float16 inputs, got {name}.dtype={t.dtype}; "
-                            f"cast with {name}.to(torch.bfloat16)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if max(q.shape[2], v.shape[2]) > MAX_HEAD_DIM:
-        raise JaggedShapeError(f"gdpa supports head dims up to {MAX_HEAD_DIM}, got D={q.shape[2]}, "
-                               f"Dv={v.shape[2]}; split heads further or use attention='reference'")
-    if k_offsets is None:
-        if k.shape[0] != q.shape[0]:
-            raise JaggedShapeError("k_offsets is required when k and q have different numbers of rows")
-        k_offsets = q_offsets
-    if torch.compiler.is_compiling():  # validated eagerly; no host syncs inside a graph
-        return k_offsets
+def _check(q, k, v, q_offsets, k_offsets, **options):
+    """gdpa's input check: the shared one (gemzoo.interfaces.attention.check_inputs) against the registered
+    kernel's capabilities, so softmax, block_size or rotary fail the same way on every device, naming the
+    kernels that serve them; plus the Triton kernels' own limit on Dv. Returns contiguous offsets."""
     from gemzoo.interfaces.attention import check_inputs
+    from gemzoo_gdpa.plugin import KERNEL
 
-    check_inputs(q, k, v, q_offsets, k_offsets, activation=activation)  # the shared shape and offsets check
-    for hint, name, off in ((max_q_len, "max_q_len", q_offsets), (max_k_len, "max_k_len", k_offsets)):
-        if hint is not None and off.numel() > 1:
-            longest = int(off.diff().max())
-            if longest > int(hint):
-                raise JaggedShapeError(f"{name}={hint} is smaller than the longest sequence ({longest}); "
-                                       f"pass the true maximum or leave {name} unset")
-    return k_offsets
+    q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, capabilities=KERNEL.capabilities,
+                                        kernel=KERNEL, **options)
+    if v.shape[2] > MAX_HEAD_DIM:
+        raise JaggedShapeError(f"gdpa supports head dims up to {MAX_HEAD_DIM}, got Dv={v.shape[2]}; "
+                               "split heads further or use attention='reference'")
+    return q_offsets, k_offsets
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -132,19 +97,21 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def gdpa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="silu", scale=None, norm=None,
-                max_q_len=None, max_k_len=None, block_size=None, window=None):
+                max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
     """Generalized dot-product attention through the Triton kernels on q's device (CPU needs TRITON_INTERPRET=1).
 
     Same signature and meaning as every gemzoo attention kernel (see gemzoo.interfaces.attention), for the
-    pointwise activations: out = (act(scale * Q K^T) on allowed pairs, 0 elsewhere) / norm @ V. The
-    default activation is silu (HSTU's); ``max_q_len``/``max_k_len`` are checked hints only.
+    pointwise activations: out = (act(scale * Q K^T) on allowed pairs, 0 elsewhere) / norm @ V. Unlike the
+    registered kernel (whose callers always name the activation) the default here is silu, HSTU's.
     """
-    k_offsets = _check(q, k, v, q_offsets, k_offsets, activation, block_size, window, norm, max_q_len, max_k_len)
+    q_offsets, k_offsets = _check(q, k, v, q_offsets, k_offsets, activation=activation, causal=causal, scale=scale,
+                                  norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
+                                  window=window, rope_theta=rope_theta)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     inv_norm = 1.0 if norm is None else 1.0 / float(norm)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    return gdpa_fwd(q, k, v, q_offsets.contiguous(), k_offsets.contiguous(), bool(causal), _codes()[activation],
-                    scale, inv_norm, -1 if window is None else int(window))
+    return gdpa_fwd(q, k, v, q_offsets, k_offsets, bool(causal), _codes()[activation], scale, inv_norm,
+                    -1 if window is None else int(window))
 
 
-__all__ = ["gdpa_triton", "gdpa_fwd", "gdpa_bwd", "check_request"]
+__all__ = ["gdpa_triton", "gdpa_fwd", "gdpa_bwd"]

@@ -11,28 +11,20 @@ from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, Func
 POINTWISE = frozenset(a for a in ACTIVATIONS if a != "softmax")
 
 
-def _cpu_fallback():
-    from gemzoo import registry
-
-    return registry.get("attention", "cpu" if "cpu" in registry.names("attention") else "reference")
-
-
-def gdpa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
-    """Generalized dot-product attention; CUDA tensors run the Triton kernels, others the CPU kernel.
-    The activation defaults to silu (HSTU's), as in ``gdpa_triton``."""
-    kw.setdefault("activation", "silu")
-    if q.device.type != "cuda":
-        from gemzoo_gdpa.ops import check_request
-
-        check_request(kw["activation"], kw.get("block_size"))  # same errors on every device
-        return _cpu_fallback()(q, k, v, q_offsets, k_offsets, **kw)
+def _gdpa_cuda(q, k, v, q_offsets, k_offsets=None, **kw):
     from gemzoo_gdpa.ops import gdpa_triton
 
     return gdpa_triton(q, k, v, q_offsets, k_offsets, **kw)
 
 
+def gdpa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
+    """Generalized dot-product attention; CUDA tensors run the Triton kernels, others the CPU kernel (after
+    the same capability check, so the fallback accepts nothing gdpa does not declare)."""
+    return KERNEL(q, k, v, q_offsets, k_offsets, **kw)
+
+
 KERNEL = FunctionKernel(
-    gdpa_attention,
+    _gdpa_cuda,
     AttentionCapabilities(
         activations=POINTWISE,
         causal=True,
@@ -48,6 +40,7 @@ KERNEL = FunctionKernel(
     "Generalized dot-product attention: pointwise activations (" + ", ".join(sorted(POINTWISE)) + ") with "
     "norm, causal/full/window, Lq != Lk (split-K path for short-Q/long-K cross attention); Triton fwd+bwd on "
     "jagged q/k/v sharing jfa's kernels; CPU tensors go to the 'cpu' kernel or 'reference'",
+    cpu_fallback="cpu",
 )
 
 

@@ -55,8 +55,8 @@ def test_cpu_dispatch_goes_to_cpu_kernel_or_reference(monkeypatch):
     fallback = gemzoo.registry.get("attention", "cpu" if "cpu" in gemzoo.registry.names("attention") else "reference")
     monkeypatch.setattr(fallback, "fn", lambda *a, **k: calls.append(k["activation"]) or a[0])
     q = torch.randn(6, 1, 8)
-    KERNEL(q, q, q, lengths_to_offsets(torch.tensor([6])))
-    assert calls == ["silu"]  # gdpa's default activation
+    KERNEL(q, q, q, lengths_to_offsets(torch.tensor([6])), activation="gelu")
+    assert calls == ["gelu"]
 
 
 def _inputs(lens=(3, 4)):
@@ -65,16 +65,17 @@ def _inputs(lens=(3, 4)):
 
 
 def test_errors_name_the_problem_and_fix():
+    from gemzoo.errors import PluginError
     from gemzoo_gdpa.ops import gdpa_triton
 
     q, off = _inputs()
-    with pytest.raises(ValueError, match="pointwise.*jfa"):
+    with pytest.raises(PluginError, match="softmax.*jfa"):
         gdpa_triton(q, q, q, off, activation="softmax")
-    with pytest.raises(ValueError, match="pointwise.*jfa"):
-        KERNEL(q, q, q, off, activation="softmax")  # the same error through the CPU dispatch
+    with pytest.raises(PluginError, match="softmax.*jfa"):
+        KERNEL(q, q, q, off)  # the interface's default activation is softmax: the same error on CPU
     with pytest.raises(ValueError, match="unknown activation.*silu"):
         gdpa_triton(q, q, q, off, activation="tanh")
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(PluginError, match="block_size"):
         gdpa_triton(q, q, q, off, block_size=4)
     with pytest.raises(ValueError, match="norm"):
         gdpa_triton(q, q, q, off, norm=0)
@@ -83,9 +84,9 @@ def test_errors_name_the_problem_and_fix():
     with pytest.raises(JaggedShapeError, match="non-decreasing"):
         gdpa_triton(q, q, q, torch.tensor([0, 5, 4, 7]))
     with pytest.raises(JaggedShapeError, match="head dims up to 256"):
-        big = torch.randn(7, 1, 320)
-        gdpa_triton(big, big, big, off)
-    with pytest.raises(TypeError, match="float32, bfloat16 and float16"):
+        big = torch.randn(7, 1, 16)
+        gdpa_triton(big, big, torch.randn(7, 1, 320), lengths_to_offsets(torch.tensor([7])))
+    with pytest.raises(PluginError, match="dtype"):
         gdpa_triton(q.double(), q.double(), q.double(), off)
     with pytest.raises(JaggedShapeError, match="max_q_len=3 is smaller"):
         gdpa_triton(q, q, q, off, max_q_len=3)
