@@ -55,3 +55,105 @@ def test_console_script_runs():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "bf16" in out.stdout
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+TOY_TOML = '[run]\nsteps = 10\nlog_every = 5\n[model]\nfamily = "toy"\n[data]\nsource = "toy-data"\n' \
+           '[checkpoint]\nevery = 5\n'
+
+
+def _strict_json(line: str) -> dict:
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.fixture
+def toy_toml(tmp_path, fresh_registry):
+    install(fresh_registry)
+    path = tmp_path / "toy.toml"
+    path.write_text(TOY_TOML)
+    return path
+
+
+def test_train_twice_into_one_folder_is_refused_then_overwrite_and_resume_work(toy_toml, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", "--config", str(toy_toml), "--out", out, "--quiet"]) == 0
+    first = _strict_json(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["train", "--config", str(toy_toml), "--out", out, "--quiet"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert main(["train", "--config", str(toy_toml), "--out", out, "--quiet", "--overwrite"]) == 0
+    assert _strict_json(capsys.readouterr().out.strip().splitlines()[-1])["final_loss"] == first["final_loss"]
+    # resuming a finished run: nothing to train, the logged final loss, and valid JSON (no NaN)
+    assert main(["train", "--config", str(toy_toml), "--out", out, "--quiet", "--resume"]) == 0
+    stdout = capsys.readouterr().out
+    assert "nothing to train" in stdout
+    assert _strict_json(stdout.strip().splitlines()[-1])["final_loss"] == first["final_loss"]
+
+
+def test_resume_names_a_run_folder_or_says_it_does_not_exist(toy_toml, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(toy_toml), "--out", str(run), "--quiet", "--steps", "5"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--config", str(toy_toml), "--resume", str(run), "--quiet"]) == 0  # continued in run/
+    out = capsys.readouterr().out
+    assert "at step 5" in out and _strict_json(out.strip().splitlines()[-1])["out_dir"] == str(run)
+    assert main(["train", "--config", str(toy_toml), "--resume", str(tmp_path / "nope"), "--quiet"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_resume_with_another_model_shape_is_a_clear_error(toy_toml, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", "--config", str(toy_toml), "--out", out, "--quiet", "--steps", "5"]) == 0
+    capsys.readouterr()
+    code = main(["train", "--config", str(toy_toml), "--out", out, "--quiet", "--resume", "--set", "model.d_model=32"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.d_model is 16 in the checkpoint, 32 now" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config,override,message", [
+    ("gem-tiny.toml", "model.num_heads=3", "num_heads=3"),
+    ("gem-tiny.toml", "data.batch_size=0", "batch_size must be >= 1"),
+    ("hstu-ml1m.toml", "data.path='/nonexistent/ratings.dat'", "no such file"),
+    ("gem-tiny.toml", "plugins.attention='flex'", "lacks backward on 'cpu'"),
+])
+def test_config_validate_builds_the_dataset_and_the_model_on_meta(capsys, fresh_registry, config, override, message):
+    assert main(["config", "validate", str(ROOT / "configs" / config), "--set", override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_version_help_and_info(capsys, fresh_registry):
+    import gemzoo
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"gemzoo {gemzoo.__version__}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = capsys.readouterr().out
+    assert "TOML config" in help_text and "train until step N" in help_text and "examples:" in help_text
+    assert "--overwrite" in help_text
+    assert main(["info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"python", "torch", "triton", "torchrec", "fbgemm", "extension"} <= set(info)
+    assert info["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_plugins_table_has_a_hooks_column(capsys, fresh_registry, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "hooks" in out.splitlines()[1] and "register_attention" in out
+
+
+def test_every_gemzoo_environment_variable_is_documented():
+    import re
+
+    used = set()
+    for path in [*ROOT.glob("gemzoo/**/*.py"), ROOT / "setup.py", *ROOT.glob("csrc/**/*.cpp")]:
+        used |= set(re.findall(r"""(?:environ(?:\.get)?\(|\[|getenv\()\s*["'](GEMZOO_[A-Z_]+)["']""",
+                               path.read_text()))
+    used |= set(re.findall(r'NO_TORCHREC_ENV = "(GEMZOO_[A-Z_]+)"', (ROOT / "gemzoo" / "embedding.py").read_text()))
+    readme = (ROOT / "README.md").read_text()
+    assert used and not sorted(v for v in used if f"`{v}" not in readme)

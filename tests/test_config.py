@@ -1,4 +1,5 @@
 import copy
+import re
 
 import pytest
 
@@ -116,3 +117,27 @@ def test_plugin_options_validated_by_plugin_dataclass(toy):
 def test_plugin_list_with_empty_memory_list(toy):
     cfg = load_config(raw=raw(plugins={"memory": []}), plugins="sdpa-padded,bf16")
     assert cfg.plugins.memory == [] and cfg.plugins.precision == "bf16"
+
+
+@pytest.mark.parametrize("section,key,value,message", [
+    ("run", "steps", -5, "run.steps must be >= 1, got -5"),
+    ("run", "steps", 0, "run.steps must be >= 1"),
+    ("run", "log_every", 0, "run.log_every must be >= 1"),
+    ("run", "device", "tpu", "run.device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    ("run", "dense_parallel", "zero3", "run.dense_parallel must be one of 'fsdp', 'ddp'"),
+    ("run", "peak_tflops", 0.0, "run.peak_tflops must be > 0"),
+    ("optim", "lr", -1e-3, "optim.lr must be >= 0"),
+    ("optim", "lr", float("nan"), "optim.lr must be a finite number"),
+    ("optim", "warmup_steps", -1, "optim.warmup_steps must be >= 0"),
+    ("eval", "batches", 0, "eval.batches must be >= 1"),
+    ("checkpoint", "keep", -1, "checkpoint.keep must be >= 0"),
+])
+def test_out_of_range_values_are_named(toy, section, key, value, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(raw=raw(**{section: {key: value}}))
+
+
+@pytest.mark.parametrize("override", ["run.device='cuda:1'", "run.device='cpu'", "checkpoint.every=0",
+                                      "eval.every=0", "optim.grad_clip=0", "run.peak_tflops=989"])
+def test_in_range_edge_values_load(toy, override):
+    load_config(raw=raw(), overrides=[override])

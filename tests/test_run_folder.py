@@ -132,3 +132,14 @@ def test_resume_from_an_older_checkpoint_into_a_folder_with_later_ones_is_refuse
     train(_cfg(out, steps=30), progress=False)
     with pytest.raises(CheckpointError, match="after step 20.*mix two histories"):
         train(_cfg(out, steps=30), resume=str(out / "checkpoints" / "step-00000020"), progress=False)
+
+
+def test_metrics_log_writes_null_for_nan(tmp_path):
+    from gemzoo.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1, "eval/auc": float("nan"), "spread": [float("inf"), 1.0]})
+    log.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    row = json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}"))
+    assert row["eval/auc"] is None and row["spread"] == [None, 1.0]

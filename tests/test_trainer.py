@@ -186,3 +186,11 @@ def test_a_signal_finishes_the_step_checkpoints_and_resumes_bit_exact(toy, tmp_p
     assert rows[-1]["event"] == "interrupted" and rows[-1]["signal"] == signame
     resumed = train(_cfg(tmp_path / "stopped", run={"steps": 6}), resume=True, progress=False)
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history[3:]]
+
+
+def test_checkpoint_files_get_the_manifest_mode(toy, tmp_path):
+    """safetensors writes 0600; every file of a checkpoint gets what the umask gives the manifest."""
+    train(_cfg(tmp_path, run={"steps": 10}), progress=False)
+    newest = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    want = (newest / "manifest.json").stat().st_mode & 0o777
+    assert {p.name: p.stat().st_mode & 0o777 for p in newest.iterdir()} == {p.name: want for p in newest.iterdir()}

@@ -271,16 +271,17 @@ def bench_casts():
     read = 2 * n
     one = n + n // 32  # one fp8 copy + its scales
     res = {}
-    sweep = {}
+    sweep, configs = {}, {}
     for cfg in ([{"BC": 64, "num_warps": 4}, {"BC": 128, "num_warps": 4}, {"BC": 256, "num_warps": 4}]
                 if CUDA else [tk.CAST_CONFIG]):
+        configs[str(cfg)] = dict(cfg)
         try:
             ms = bench(lambda: tk.mx_cast(x, row_q=True, col_q=True, config=cfg))
             sweep[str(cfg)] = (read + 2 * one) / ms / 1e9
         except Exception as exc:
             sweep[str(cfg)] = f"{type(exc).__name__}: {str(exc)[:100]}"
     best = max((k for k, v in sweep.items() if isinstance(v, float)), key=lambda k: sweep[k])
-    best_cfg = eval(best)  # noqa: S307  (our own dict repr)
+    best_cfg = configs[best]
     tk.CAST_CONFIG.update(best_cfg)
     res["sweep_row+col_TBs"] = sweep
     res["config"] = best_cfg
