@@ -8,6 +8,7 @@
     gemzoo ablate F.toml [--steps N] [--out DIR]
     gemzoo plot RUN [RUN ...] [--out PNG]
     gemzoo eval --checkpoint PATH [--config F] [--split val|test]
+    gemzoo new-plugin NAME --kind KIND [--dir DIR]
 """
 
 from __future__ import annotations
@@ -216,9 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="versions, and what the C++ extension provides")
     i.set_defaults(func=cmd_info)
 
-    from gemzoo import ablate, evaluate, plotting  # each adds its own sub-command (light imports; torch loads later)
+    from gemzoo import ablate, evaluate, plotting, scaffold  # each adds its sub-command (light imports)
 
-    for module in (ablate, plotting, evaluate):
+    for module in (ablate, plotting, evaluate, scaffold):
         module.add_command(sub)
     return p
 
