@@ -61,6 +61,9 @@ class PluginsConfig:
     memory: list[str] = field(default_factory=list)
     batching: str = "none"
     options: dict[str, Any] = field(default_factory=dict)  # plugin name -> its options dataclass
+    # attention site (a name such as "cross", a dotted module path or an fnmatch pattern) -> its kernel;
+    # sites not named here use ``attention``
+    attention_sites: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -294,6 +297,7 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
 
     plugins_table = dict(raw.get("plugins", {}))
     options_raw = plugins_table.pop("options", {})
+    sites_raw = plugins_table.pop("attention_sites", {})
     plugins_table, _ = apply_plugin_list(plugins_table, plugins, registry)
     if isinstance(plugins_table.get("memory"), str):
         plugins_table["memory"] = [plugins_table["memory"]]
@@ -302,6 +306,12 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
         selected = getattr(plugins_cfg, kind)
         for name in selected if isinstance(selected, list) else [selected]:
             _lookup(registry, kind, name, source)
+    if not isinstance(sites_raw, dict) or not all(isinstance(v, str) for v in sites_raw.values()):
+        raise ConfigError(f"{source}: [plugins.attention_sites] maps site names to attention kernel names, "
+                          f'e.g. cross = "gdpa"; got {sites_raw!r}')
+    for kernel in sites_raw.values():
+        _lookup(registry, "attention", kernel, source)
+    plugins_cfg.attention_sites = dict(sites_raw)
     plugins_cfg.options = {}
     for name, table in options_raw.items():
         entry = registry.find(name)

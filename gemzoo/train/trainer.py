@@ -123,12 +123,34 @@ def configured(kind: str, name: str, cfg: Config):
     return obj
 
 
+def _site_matches(site_name: str, key: str) -> bool:
+    from fnmatch import fnmatch
+
+    return site_name == key or site_name.startswith(key + ".") or fnmatch(site_name, key)
+
+
+def site_kernel(site_name: str, cfg: Config) -> str:
+    """The kernel [plugins.attention_sites] gives ``site_name`` (key: the site's name, a dotted prefix of
+    it such as ``cross`` for ``cross.attn``, or an fnmatch pattern), else [plugins] attention."""
+    for key, kernel in cfg.plugins.attention_sites.items():
+        if _site_matches(site_name, key):
+            return kernel
+    return cfg.plugins.attention
+
+
 def select_attention(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """Give every attention site the configured kernel; fail if the kernel lacks what a site needs."""
-    name = cfg.plugins.attention
-    kernel = configured("attention", name, cfg)
+    """Give every attention site its kernel ([plugins.attention_sites], else [plugins] attention); fail if
+    the kernel lacks what a site needs."""
+    sites = attention_sites(model)
+    unmatched = [key for key in cfg.plugins.attention_sites
+                 if not any(_site_matches(s, key) for s in sites)]
+    if unmatched:
+        raise ConfigError(f"[plugins.attention_sites] {', '.join(unmatched)} names no attention site of this model; "
+                          f"its sites are {', '.join(sites) or '(none)'}")
     chosen = {}
-    for site_name, site in attention_sites(model).items():
+    for site_name, site in sites.items():
+        name = site_kernel(site_name, cfg)
+        kernel = configured("attention", name, cfg)
         req = site.request.replace(dtype=dtype, device=device.type, backward=True)
         missing = kernel.capabilities.missing(req)
         if missing:
@@ -136,7 +158,9 @@ def select_attention(model: nn.Module, cfg: Config, device: torch.device, dtype:
                     if not registry.get("attention", n).capabilities.missing(req)]
             raise PluginError(
                 f"attention kernel {name!r} cannot serve {site_name}: it lacks {', '.join(missing)}. "
-                f"Kernels that can: {', '.join(able) or '(none)'}."
+                f"Kernels that can: {', '.join(able) or '(none)'}. Choose one for this site with "
+                f'[plugins.attention_sites] {site_name.split(".")[0]} = "<kernel>" (or --set '
+                f'plugins.attention_sites.{site_name.split(".")[0]}=<kernel>).'
             )
         site.set_kernel(name, kernel)
         chosen[site_name] = name

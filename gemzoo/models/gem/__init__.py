@@ -19,7 +19,7 @@ from torch import nn
 
 from gemzoo.embedding import SparseArch, TableConfig
 from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import AttentionRequest
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
 from gemzoo.interfaces.models import ModelOutput, ModelSpec
 from gemzoo.jagged import max_length, seq_ids
 from gemzoo.models.common import (
@@ -49,6 +49,9 @@ class GemConfig:
     conversion_weight: float = 1.0
     init_std: float = 0.0  # linears; 0: 1/sqrt(fan_in)
     embedding_init_std: float = 0.1  # item and position embeddings
+    # the target-aware cross attention: "softmax", or a pointwise GDPA activation (normalised by the longest
+    # history in the batch) served by a kernel that declares it, e.g. [plugins.attention_sites] cross = "gdpa"
+    cross_activation: str = "softmax"
 
 
 class SequenceTower(nn.Module):
@@ -67,13 +70,13 @@ class SequenceTower(nn.Module):
 class CrossAttention(nn.Module):
     """Each candidate attends to its own user's (encoded) history: non-causal, Lq != Lk."""
 
-    def __init__(self, d_model: int, num_heads: int, head_dim: int):
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, activation: str = "softmax"):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         inner = num_heads * head_dim
         self.q = nn.Linear(d_model, inner)
         self.kv = nn.Linear(d_model, 2 * inner)
-        self.attn = JaggedAttention(AttentionRequest(activation="softmax", causal=False, asymmetric=True,
+        self.attn = JaggedAttention(AttentionRequest(activation=activation, causal=False, asymmetric=True,
                                                      head_dim=head_dim))
         self.out = nn.Linear(inner, d_model)
 
@@ -81,7 +84,8 @@ class CrossAttention(nn.Module):
         c, t = cand.shape[0], hist.shape[0]
         q = self.q(cand).view(c, self.num_heads, self.head_dim)
         k, v = self.kv(hist).view(t, 2, self.num_heads, self.head_dim).unbind(1)
-        o = self.attn(q, k, v, cand_offsets, hist_offsets, max_q_len=max_cand, max_k_len=max_hist)
+        extra = {} if self.attn.request.activation == "softmax" else {"norm": float(max(max_hist, 1))}
+        o = self.attn(q, k, v, cand_offsets, hist_offsets, max_q_len=max_cand, max_k_len=max_hist, **extra)
         return self.out(o.reshape(c, self.num_heads * self.head_dim)).to(cand.dtype)
 
 
@@ -106,7 +110,10 @@ class GemModel(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.tower = SequenceTower(cfg, head_dim)
         self.cand_proj = nn.Linear(cfg.embedding_dim, d)
-        self.cross = CrossAttention(d, cfg.num_heads, head_dim)
+        if cfg.cross_activation not in ACTIVATIONS:
+            raise ConfigError(f"[model] cross_activation must be one of {', '.join(ACTIVATIONS)}; "
+                              f"got {cfg.cross_activation!r}")
+        self.cross = CrossAttention(d, cfg.num_heads, head_dim, cfg.cross_activation)
         self.tables = [
             TableConfig(t["name"], int(t["num_embeddings"]), cfg.embedding_dim, list(t["feature_names"]))
             for t in data_info.get("sparse_tables", [])
