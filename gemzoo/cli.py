@@ -125,8 +125,21 @@ def cmd_config(args) -> int:
         return 0
     out = cfg.to_dict()
     out["precision_by_module"] = precision_report(model)
+    out["memory_selection"] = _memory_selection(cfg)
     print(json.dumps(out, indent=1, default=str))
     return 0
+
+
+def _memory_selection(cfg) -> dict:
+    """Each memory policy's ``selection()`` (e.g. which saved tensors act-quant quantizes), if it has one."""
+    from gemzoo.train.trainer import configured
+
+    out = {}
+    for name in cfg.plugins.memory:
+        selection = getattr(configured("memory", name, cfg), "selection", None)
+        if callable(selection):
+            out[name] = selection()
+    return out
 
 
 def cmd_info(args) -> int:

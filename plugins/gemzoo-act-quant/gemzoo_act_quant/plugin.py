@@ -11,6 +11,8 @@ needs it. Options (``[plugins.options.act-quant]``, validated by ``ActQuantOptio
     scale = "auto"        # "row" (a power of two per row), "block32" (per 32 along the last dim; the MX
                           # cast of gemzoo-mxfp8 when installed), "auto" (block32 with gemzoo-mxfp8, else row)
     fp32 = "auto"         # fp32 saved tensors too: "always", "never", "auto" (eager: yes; compiled: no)
+    attention = false     # also what attention sites save (q, k, v): their backward recomputes P and
+                          # rowsum(dO * O), where fp8 error in v and O does not average out
 
 Never quantized: integer and bool tensors (offsets, indices, masks), sparse tensors and tensor subclasses,
 tensors already in 8 bits (mxfp8's saved MX data and scales: no double quantization), parameters and
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import sys
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 
 from gemzoo.errors import ConfigError
+from gemzoo.models.common import attention_sites
 from gemzoo.plugins import hookimpl
 from gemzoo_act_quant.quant import ELEMS, FP8_DTYPES, SCALES, Packed, dequantize, mx_api, quantize, resolve_scale
 
@@ -55,6 +59,7 @@ class ActQuantOptions:
     elem: str = "e4m3"
     scale: str = "auto"
     fp32: str = "auto"
+    attention: bool = False
 
     def __post_init__(self):
         where = "plugins.options.act-quant"
@@ -79,6 +84,8 @@ SKIP_NOTES = {
     "subclass": "tensor subclasses (DTensor, ...) among the saved tensors are kept as they are",
     "8-bit": "saved tensors already in 8 bits (e.g. mxfp8's MX data and scales) are kept as they are, not quantized twice",
     "statistic": "saved tensors outside autograd's graph (softmax log-sum-exp, norm statistics) are kept exact",
+    "custom-op output": "outputs of custom ops saved for their own backward (attention outputs: a flash-style "
+                        "backward takes rowsum(dO * O), which fp8 error in O would swamp) are kept exact",
 }
 
 
@@ -132,6 +139,7 @@ class ActQuantPolicy:
         self._names: list[str] = []
         self._handles = []
         self._param_keys: set[int] = set()
+        self._attention: set[str] = set()
         self.last = _Stats()
         self.steps = 0
 
@@ -149,6 +157,7 @@ class ActQuantPolicy:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._attention = set(attention_sites(model))
         if not self.compiled:  # eager: track the running module for the fnmatch patterns
             for name, module in model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(self._enter_module(name)))
@@ -174,12 +183,14 @@ class ActQuantPolicy:
     def _step(self):
         self._names.clear()
         stats = _Stats()
-        cache: dict[tuple, Packed] = {}
-        pack = torch.compiler.disable(lambda t: self._pack(t, stats, cache))
+        cache: dict[tuple, tuple] = {}
+        kept: dict[int, weakref.ref] = {}
+        pack = torch.compiler.disable(lambda t: self._pack(t, stats, cache, kept))
         unpack = torch.compiler.disable(self._unpack)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
         cache.clear()
+        kept.clear()
         self.last = stats
         self.steps += 1
 
@@ -210,6 +221,8 @@ class ActQuantPolicy:
                 return "fp32"
         if not self.compiled and not t.requires_grad:
             return "statistic"
+        if not self.compiled and type(t.grad_fn).__name__.startswith("GeneratedBackwardFor_"):
+            return "custom-op output"
         return None
 
     def _module(self) -> str:
@@ -220,27 +233,39 @@ class ActQuantPolicy:
         return (any(fnmatch.fnmatchcase(name, p) for p in o.modules)
                 and not any(fnmatch.fnmatchcase(name, p) for p in o.exclude))
 
-    def _pack(self, t: torch.Tensor, stats: _Stats, cache: dict):
+    def _pack(self, t: torch.Tensor, stats: _Stats, cache: dict, kept: dict):
         reason = self._skip_reason(t)
-        if reason is None and not self.compiled and not self._selected(self._module()):
-            reason = "pattern"
+        if reason is None and not self.compiled:
+            module = self._module()
+            if not self.options.attention and module in self._attention:
+                reason = "attention"
+            elif not self._selected(module):
+                reason = "pattern"
+        storage = t.untyped_storage().data_ptr() if t.layout == torch.strided and type(t) is torch.Tensor else None
+        if reason is None and storage in kept and kept[storage]() is not None:
+            reason = "shared"  # another saved view keeps this storage exact: an fp8 copy would only add bytes
         if reason is not None:
+            if storage is not None and reason not in ("parameter", "small", "integer", "8-bit", "shared"):
+                kept[storage] = weakref.ref(t)
             stats.skipped[reason] += 1
             if reason in SKIP_NOTES:
                 self._say(reason, f"act-quant: {SKIP_NOTES[reason]} (first: {str(t.dtype).removeprefix('torch.')} "
                                   f"{list(t.shape)})")
             return t
+        # the same tensor saved by several ops is packed once; the weak reference makes sure a hit is that
+        # very tensor, not a new one that reuses a freed address
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                t._version)
-        packed = cache.get(key)
+        hit = cache.get(key)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
         before = t.numel() * t.element_size()
-        if packed is None:
-            with torch.no_grad():
-                packed = quantize(t.detach(), self.elem, self.options.scale)
-            cache[key] = packed
-            where = self._module() if not self.compiled else "<compiled>"
-            stats.add(f"{where or '<root>'} {str(t.dtype).removeprefix('torch.')}[{t.dim()}d x{t.shape[-1]}]",
-                      before, packed.nbytes)
+        with torch.no_grad():
+            packed = quantize(t.detach(), self.elem, self.options.scale)
+        cache[key] = (weakref.ref(t), packed)
+        where = self._module() if not self.compiled else "<compiled>"
+        stats.add(f"{where or '<root>'} {str(t.dtype).removeprefix('torch.')}[{t.dim()}d x{t.shape[-1]}]",
+                  before, packed.nbytes)
         return packed
 
     @staticmethod
@@ -270,9 +295,10 @@ class ActQuantPolicy:
         """What ``gemzoo config show`` lists: the options that pick the quantized tensors."""
         o = self.options
         return {"modules": list(o.modules), "exclude": list(o.exclude), "min_numel": o.min_numel,
-                "elem": o.elem, "scale": resolve_scale(o.scale), "fp32": o.fp32,
+                "elem": o.elem, "scale": resolve_scale(o.scale), "fp32": o.fp32, "attention": o.attention,
                 "never": ["integer/bool", "sparse", "subclasses", "8-bit (e.g. mxfp8's own)", "parameters",
-                          f"rows narrower than {MIN_ROW}", "tensors outside autograd's graph (eager)"]}
+                          f"rows narrower than {MIN_ROW}", "tensors outside autograd's graph (eager)",
+                          "custom-op outputs saved for their own backward (eager)"]}
 
 
 @hookimpl
