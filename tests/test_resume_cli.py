@@ -77,3 +77,25 @@ def test_signal_checkpoints_prints_the_resume_command_and_exits_nonzero(tmp_path
                              capture_output=True, text=True, env=env, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"at step {step}" in resumed.stdout and _final(resumed.stdout)["steps"] == step + 1
+
+
+def test_batch_job_gets_a_plain_line_every_log_every_steps(tmp_path):
+    """stdout is a pipe: no rich bar, one line per run.log_every steps with an ETA, no torch fx notice."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "gemzoo.cli", "train", "--config", str(ROOT / "configs" / "gem-tiny.toml"),
+           "--out", str(tmp_path / "run"), "--set", "run.steps=4", "--set", "run.log_every=2",
+           "--set", "eval.every=0", "--set", "checkpoint.every=0", "--set", "data.batch_size=8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
+    assert all("loss " in line and "samples/s " in line and "mfu " in line and " eta " in line for line in lines)
+    assert "is_fx_tracing" not in done.stderr + done.stdout
+
+
+def test_the_terminal_bar_shows_an_eta():
+    from rich.progress import TimeRemainingColumn
+
+    from gemzoo.train.trainer import _progress
+
+    assert any(isinstance(c, TimeRemainingColumn) for c in _progress(True).columns)
