@@ -215,16 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plugins)
 
     ls = sub.add_parser("list", help="list registered names of a kind")
-    ls.add_argument("kind", choices=["attention", "precision", "planner", "comms", "memory", "batching",
-                                     "model", "dataset"])
-    ls.add_argument("pattern", nargs="?")
+    ls.add_argument("kind", help="attention, precision, planner, comms, memory, batching, model or dataset",
+                    choices=["attention", "precision", "planner", "comms", "memory", "batching",
+                             "model", "dataset"])
+    ls.add_argument("pattern", nargs="?", help="fnmatch pattern on the names, e.g. 's*'")
     ls.set_defaults(func=cmd_list)
 
-    c = sub.add_parser("config", help="show or validate a config")
-    c.add_argument("action", choices=["show", "validate"])
-    c.add_argument("config")
-    c.add_argument("--plugins")
-    c.add_argument("--set", action="append", metavar="KEY=VALUE")
+    c = sub.add_parser("config", help="show or validate a config",
+                       description="show: the resolved config and each module's precision. validate: build the "
+                                   "dataset, the model on meta, each site's attention kernel and the precision "
+                                   "policy, and report what train would reject.")
+    c.add_argument("action", choices=["show", "validate"], help="show or validate")
+    c.add_argument("config", metavar="FILE", help="TOML config, e.g. configs/gem-tiny.toml")
+    c.add_argument("--plugins", help="comma-separated plugin names, as for train")
+    c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, as for train")
     c.set_defaults(func=cmd_config)
 
     i = sub.add_parser("info", help="versions, and what the C++ extension provides")

@@ -134,6 +134,14 @@ def test_version_help_and_info(capsys, fresh_registry):
     help_text = capsys.readouterr().out
     assert "TOML config" in help_text and "train until step N" in help_text and "examples:" in help_text
     assert "--overwrite" in help_text
+    import argparse
+
+    from gemzoo.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("train", "plugins", "list", "config", "info"):
+        bare = [a.dest for a in sub.choices[name]._actions if not a.help]
+        assert not bare, f"gemzoo {name}: {bare} have no help text"
     assert main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert {"python", "torch", "triton", "torchrec", "fbgemm", "extension"} <= set(info)
