@@ -285,7 +285,7 @@ def jagged_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activat
         q, k, v, q_offsets, k_offsets, causal, ACTIVATION_CODES[activation], scale,
         1.0 if norm is None else float(norm), -1 if window is None else int(window),
         -1 if block_size is None else int(block_size))
-    return out
+    return out.to(q.dtype)  # the op returns fp32, which its backward keeps for rowsum(dO * O)
 
 
 # ------------------------------------------------------------------- fake kernels and autograd (Python)
@@ -352,7 +352,7 @@ def _register_fakes_and_autograd() -> None:
 
     @torch.library.register_fake(lib + "jagged_attention_fwd")
     def _(q, k, v, q_offsets, k_offsets, causal, activation, scale, norm, window, block_size):
-        out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)  # fp32 whatever q is
         return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake(lib + "jagged_attention_bwd")

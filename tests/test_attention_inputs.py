@@ -113,3 +113,62 @@ def test_strided_offsets_are_read_correctly():
     for name in _softmax_kernels():
         kernel = gemzoo.registry.get("attention", name)
         torch.testing.assert_close(kernel(q, k, v, strided), kernel(q, k, v, qo))
+
+
+# -- item 13: NaN stays in its own sequence; only rows with no allowed key are zeroed ----------------------
+
+@pytest.mark.parametrize("name", _softmax_kernels())
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_nan_stays_in_its_sequence(name, which, causal):
+    """A NaN query row came back as 0 from reference, cpu, sdpa-padded and jfa-on-CPU; flex spread a NaN
+    in v into other sequences. Now the rows that see the NaN are NaN and nothing else changes."""
+    kernel = gemzoo.registry.get("attention", name)
+    q, k, v, qo, _ = _inputs((4, 0, 5, 3), seed=1)
+    clean = kernel(q, k, v, qo, causal=causal)
+    {"q": q, "k": k, "v": v}[which][5, 0, 0] = float("nan")  # sequence 2, position 1, head 0
+    out = kernel(q, k, v, qo, causal=causal)
+    sees = {"q": [5], "k": [5, 6, 7, 8] if causal else [4, 5, 6, 7, 8], "v": [5, 6, 7, 8] if causal else
+            [4, 5, 6, 7, 8]}[which]
+    assert torch.isnan(out[sees, 0]).any(-1).all(), f"{name}: rows {sees} see the NaN but are not NaN"
+    others = torch.tensor([r not in range(4, 9) for r in range(out.shape[0])])
+    assert torch.isfinite(out[others]).all(), f"{name}: the NaN reached another sequence"
+    torch.testing.assert_close(out[others], clean[others], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", _cpu_kernels())
+def test_rows_without_keys_are_zero_even_with_nan(name):
+    """Causal with Lq > Lk: the first Lq - Lk queries have no allowed key and give exactly 0."""
+    kernel = gemzoo.registry.get("attention", name)
+    if not kernel.capabilities.asymmetric:
+        pytest.skip(f"{name} does not serve Lq != Lk")
+    act = _some_activation(kernel.capabilities)
+    q, k, v, qo, ko = _inputs((4, 3), (2, 3), seed=2)
+    v[0, 0, 0] = float("nan")  # sequence 0's first key
+    out = kernel(q, k, v, qo, ko, causal=True, activation=act, norm=None if act == "softmax" else 4.0)
+    assert (out[:2] == 0).all(), f"{name}: rows with no allowed key are {out[:2, 0]}"
+    assert torch.isnan(out[2:4, 0]).any(-1).all() and torch.isfinite(out[4:]).all()
+
+
+# -- item 23: bf16 backward uses the fp32 output ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["cpu", "sdpa-padded"])
+def test_bf16_backward_uses_the_fp32_output(name):
+    """rowsum(dO * O) from the bf16-rounded O put dk off by 1.7-2.5e-2 against about 2e-3 with fp32 O."""
+    from gemzoo.builtin.attention import reference_attention
+
+    kernel = gemzoo.registry.get("attention", name)
+    errs = []
+    for seed in range(3):
+        q, k, v, qo, _ = _inputs((7, 12, 3, 9), heads=2, dim=16, seed=seed)
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+        grad = torch.randn(q.shape[0], 2, 16, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        kernel(*leaves, qo).backward(grad)
+        ref = [t.double().requires_grad_() for t in (q, k, v)]
+        reference_attention(*ref, qo).backward(grad.double())
+        dk, dk_ref = leaves[1].grad.double(), ref[1].grad
+        floor = float((dk_ref.bfloat16().double() - dk_ref).norm() / dk_ref.norm())  # rounding dk to bf16
+        errs.append(float((dk - dk_ref).norm() / dk_ref.norm()) / floor)
+    # fp32 O: dk is as close as its own bf16 rounding allows (ratio ~1.02); bf16 O gave 1.3-1.7x that
+    assert max(errs) < 1.2, f"{name}: bf16 dk error / bf16 rounding floor = {errs}"

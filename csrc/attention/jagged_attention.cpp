@@ -395,6 +395,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
     thread_local std::vector<float> S;
     S.resize(BQ * BK);
     float m_run[BQ], l_run[BQ];
+    bool any_key[BQ];  // the row has an allowed key: rows without one output exactly 0, NaN or not
     const Item& w = items[it];
     const Seq& s = seqs[w.seq];
     const int64_t rows = w.i1 - w.i0, h = w.head;
@@ -404,6 +405,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
     key_range(s, w.i0, w.i1, p, lo, hi);
     std::fill(m_run, m_run + rows, NEG_INF);
     std::fill(l_run, l_run + rows, 0.0f);
+    std::fill(any_key, any_key + rows, false);
     for (int64_t j0 = lo; j0 < hi; j0 += BK) {
       const int64_t cols = std::min(hi, j0 + BK) - j0;
       const float* K = kp + (s.ks + j0) * ldq + h * D;
@@ -413,6 +415,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
         float* row = S.data() + r * BK;
         int64_t a, b;
         row_interval(w.i0 + r + s.shift(), j0, cols, p, a, b);
+        any_key[r] = any_key[r] || b > a;
         if (p.act == SOFTMAX) {
           float alpha;
           const float sum = softmax_row(row, a, b, &m_run[r], &alpha);
@@ -427,20 +430,22 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
       }
       gemm(false, false, rows, Dv, cols, 1.0f, S.data(), BK, V, ldv, 1.0f, O, ldv);
     }
-    if (p.act == SOFTMAX) {
-      for (int64_t r = 0; r < rows; ++r) {
-        float* o = O + r * ldv;
-        if (l_run[r] > 0.0f) {
-          const float inv = 1.0f / l_run[r];
-          for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
-          lp[h * tq + s.qs + w.i0 + r] = m_run[r] + std::log(l_run[r]);
-        } else {
-          std::fill(o, o + Dv, 0.0f);
-        }
+    // NaN rule (docs/attention.md): a row with no allowed key is 0; any other row keeps what its inputs
+    // give, NaN included (l_run is NaN then, never 0), and tiles never mix sequences.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = O + r * ldv;
+      if (!any_key[r]) {
+        std::fill(o, o + Dv, 0.0f);
+      } else if (p.act == SOFTMAX) {
+        const float inv = 1.0f / l_run[r];
+        for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
+        lp[h * tq + s.qs + w.i0 + r] = m_run[r] + std::log(l_run[r]);
       }
     }
   });
-  return {out.to(q_in.scalar_type()), lse};
+  // out stays fp32 (the Python wrapper casts it to the input dtype): backward's rowsum(dO * O) then uses
+  // the fp32 output, not its bf16/fp16 rounding.
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(

@@ -12,6 +12,7 @@ from gemzoo.interfaces.attention import (
     allowed_mask,
     pair_allowed,
     apply_activation,
+    apply_rope,
     check_inputs,
 )
 from gemzoo.plugins import hookimpl
@@ -39,20 +40,26 @@ def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, acti
         if lk == 0:
             pieces.append(out[qs:qe])
             continue
-        qb = q[qs:qe].to(compute).transpose(0, 1)  # [H, Lq, D]
-        kb = k[ks:ke].to(compute).transpose(0, 1)
+        qb, kb = q[qs:qe].to(compute), k[ks:ke].to(compute)
+        if rope_theta is not None:  # query i at position i + Lk - Lq, key j at j
+            qb = apply_rope(qb, torch.arange(lk - lq, lk, device=q.device), rope_theta)
+            kb = apply_rope(kb, torch.arange(lk, device=q.device), rope_theta)
+        qb, kb = qb.transpose(0, 1), kb.transpose(0, 1)  # [H, Lq, D], [H, Lk, D]
         vb = v[ks:ke].to(compute).transpose(0, 1)
         s = scale * qb @ kb.transpose(1, 2)  # [H, Lq, Lk]
         mask = allowed_mask(lq, lk, causal=causal, window=window, block_size=block_size, device=q.device)
+        has_key = mask.any(-1, keepdim=True)  # [Lq, 1]
         if activation == "softmax":
-            s = s.masked_fill(~mask, float("-inf"))
-            p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no allowed key -> 0
-            p = torch.where(mask, p, torch.zeros_like(p))
+            # masked keys get -inf (a NaN score there is dropped); rows with no allowed key get finite
+            # dummy scores and are zeroed below, so NaN from the inputs is the only NaN left
+            s = s.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
+            p = torch.softmax(s, dim=-1)
         else:
-            p = apply_activation(s, activation) * mask
+            p = torch.where(mask, apply_activation(s, activation), torch.zeros((), dtype=s.dtype))
             if norm is not None:
                 p = p / norm
-        pieces.append((p @ vb).transpose(0, 1))
+        o = torch.where(has_key, p @ vb, torch.zeros((), dtype=s.dtype))  # no allowed key -> exactly 0
+        pieces.append(o.transpose(0, 1))
     if not pieces:
         return out.to(q.dtype)
     return torch.cat(pieces, dim=0).to(q.dtype)  # non-empty sequences, in order, tile [0, Tq)
@@ -82,6 +89,10 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
     lk_max = max_k_len if max_k_len is not None else max_length(k_offsets)
     if q.shape[0] == 0 or lq_max == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    in_dtype = q.dtype
+    if q.device.type == "cpu" and in_dtype in (torch.bfloat16, torch.float16):
+        # compute in fp32 on CPU, so backward's rowsum(dO * O) sees the fp32 output, not its rounding
+        q, k, v = q.float(), k.float(), v.float()
     qp = jagged_to_padded(q, q_offsets, lq_max).transpose(1, 2)  # [B, H, Lq, D]
     kp = jagged_to_padded(k, k_offsets, max(lk_max, 1)).transpose(1, 2)
     vp = jagged_to_padded(v, k_offsets, max(lk_max, 1)).transpose(1, 2)
@@ -91,6 +102,8 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
         # Lq == Lk: top-left causal is bottom-right causal, and padded keys only reach padded queries,
         # so SDPA's own causal kernel (flash) needs no mask at all.
         out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+        # SDPA's CPU flash kernel can drop a NaN query row; every row here has a key, so NaN q means NaN out
+        out = torch.where(qp.isnan().any(-1, keepdim=True), torch.full((), float("nan"), dtype=out.dtype), out)
     elif simple and not causal:
         has_key = (k_lens > 0).view(-1, 1, 1, 1)
         key_mask = torch.arange(kp.shape[2], device=q.device).view(1, 1, 1, -1) < k_lens.view(-1, 1, 1, 1)
@@ -105,11 +118,11 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
             out = torch.where(has_key, out, torch.zeros_like(out))
         else:
             s = scale * (qp @ kp.transpose(-1, -2))
-            p = apply_activation(s, activation) * mask
+            p = torch.where(mask, apply_activation(s, activation), torch.zeros((), dtype=s.dtype))
             if norm is not None:
                 p = p / norm
-            out = p @ vp
-    return padded_to_jagged(out.transpose(1, 2), q_offsets)
+            out = torch.where(mask.any(-1, keepdim=True), p @ vp, torch.zeros((), dtype=s.dtype))
+    return padded_to_jagged(out.transpose(1, 2), q_offsets).to(in_dtype)
 
 
 def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
@@ -155,8 +168,33 @@ def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
         t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, total - t.shape[0]))
         return t.transpose(0, 1).unsqueeze(0)
 
+    v, poisoned = _quarantine_nonfinite_v(v, q_offsets, k_offsets, q_pos[:tq], causal, window, block_size)
     out = _flex(heads_first(q, tq_pad), heads_first(k, tk_pad), heads_first(v, tk_pad), block_mask, scale)
-    return out.squeeze(0).transpose(0, 1)[:tq]
+    out = out.squeeze(0).transpose(0, 1)[:tq]
+    return torch.where(poisoned.view(-1, 1, 1), torch.full((), float("nan"), dtype=out.dtype), out)
+
+
+def _quarantine_nonfinite_v(v, q_offsets, k_offsets, q_pos, causal, window, block_size):
+    """NaN rule for flex: its tiles span sequences and multiply masked keys' values by P = 0, so a NaN or
+    inf in v would reach other sequences' rows (0 * NaN). Sequences with a non-finite value run with v = 0
+    instead, and their query rows that have an allowed key come back NaN. No host sync."""
+    from gemzoo.jagged import seq_ids
+
+    b = q_offsets.numel() - 1
+    tq, tk = q_pos.shape[0], v.shape[0]
+    k_seq, q_seq = seq_ids(k_offsets, tk), seq_ids(q_offsets, tq)
+    bad_tok = ~torch.isfinite(v).flatten(1).all(1)
+    bad_seq = torch.zeros(b, dtype=torch.int32, device=v.device).index_add_(0, k_seq, bad_tok.int()) > 0
+    v = torch.where(bad_seq[k_seq].view(-1, 1, 1), torch.zeros((), dtype=v.dtype), v)
+    lo, hi = torch.zeros_like(q_pos), k_offsets.diff()[q_seq] - 1  # allowed keys of each query: [lo, hi]
+    if causal:
+        hi = torch.minimum(hi, q_pos)
+    if window is not None:
+        lo = torch.maximum(lo, q_pos - window + 1)
+    if block_size is not None:
+        start = torch.div(q_pos, block_size, rounding_mode="floor") * block_size
+        lo, hi = torch.maximum(lo, start), torch.minimum(hi, start + block_size - 1)
+    return v, bad_seq[q_seq] & (lo <= hi)
 
 
 def _bucket(n: int) -> int:
@@ -184,9 +222,9 @@ def _flex(q, k, v, block_mask, scale):
 
 REFERENCE = FunctionKernel(
     reference_attention,
-    AttentionCapabilities(activations=ALL, window=True, block=True,
+    AttentionCapabilities(activations=ALL, window=True, block=True, rotary=True,
                           dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})),
-    "per-sequence torch oracle",
+    "per-sequence torch oracle (rope_theta included)",
 )
 SDPA_PADDED = FunctionKernel(
     sdpa_padded_attention,

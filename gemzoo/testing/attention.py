@@ -2,8 +2,9 @@
 
 Each case has a ``check``: ``match`` (forward and gradients against ``reference``), ``hints`` (hints smaller
 than a real length raise, exact or larger ones change nothing), ``unsupported`` (every option outside the
-declared capabilities raises PluginError; window=0 and block_size=0 raise ValueError). docs/attention.md
-is the contract these test.
+declared capabilities raises PluginError; window=0 and block_size=0 raise ValueError), ``nan`` (a NaN in
+one sequence's q, k or v reaches the rows that see it, never another sequence; rows with no allowed key
+stay exactly 0). docs/attention.md is the contract these test.
 """
 
 from __future__ import annotations
@@ -27,16 +28,18 @@ class AttentionCase:
     window: int | None = None
     block_size: int | None = None
     norm: float | None = None
+    rope_theta: float | None = None
     heads: int = 2
     head_dim: int = 16
     batch: int = 4
     max_len: int = 24
     seed: int = 0
-    check: str = "match"  # match | hints | unsupported
+    check: str = "match"  # match | hints | unsupported | nan
 
     def request(self, dtype=None, device=None, backward=True) -> AttentionRequest:
         return AttentionRequest(self.activation, self.causal, self.asymmetric, self.window is not None,
-                                self.block_size is not None, dtype, device, backward, self.head_dim)
+                                self.block_size is not None, dtype, device, backward, self.head_dim,
+                                self.rope_theta is not None)
 
     def __str__(self) -> str:
         parts = [] if self.check == "match" else [self.check]
@@ -47,6 +50,8 @@ class AttentionCase:
             parts.append(f"win{self.window}")
         if self.block_size is not None:
             parts.append(f"blk{self.block_size}")
+        if self.rope_theta is not None:
+            parts.append(f"rope{self.rope_theta:g}")
         parts.append(f"d{self.head_dim}s{self.seed}")
         return "-".join(parts)
 
@@ -70,6 +75,27 @@ def attention_cases(caps: AttentionCapabilities, *, head_dims=(16,), quick: bool
     if caps.block:
         cases.append(AttentionCase("softmax", True, False, block_size=8, seed=102))
         cases.append(AttentionCase("softmax", False, False, block_size=4, seed=103))
+        # block sizes 1, 7, 64, 128 (longer sequences for the big ones: several blocks and a last partial one),
+        # window alone (above) and with blocks, causal and not, Lq != Lk where declared
+        cases.append(AttentionCase("softmax", True, False, block_size=1, seed=104))
+        cases.append(AttentionCase("softmax", False, caps.asymmetric, block_size=7, seed=105))
+        cases.append(AttentionCase("softmax", True, caps.asymmetric, block_size=7, seed=106))
+        cases.append(AttentionCase("softmax", True, False, block_size=64, max_len=150, batch=3, seed=107))
+        cases.append(AttentionCase("softmax", False, False, block_size=128, max_len=200, batch=3, seed=108))
+        if caps.window:
+            cases.append(AttentionCase("softmax", True, False, block_size=7, window=3, seed=109))
+            cases.append(AttentionCase("softmax", False, caps.asymmetric, block_size=16, window=5, seed=110))
+        pointwise = sorted(caps.activations - {"softmax"})
+        if pointwise:
+            cases.append(AttentionCase(pointwise[0], True, caps.asymmetric, block_size=7, norm=16.0, seed=111))
+    if caps.rotary:  # rotary on (off is every other case)
+        cases.append(AttentionCase("softmax", True, False, rope_theta=10000.0, seed=120))
+        cases.append(AttentionCase("softmax", False, caps.asymmetric, rope_theta=100.0, head_dim=24, seed=121))
+        if caps.block:
+            cases.append(AttentionCase("softmax", True, caps.asymmetric, block_size=7, rope_theta=500.0, seed=122))
+            if caps.window:
+                cases.append(AttentionCase("softmax", False, False, block_size=16, window=9, rope_theta=10000.0,
+                                           seed=123))
     cases = [c for c in cases if not caps.missing(c.request())]
     if cases:
         from dataclasses import replace
@@ -77,6 +103,14 @@ def attention_cases(caps: AttentionCapabilities, *, head_dims=(16,), quick: bool
         first = cases[-1] if caps.asymmetric else cases[0]
         cases.append(replace(first, check="hints", asymmetric=caps.asymmetric, seed=200))
         cases.append(replace(cases[0], check="unsupported", seed=201))
+        plain = [c for c in cases if c.check == "match" and c.window is None and c.block_size is None
+                 and c.asymmetric == caps.asymmetric]
+        picks = {(c.causal, c.activation == "softmax"): c for c in reversed(plain)}  # first of each kind
+        for c in [picks[key] for key in sorted(picks, key=lambda kv: (not kv[0], not kv[1]))][:3]:
+            cases.append(replace(c, check="nan", seed=210 + len(cases)))
+        masked = next((c for c in cases if c.window is not None or c.block_size is not None), None)
+        if masked is not None:
+            cases.append(replace(masked, check="nan", seed=230))
     return cases
 
 
@@ -153,10 +187,11 @@ def check_attention(kernel, case: AttentionCase, *, device: str = "cpu", dtype: 
         return _check_hints(kernel, case, device, dtype, reference, tol)
     if case.check == "unsupported":
         return _check_unsupported(kernel, case, device, dtype)
+    if case.check == "nan":
+        return _check_nan(kernel, case, device, dtype, backward, tol)
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
-    kw = dict(causal=case.causal, activation=case.activation, norm=case.norm, window=case.window,
-              block_size=case.block_size)
+    kw = _case_kw(case)
 
     leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
     out = kernel(*leaves, q_off, k_off, **kw)
@@ -190,8 +225,11 @@ def _raises(fn, exc_type, what: str) -> str:
 
 
 def _case_kw(case: AttentionCase) -> dict:
-    return dict(causal=case.causal, activation=case.activation, norm=case.norm, window=case.window,
-                block_size=case.block_size)
+    kw = dict(causal=case.causal, activation=case.activation, norm=case.norm, window=case.window,
+              block_size=case.block_size)
+    if case.rope_theta is not None:
+        kw["rope_theta"] = case.rope_theta
+    return kw
 
 
 def _check_hints(kernel, case, device, dtype, reference, tol) -> dict[str, float]:
@@ -247,7 +285,65 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
         tried += 1
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
-    for bad in ({"window": 0}, {"block_size": 0}, {"window": -1}):
+    for bad in ({"window": 0}, {"block_size": 0}, {"window": -1}, {"block_size": -3}, {"rope_theta": 0.0},
+                {"rope_theta": -1.0}):
         _raises(lambda: kernel(q, k, v, q_off, k_off, **{**_case_kw(case), **bad}), ValueError,
                 f"{case}: {bad} is not a valid option")
     return {"unsupported_options": float(tried)}
+
+
+def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
+    """A NaN put into one sequence's q, k or v (head 0) makes NaN the rows that see it; rows of that sequence
+    with no allowed key stay exactly 0; every other sequence's output (and gradients) is what it was."""
+    from gemzoo.interfaces.attention import allowed_mask
+
+    gen = torch.Generator().manual_seed(1234 + case.seed)
+    q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
+    ko = q_off if k_off is None else k_off
+    kw = _case_kw(case)
+    qs, ks = q_off.cpu().tolist(), ko.cpu().tolist()
+    b = max(range(len(qs) - 1), key=lambda i: (qs[i + 1] - qs[i]) * (ks[i + 1] - ks[i]))
+    lq, lk = qs[b + 1] - qs[b], ks[b + 1] - ks[b]
+    assert lq and lk, f"{case}: no sequence with queries and keys to put a NaN in"
+    mask = allowed_mask(lq, lk, causal=case.causal, window=case.window, block_size=case.block_size)
+    own = torch.zeros(q.shape[0], dtype=torch.bool)
+    own[qs[b]:qs[b + 1]] = True
+    own_k = torch.zeros(k.shape[0], dtype=torch.bool)
+    own_k[ks[b]:ks[b + 1]] = True
+    grad = torch.randn(q.shape[0], q.shape[1], v.shape[2], generator=gen).to(device=device, dtype=dtype)
+
+    def run(tensors):
+        leaves = [t.detach().clone().requires_grad_(backward) for t in tensors]
+        out = kernel(*leaves, q_off, k_off, **kw)
+        if backward:
+            out.backward(grad)
+        return out.detach().cpu(), [t.grad.cpu() if backward else None for t in leaves]
+
+    clean_out, clean_grads = run((q, k, v))
+    errors = {}
+    for which in "qkv":
+        if which == "q":
+            row = int(mask.any(1).nonzero()[-1])  # a query that has keys
+            sees = torch.zeros(lq, dtype=torch.bool)
+            sees[row] = True
+            at = qs[b] + row
+        else:
+            col = int(mask.sum(0).argmax())  # the key most queries see
+            sees, at = mask[:, col], ks[b] + col
+        poisoned = [t.detach().clone() for t in (q, k, v)]
+        poisoned["qkv".index(which)][at, 0, 0] = float("nan")
+        out, grads = run(poisoned)
+        where = f"{case}: NaN in {which}[{at}] (sequence {b})"
+        assert torch.isnan(out[qs[b]:qs[b + 1]][sees, 0]).any(1).all(), f"{where}: a row that sees it is not NaN"
+        empty = ~mask.any(1)
+        assert (out[qs[b]:qs[b + 1]][empty] == 0).all(), f"{where}: a row with no allowed key is not 0"
+        others = out[~own]
+        assert torch.isfinite(others).all(), f"{where}: NaN reached another sequence"
+        errors[f"nan-{which}"] = _rel(others, clean_out[~own])
+        if backward:
+            for name, g, g0, rows in zip("qkv", grads, clean_grads, (~own, ~own_k, ~own_k)):
+                assert torch.isfinite(g[rows]).all(), f"{where}: NaN reached another sequence's d{name}"
+                errors[f"nan-{which}-d{name}"] = _rel(g[rows], g0[rows])
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    assert not bad, f"{case}: a NaN changed other sequences: {bad}"
+    return errors
