@@ -172,3 +172,35 @@ def test_bf16_backward_uses_the_fp32_output(name):
         errs.append(float((dk - dk_ref).norm() / dk_ref.norm()) / floor)
     # fp32 O: dk is as close as its own bf16 rounding allows (ratio ~1.02); bf16 O gave 1.3-1.7x that
     assert max(errs) < 1.2, f"{name}: bf16 dk error / bf16 rounding floor = {errs}"
+
+
+# -- item 12: a kernel that returns the wrong thing is named at its first call ---------------------------------
+
+@pytest.mark.parametrize("bad,what", [
+    (lambda q, k, v, qo, ko=None, **kw: None, "a NoneType"),
+    (lambda q, k, v, qo, ko=None, **kw: q[:-1], "shape (7, 2, 8)"),
+    (lambda q, k, v, qo, ko=None, **kw: q.double(), "torch.float64"),
+])
+def test_wrong_kernel_output_names_the_plugin(fresh_registry, bad, what):
+    from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest, FunctionKernel
+    from gemzoo.models.common import JaggedAttention
+
+    kernel = FunctionKernel(bad, AttentionCapabilities())
+    fresh_registry.register("attention", "bad-output", kernel, distribution="gemzoo-bad-output")
+    site = JaggedAttention(AttentionRequest())
+    site.set_kernel("bad-output", kernel)
+    q, k, v, qo, _ = _inputs((3, 0, 5))
+    with pytest.raises(PluginError, match=r"'bad-output' \(plugin .* of distribution 'gemzoo-bad-output'\) "
+                                          r"returned .*\[Tq, H, Dv\] = \(8, 2, 8\)") as exc:
+        site(q, k, v, qo)
+    assert what in str(exc.value)
+
+
+def test_good_kernel_output_is_checked_once():
+    from gemzoo.interfaces.attention import AttentionRequest
+    from gemzoo.models.common import JaggedAttention
+
+    site = JaggedAttention(AttentionRequest())
+    q, k, v, qo, _ = _inputs((3, 0, 5))
+    site(q, k, v, qo)
+    assert site._output_checked

@@ -25,6 +25,7 @@ class JaggedAttention(nn.Module):
         self.options = options  # fixed keyword options: window, block_size, norm, scale...
         self.kernel_name = "reference"
         self._kernel = None
+        self._output_checked = False
 
     @property
     def kernel(self):
@@ -36,13 +37,41 @@ class JaggedAttention(nn.Module):
 
     def set_kernel(self, name: str, kernel) -> None:
         self.kernel_name, self._kernel = name, kernel
+        self._output_checked = False
 
     def forward(self, q, k, v, q_offsets, k_offsets=None, **overrides) -> torch.Tensor:
         kw = {"causal": self.request.causal, "activation": self.request.activation, **self.options, **overrides}
-        return self.kernel(q, k, v, q_offsets, k_offsets, **kw)
+        out = self.kernel(q, k, v, q_offsets, k_offsets, **kw)
+        if not self._output_checked:  # a plugin's kernel returning the wrong thing fails here, by name
+            check_kernel_output(out, q, v, self.kernel_name)
+            self._output_checked = True
+        return out
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel_name}, request={self.request}"
+
+
+def check_kernel_output(out, q: torch.Tensor, v: torch.Tensor, kernel_name: str) -> None:
+    """The first call's output of an attention kernel must be a [Tq, H, Dv] tensor of q's dtype and device;
+    otherwise a PluginError names the kernel and the plugin distribution that registered it."""
+    want = (q.shape[0], q.shape[1], v.shape[2])
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == want and out.dtype == q.dtype \
+            and out.device == q.device:
+        return
+    from gemzoo import registry
+    from gemzoo.errors import PluginError
+
+    try:
+        entry = registry.entry("attention", kernel_name)
+        origin = f"plugin {entry.plugin!r} of distribution {entry.distribution!r}"
+    except Exception:  # noqa: BLE001 - set by hand, not registered: name the kernel only
+        origin = "a kernel that is not registered"
+    got = (f"a {type(out).__name__}" if not isinstance(out, torch.Tensor)
+           else f"shape {tuple(out.shape)}, {out.dtype} on {out.device}")
+    raise PluginError(
+        f"attention kernel {kernel_name!r} ({origin}) returned {got}; it must return a tensor of shape "
+        f"[Tq, H, Dv] = {want}, {q.dtype} on {q.device}. Fix the kernel, or choose another with --plugins."
+    )
 
 
 def attention_sites(model: nn.Module) -> dict[str, JaggedAttention]:
