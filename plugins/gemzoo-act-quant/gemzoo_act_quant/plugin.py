@@ -10,7 +10,8 @@ needs it. Options (``[plugins.options.act-quant]``, validated by ``ActQuantOptio
     elem = "e4m3"         # element format: "e4m3" or "e5m2"
     scale = "auto"        # "row" (a power of two per row), "block32" (per 32 along the last dim; the MX
                           # cast of gemzoo-mxfp8 when installed), "auto" (block32 with gemzoo-mxfp8, else row)
-    fp32 = "auto"         # fp32 saved tensors too: "always", "never", "auto" (eager: yes; compiled: no)
+    fp32 = "auto"         # fp32 saved tensors too: "always", "never", "auto" (eager: yes; compiled: only
+                          # token-major ones, [>= 1024, ..., >= 32], so statistics like lse [H, T] stay)
     attention = false     # also what attention sites save (q, k, v): their backward recomputes P and
                           # rowsum(dO * O), where fp8 error in v and O does not average out
 
@@ -22,7 +23,7 @@ downstream). Each kind of skip is said once. With ``full-ac`` the checkpointed b
 their inputs, so act-quant quantizes what is still saved; with ``auto-ac`` (compiled graphs) it quantizes
 what the partitioner decided to save. Module patterns are resolved from module forward hooks, which
 compiled graphs do not run: under ``torch.compile`` every eligible tensor the graphs save is quantized
-(bf16/fp16 only with fp32 = "auto") and the report lists them by shape instead of module.
+(fp32 ones only when token-major with fp32 = "auto") and the report lists them by shape instead of module.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ SKIP_NOTES = {
     "sparse": "sparse saved tensors are kept as they are (no fp8 layout for them)",
     "subclass": "tensor subclasses (DTensor, ...) among the saved tensors are kept as they are",
     "8-bit": "saved tensors already in 8 bits (e.g. mxfp8's MX data and scales) are kept as they are, not quantized twice",
+    "fp32": "fp32 saved tensors that are not token-major are kept (in compiled graphs they may be statistics)",
     "statistic": "saved tensors outside autograd's graph (softmax log-sum-exp, norm statistics) are kept exact",
     "custom-op output": "outputs of custom ops saved for their own backward (attention outputs: a flash-style "
                         "backward takes rowsum(dO * O), which fp8 error in O would swamp) are kept exact",
@@ -217,7 +219,9 @@ class ActQuantPolicy:
             return "small"
         if t.dtype == torch.float32:
             mode = self.options.fp32
-            if mode == "never" or (mode == "auto" and self.compiled):
+            # compiled graphs give no autograd context: "auto" takes fp32 tensors only when token-major
+            # ([tokens >= 1024, ..., >= 32]); head-major statistics such as attention's lse [H, T] stay
+            if mode == "never" or (mode == "auto" and self.compiled and (t.dim() < 2 or t.shape[0] < 1024)):
                 return "fp32"
         if not self.compiled and not t.requires_grad:
             return "statistic"
