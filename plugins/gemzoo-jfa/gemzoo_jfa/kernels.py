@@ -7,8 +7,14 @@ schedule built on the device (see ``schedule.py``), and one head: ``pid = item *
 heads of the costliest items start first. Items past the real count carry sequence -1 and exit at once.
 
 Key j is allowed for query i iff (not CAUSAL or j <= i + s) and (not WINDOWED or i + s - j < window),
-with s = Lk - Lq (bottom-right causal). Key ranges are cut into fully-allowed blocks (no mask
-arithmetic) and boundary blocks (masked).
+with s = Lk - Lq (bottom-right causal), and, with BLOCKED, (i + s) // block == j // block (blocks of
+``block`` positions from each sequence's start). Key ranges are cut into fully-allowed blocks (no mask
+arithmetic) and boundary blocks (masked); every bound narrows the range, so no tile without an allowed
+pair is loaded.
+
+ROPE (constexpr) rotates q and k tiles on load (half-split RoPE, pairs (d, d + D/2), query i at position
+i + s, key j at j; ``rope_c`` = -2 log2(theta) / D) and un-rotates dq and dk before the store, so no
+rotated copy is written. A rotated tile holds its two halves at columns [0, D/2) and [BD/2, BD/2 + D/2).
 
 ACT (constexpr) picks the activation, see ``ACTIVATION_CODES`` in ops.py:
   * 0, softmax: online max/rescale in base 2; the saved logsumexp is base 2 and +inf for rows with no
@@ -31,6 +37,12 @@ import triton.language as tl
 @triton.jit
 def _ceil_to(x, m):
     return ((x + m - 1) // m) * m
+
+
+@triton.jit
+def _blk_start(p, block):
+    """First position of the block holding position ``p`` (floor semantics, also for p < 0)."""
+    return p - ((p % block) + block) % block
 
 
 @triton.jit
@@ -133,8 +145,46 @@ def _load_block(base, offs, stride, rows, L, offs_d, D: tl.constexpr):
 
 
 @triton.jit
+def _rope_cos_sin(pos, rope_c, D: tl.constexpr, BD: tl.constexpr):
+    """cos and sin [len(pos), BD/2] of RoPE's angles pos * theta^(-2f/D), f < D/2."""
+    ang = pos.to(tl.float32)[:, None] * tl.exp2(tl.arange(0, BD // 2).to(tl.float32) * rope_c)[None, :]
+    return tl.cos(ang), tl.sin(ang)
+
+
+@triton.jit
+def _rope_load(base, offs, stride, rows, L, pos, rope_c, D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr):
+    """[R, BD] fp32 tile at ``base`` (rows ``stride`` apart, rows >= L are 0) rotated by RoPE at positions
+    ``pos``, in the rotated layout (halves at columns 0 and BD/2)."""
+    offs_h = tl.arange(0, BD // 2)
+    mask = (rows[:, None] < L) & (offs_h[None, :] < D // 2)
+    ptrs = base + offs[:, None] * stride + offs_h[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + D // 2, mask=mask, other=0.0).to(tl.float32)
+    c, s = _rope_cos_sin(pos, rope_c, D, BD)
+    return tl.reshape(tl.permute(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), (0, 2, 1)), (R, BD))
+
+
+@triton.jit
+def _rope_store(base, offs, stride, rows, L, pos, rope_c, g, D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr,
+                ATOMIC: tl.constexpr):
+    """Store (or, with ATOMIC, add) the gradient of an unrotated tile from ``g``, the fp32 gradient of its
+    rotated tile (rotated layout): the transpose of the rotation, i.e. rotation by -angle."""
+    g1, g2 = tl.split(tl.permute(tl.reshape(g, (R, 2, BD // 2)), (0, 2, 1)))
+    c, s = _rope_cos_sin(pos, rope_c, D, BD)
+    offs_h = tl.arange(0, BD // 2)
+    mask = (rows[:, None] < L) & (offs_h[None, :] < D // 2)
+    ptrs = base + offs[:, None] * stride + offs_h[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptrs, g1 * c + g2 * s, mask=mask, sem="relaxed")
+        tl.atomic_add(ptrs + D // 2, g2 * c - g1 * s, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, (g1 * c + g2 * s).to(base.dtype.element_ty), mask=mask)
+        tl.store(ptrs + D // 2, (g2 * c - g1 * s).to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN: tl.constexpr, CAUSAL: tl.constexpr,
-               WINDOWED: tl.constexpr, SPLIT: tl.constexpr):
+               WINDOWED: tl.constexpr, SPLIT: tl.constexpr, block=1, BLOCKED: tl.constexpr = False):
     """Keys that queries [m_lo, m_last] may see, as [lo, full_lo) masked, [full_lo, full_hi) fully
     allowed, [full_hi, hi) masked; with SPLIT only those inside key split ``split`` (split_n keys each)."""
     hi = Lk
@@ -145,6 +195,10 @@ def _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN: tl.constexpr
     if WINDOWED:
         lo = tl.maximum(m_lo + shift - window + 1, 0)
         full_lo = _ceil_to(tl.maximum(m_last + shift - window + 1, 0), BN)
+    if BLOCKED:  # the first row's block to the last row's
+        lo = tl.maximum(lo, _blk_start(m_lo + shift, block))
+        hi = tl.minimum(hi, _blk_start(m_last + shift, block) + block)
+        full_lo = tl.maximum(full_lo, _ceil_to(tl.maximum(_blk_start(m_last + shift, block), 0), BN))
     lo = (lo // BN) * BN
     if SPLIT:
         lo = tl.maximum(lo, split * split_n)
@@ -153,6 +207,8 @@ def _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN: tl.constexpr
     full_hi = Lk
     if CAUSAL:
         full_hi = tl.minimum(full_hi, m_lo + shift + 1)
+    if BLOCKED:
+        full_hi = tl.minimum(full_hi, _blk_start(m_lo + shift, block) + block)
     full_hi = (tl.maximum(full_hi, 0) // BN) * BN
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
@@ -160,7 +216,8 @@ def _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN: tl.constexpr
 
 
 @triton.jit
-def _query_range(n_lo, n_last, Lq, shift, window, BM: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+def _query_range(n_lo, n_last, Lq, shift, window, BM: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                 block=1, BLOCKED: tl.constexpr = False):
     """Queries that may see a key of [n_lo, n_last]: [lo, full_lo) masked, [full_lo, full_hi) fully
     allowed, [full_hi, hi) masked."""
     lo = 0
@@ -168,12 +225,18 @@ def _query_range(n_lo, n_last, Lq, shift, window, BM: tl.constexpr, CAUSAL: tl.c
     if CAUSAL:
         lo = tl.maximum(n_lo - shift, 0)
         full_lo = _ceil_to(tl.maximum(n_last - shift, 0), BM)
+    if BLOCKED:  # queries whose position shares a block with a key of the tile
+        lo = tl.maximum(lo, _blk_start(n_lo, block) - shift)
+        full_lo = tl.maximum(full_lo, _ceil_to(tl.maximum(_blk_start(n_last, block) - shift, 0), BM))
     lo = (lo // BM) * BM
     hi = Lq
     full_hi = Lq
     if WINDOWED:
         hi = tl.minimum(hi, n_last - shift + window)
         full_hi = tl.minimum(full_hi, n_lo - shift + window)
+    if BLOCKED:
+        hi = tl.minimum(hi, _blk_start(n_last, block) + block - shift)
+        full_hi = tl.minimum(full_hi, _blk_start(n_lo, block) + block - shift)
     hi = tl.maximum(hi, lo)
     full_hi = (tl.maximum(full_hi, 0) // BM) * BM
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
@@ -182,13 +245,17 @@ def _query_range(n_lo, n_last, Lq, shift, window, BM: tl.constexpr, CAUSAL: tl.c
 
 
 @triton.jit
-def _allowed(rows, cols, Lk, shift, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+def _allowed(rows, cols, Lk, shift, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, block=1,
+             BLOCKED: tl.constexpr = False):
     """[BM, BN] allowed pairs of query rows and key cols inside one sequence (cols < Lk included)."""
     ok = cols[None, :] < Lk
     if CAUSAL:
         ok = ok & (cols[None, :] <= rows[:, None] + shift)
     if WINDOWED:
         ok = ok & (rows[:, None] + shift - cols[None, :] < window)
+    if BLOCKED:
+        b0 = _blk_start(rows + shift, block)
+        ok = ok & (cols[None, :] >= b0[:, None]) & (cols[None, :] < b0[:, None] + block)
     return ok
 
 
@@ -228,17 +295,23 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
                qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-               USE_TMA: tl.constexpr, ACT: tl.constexpr):
+               USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
-        kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA, True)
-        if UPCAST:
-            kt = kt.to(tl.float32)
+        if ROPE:
+            kt = tl.trans(_rope_load(k_base + n.to(tl.int64) * stride_kt, offs_n, stride_kt, cols, Lk, cols, rope_c,
+                                     D, BD, BN)).to(q.dtype)
+        else:
+            kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA,
+                            True)
+            if UPCAST:
+                kt = kt.to(tl.float32)
         qk = tl.dot(q, kt) * qk_scale
         if ACT == 0:
             if MASKED:
-                qk = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED), qk, float("-inf"))
+                qk = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), qk,
+                              float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows so far: keep p = 0
             p = tl.math.exp2(qk - m_safe[:, None])
@@ -249,7 +322,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
         else:
             p = _act(qk, ACT)
             if MASKED:
-                p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED), p, 0.0)
+                p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), p, 0.0)
         vv = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA,
                         False)
         if UPCAST:
@@ -265,7 +338,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
                     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                    ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False):
+                    ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
+                    BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False):
     """Forward. Softmax writes O and LSE; pointwise writes O (or, with SPLIT, adds to fp32 O)."""
     b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
@@ -274,27 +348,34 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
     m_lo, m_last, offs_m, rows = _q_block(mblk, Lq, BM)
     offs_n, offs_d, offs_dv = tl.arange(0, BN), tl.arange(0, BD), tl.arange(0, BDV)
 
-    q = _load_block(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, offs_d, D)
-    if UPCAST:
-        q = q.to(tl.float32)
+    if ROPE:
+        q = _rope_load(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, rows + shift,
+                       rope_c, D, BD, BM)
+        if not UPCAST:
+            q = q.to(Q.dtype.element_ty)
+    else:
+        q = _load_block(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, offs_d, D)
+        if UPCAST:
+            q = q.to(tl.float32)
     k_base = K + k_start * stride_kt + h * stride_kh
     v_base = V + k_start * stride_vt + h * stride_vh
     k_row0 = k_start.to(tl.int32)
     lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
-                                          SPLIT)
+                                          SPLIT, block, BLOCKED)
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
-                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
+                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows,
                                Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV,
-                               BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
+                               BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED,
+                               ROPE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
-                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
+                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
 
     o_ptrs = O + (q_start + m_lo) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
     o_mask = (rows[:, None] < Lq) & (offs_dv[None, :] < DV)
@@ -332,11 +413,16 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
                 shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
                 D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-                USE_TMA: tl.constexpr, ACT: tl.constexpr):
+                USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr):
     for m in range(start, end, BM):
         m = tl.multiple_of(m, BM)
         rows = m + offs_m
-        qt = _load_kv_t(q_base, m, stride_qt, offs_m, offs_d, QD, q_row0, h, Lq, D, BD, BM, MASKED, USE_TMA, True)
+        if ROPE:
+            qt = tl.trans(_rope_load(q_base + m.to(tl.int64) * stride_qt, offs_m, stride_qt, rows, Lq, rows + shift,
+                                     rope_c, D, BD, BM)).to(k.dtype)
+        else:
+            qt = _load_kv_t(q_base, m, stride_qt, offs_m, offs_d, QD, q_row0, h, Lq, D, BD, BM, MASKED, USE_TMA,
+                            True)
         do = _load_kv_t(do_base, m, stride_dot, offs_m, offs_dv, DOD, q_row0, h, Lq, DV, BDV, BM, MASKED, USE_TMA,
                         False)
         if UPCAST:
@@ -349,6 +435,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
                 ok = ok & (cols[:, None] <= rows[None, :] + shift)
             if WINDOWED:
                 ok = ok & (rows[None, :] + shift - cols[:, None] < window)
+            if BLOCKED:
+                b0 = _blk_start(rows + shift, block)
+                ok = ok & (cols[:, None] >= b0[None, :]) & (cols[:, None] < b0[None, :] + block)
         if ACT == 0:
             if MASKED:
                 lse = tl.load(lse_base + rows, mask=rows < Lq, other=float("inf"))
@@ -382,7 +471,8 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
                          H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr,
                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                         ACT: tl.constexpr = 0):
+                         ACT: tl.constexpr = 0, block=1, rope_c=0.0, BLOCKED: tl.constexpr = False,
+                         ROPE: tl.constexpr = False):
     """dK, dV of one key block, looping over the queries that see it (no atomics)."""
     b, h, nblk, _, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, False)
     if b < 0:
@@ -403,7 +493,10 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    lo, full_lo, full_hi, hi = _query_range(n_lo, n_last, Lq, shift, window, BM, CAUSAL, WINDOWED)
+    if ROPE:
+        k = _rope_load(K + (k_start + n_lo) * stride_kt + h * stride_kh, offs_n, stride_kt, cols, Lk, cols, rope_c, D,
+                       BD, BN).to(v.dtype)
+    lo, full_lo, full_hi, hi = _query_range(n_lo, n_last, Lq, shift, window, BM, CAUSAL, WINDOWED, block, BLOCKED)
 
     q_base = Q + q_start * stride_qt + h * stride_qh
     do_base = DO + q_start * stride_dot + h * stride_doh
@@ -414,17 +507,21 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
     dv = tl.zeros([BN, BDV], tl.float32)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, full_lo,
                          cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D, DV, BD,
-                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
+                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_lo,
                          full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D,
-                         DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
+                         DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_hi, hi,
                          cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D, DV, BD,
-                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT)
+                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
     dk = dk * dk_scale
     dv = dv * dv_scale
-    tl.store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kmask & (offs_d[None, :] < D))
+    if ROPE:
+        _rope_store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh, offs_n, stride_dkt, cols, Lk, cols, rope_c, dk,
+                    D, BD, BN, False)
+    else:
+        tl.store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=kmask & (offs_d[None, :] < D))
     tl.store(DV_ + (k_start + n_lo) * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :],
              dv.to(DV_.dtype.element_ty), mask=kmask & (offs_dv[None, :] < DV))
 
@@ -434,11 +531,16 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
               qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-              USE_TMA: tl.constexpr, ACT: tl.constexpr):
+              USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
-        kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA, True)
+        if ROPE:
+            kt = tl.trans(_rope_load(k_base + n.to(tl.int64) * stride_kt, offs_n, stride_kt, cols, Lk, cols, rope_c,
+                                     D, BD, BN)).to(q.dtype)
+        else:
+            kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA,
+                            True)
         vt = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA, True)
         if UPCAST:
             kt = kt.to(tl.float32)
@@ -448,13 +550,13 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
         if ACT == 0:
             p = tl.math.exp2(qk * qk_scale - lse[:, None])
             if MASKED:
-                p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED), p, 0.0)
+                p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), p, 0.0)
             ds = p * (dp - delta[:, None])
         else:
             _, g = _act_fwd_grad(qk * qk_scale, ACT)
             ds = dp * g
             if MASKED:
-                ds = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED), ds, 0.0)
+                ds = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), ds, 0.0)
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
     return dq
 
@@ -467,7 +569,8 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
                        H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr,
                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                       ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False):
+                       ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
+                       BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False):
     """dQ of one query block, looping over its keys (with SPLIT: one key split, added to fp32 dQ)."""
     b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
@@ -488,26 +591,32 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    if ROPE:
+        q = _rope_load(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, rows + shift,
+                       rope_c, D, BD, BM).to(do.dtype)
     k_base = K + k_start * stride_kt + h * stride_kh
     v_base = V + k_start * stride_vt + h * stride_vh
     k_row0 = k_start.to(tl.int32)
     lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
-                                          SPLIT)
+                                          SPLIT, block, BLOCKED)
 
     dq = tl.zeros([BM, BD], tl.float32)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
-                   UPCAST, USE_TMA, ACT)
+                   UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows, Lk, shift,
                    window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, False, CAUSAL,
-                   WINDOWED, UPCAST, USE_TMA, ACT)
+                   WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
-                   UPCAST, USE_TMA, ACT)
+                   UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
     dq = dq * dq_scale
     dq_ptrs = DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
     dq_mask = rmask[:, None] & (offs_d[None, :] < D)
-    if SPLIT:
+    if ROPE:
+        _rope_store(DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh, offs_m, stride_dqt, rows, Lq, rows + shift,
+                    rope_c, dq, D, BD, BM, SPLIT)
+    elif SPLIT:
         tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
     else:
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_mask)

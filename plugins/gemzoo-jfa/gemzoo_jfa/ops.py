@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -162,16 +163,16 @@ def _act_scale(activation: int, scale: float) -> float:
     return scale * LOG2E if activation == 0 else scale  # softmax runs in base 2
 
 
-def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest):
+def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest, block=-1):
     """Schedule of a query-block kernel (forward, dq): (items, block_m, keys per split or 0, target). With
     a split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32)."""
     from gemzoo_jfa.schedule import build_schedule, build_split_schedule
 
     win = None if window < 0 else window
-    plan = split_plan(q, k, q_offsets.numel() - 1, activation, c.block_m, c.block_n)
+    plan = None if block > 0 else split_plan(q, k, q_offsets.numel() - 1, activation, c.block_m, c.block_n)
     if plan is None:
         items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal, window=win,
-                               order=_order)
+                               order=_order, block_size=block if block > 0 else None)
         return items, c.block_m, 0, dest
     split_n, bm = plan
     items = build_split_schedule(q_offsets, k_offsets, bm, split_n, causal=causal, window=win)
@@ -184,18 +185,25 @@ def _warps(c: KernelConfig, bm: int) -> int:
     return min(c.num_warps, 4) if bm < c.block_m else c.num_warps
 
 
-def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, activation=0, inv_norm=1.0):
+def _rope_c(rope_theta: float, head_dim: int) -> float:
+    """The kernels' RoPE constant -2 log2(theta) / D (0.0: no rotary)."""
+    return -2.0 * math.log2(rope_theta) / head_dim if rope_theta > 0 else 0.0
+
+
+def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, activation=0, inv_norm=1.0,
+                block=-1, rope_theta=0.0):
     """out (and, for softmax, the base-2 lse [H, Tq]) of the forward pass; ``activation`` is a code of
-    ACTIVATION_CODES. Pointwise short-Q/long-K batches take the split-K path (see split_plan)."""
+    ACTIVATION_CODES. Pointwise short-Q/long-K batches take the split-K path (see split_plan). ``block``
+    > 0 is block_size, ``rope_theta`` > 0 fuses RoPE (-1 and 0: off)."""
     from gemzoo_jfa import kernels
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     cfg = _configs(q).fwd
     tq, h, d = q.shape
     dv = v.shape[2]
-    items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, out)
+    items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, out, block)
     cap = items.shape[1]  # >= 1: there is a query
-    tma = _tma_ok(k, v, causal=causal)
+    tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal)
     kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
     kernels.attn_fwd_kernel[(cap * h,)](
         q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
@@ -205,18 +213,31 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, 
         H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
         CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=tma,
         ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
+        **_block_rope(block, rope_theta, d),
     )
     if target is not out:
         out.copy_(target)
 
 
+def _block_rope(block, rope_theta, head_dim) -> dict:
+    """The kernels' block and rotary arguments (defaults when off, so those variants compile as before)."""
+    kw = {}
+    if block > 0:
+        kw.update(block=block, BLOCKED=True)
+    if rope_theta > 0:
+        kw.update(rope_c=_rope_c(rope_theta, head_dim), ROPE=True)
+    return kw
+
+
 def _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv_, activation=0,
-                inv_norm=1.0):
+                inv_norm=1.0, block=-1, rope_theta=0.0):
     """dq, dk, dv. Softmax needs out and lse (delta preprocess); pointwise ignores both."""
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     delta = _launch_preprocess(out, do) if activation == 0 else None
-    _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm)
-    _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm)
+    _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm,
+                 block, rope_theta)
+    _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm, block,
+               rope_theta)
 
 
 def _launch_preprocess(out, do):
@@ -241,16 +262,17 @@ def _common(q, v, causal, window, activation):
 
 
 def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation=0,
-                 inv_norm=1.0):
+                 inv_norm=1.0, block=-1, rope_theta=0.0):
     from gemzoo_jfa import kernels
     from gemzoo_jfa.schedule import build_schedule
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     c = _configs(q).dkdv
     items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
-                           window=None if window < 0 else window, order=_order)
+                           window=None if window < 0 else window, order=_order,
+                           block_size=block if block > 0 else None)
     cap = items.shape[1]
-    tma = _tma_ok(q, do, causal=causal)
+    tma = rope_theta <= 0 and _tma_ok(q, do, causal=causal)
     qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if tma else (q, do)
     if activation != 0:  # no lse/delta: any fp32 tensor stands in (never read)
         lse = delta = dk
@@ -260,19 +282,19 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
         max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
         BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
-        **_common(q, v, causal, window, activation),
+        **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
     )
 
 
 def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation=0,
-               inv_norm=1.0):
+               inv_norm=1.0, block=-1, rope_theta=0.0):
     from gemzoo_jfa import kernels
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     c = _configs(q).dq
-    items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, c, causal, window, activation, dq)
+    items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, c, causal, window, activation, dq, block)
     cap = items.shape[1]  # >= 1: there is a query
-    tma = _tma_ok(k, v, causal=causal)
+    tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal)
     kd, vd = (_desc(k, c.block_n), _desc(v, c.block_n)) if tma else (k, v)
     if activation != 0:
         lse = delta = target
@@ -282,21 +304,24 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), target.stride(0), target.stride(1),
         BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=tma, SPLIT=split_n > 0,
-        **_common(q, v, causal, window, activation),
+        **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
     )
     if target is not dq:
         dq.copy_(target)
 
 
-def backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, activation=0, inv_norm=1.0):
-    """(dq, dk, dv) in fresh tensors, empty batches included (the body of jfa's and gdpa's bwd ops)."""
+def backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, activation=0, inv_norm=1.0,
+             block=-1, rope_theta=0.0):
+    """(dq, dk, dv) in fresh tensors, empty batches included (the body of jfa's, gdpa's and block-attention's
+    bwd ops)."""
     do = do.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.shape[0] == 0 or q.shape[1] == 0:  # no queries: nothing reaches k or v
         return dq.zero_(), dk.zero_(), dv.zero_()
     if k.shape[0] == 0:
         return dq.zero_(), dk, dv
-    _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv, activation, inv_norm)
+    _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv, activation, inv_norm,
+                block, rope_theta)
     return dq, dk, dv
 
 

@@ -31,11 +31,12 @@ def capacity(total: int, batch: int, block: int) -> int:
 
 
 def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int, block: int, *, over: str,
-                   causal: bool, window: int | None, order: str = "lpt") -> torch.Tensor:
+                   causal: bool, window: int | None, order: str = "lpt", block_size: int | None = None) -> torch.Tensor:
     """int32 [2, cap]: row 0 the sequence of each item (-1 = no item), row 1 its block index.
 
     ``over="q"`` makes one item per block of ``block`` queries (forward and dq kernels); ``over="k"``
-    one per block of keys (dk/dv kernel). ``total`` is Tq or Tk accordingly.
+    one per block of keys (dk/dv kernel). ``total`` is Tq or Tk accordingly. ``block_size`` (block
+    attention) narrows each item's range, and so its cost, to the attention blocks it touches.
     """
     if order not in ORDERS:
         raise ValueError(f"unknown schedule order {order!r}; choose one of {', '.join(ORDERS)}")
@@ -58,10 +59,16 @@ def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int,
         last = torch.minimum(first + block, lq_s) - 1
         hi = torch.minimum(lk_s, last + shift + 1) if causal else lk_s
         lo = (first + shift - window + 1).clamp_min(0) if window is not None else torch.zeros_like(hi)
+        if block_size is not None:  # floor division: positions may be negative when Lq > Lk
+            lo = torch.maximum(lo, torch.div(first + shift, block_size, rounding_mode="floor") * block_size)
+            hi = torch.minimum(hi, (torch.div(last + shift, block_size, rounding_mode="floor") + 1) * block_size)
     else:  # queries that see keys [first, last]
         last = torch.minimum(first + block, lk_s) - 1
         lo = (first - shift).clamp_min(0) if causal else torch.zeros_like(first)
         hi = torch.minimum(lq_s, last - shift + window) if window is not None else lq_s
+        if block_size is not None:
+            lo = torch.maximum(lo, (first // block_size) * block_size - shift)
+            hi = torch.minimum(hi, (last // block_size + 1) * block_size - shift)
     cost = torch.where(valid, (hi - lo).clamp_min(0) + block, -1)
     items = torch.stack([torch.where(valid, seq, -1), blk])
     if order in ("lpt", "item"):
