@@ -153,6 +153,17 @@ def allowed_mask(lq: int, lk: int, *, causal: bool, window: int | None, block_si
     return pair_allowed(i, j, causal=causal, window=window, block_size=block_size)
 
 
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE of DESIGN.md, half-split convention: x [L, H, D] (D even) rotated at positions ``pos`` [L], pairs
+    (d, d + D/2) by the angle pos * theta^(-2d/D). Computed in x's dtype (fp32 or fp64 in the reference)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / x.shape[-1])
+    ang = (pos.to(torch.float64)[:, None] * inv_freq[None, :]).to(x.dtype)[:, None, :]  # [L, 1, D/2]
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def apply_activation(scores: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
         return torch.nn.functional.silu(scores)
@@ -255,6 +266,14 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     _positive_int(window, "window", "the number of keys a query sees: itself and the window - 1 before it")
     _positive_int(block_size, "block_size", "the length of each attention block")
+    if rope_theta is not None:
+        if (isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0
+                or rope_theta == float("inf")):
+            raise ValueError(f"rope_theta must be a finite number > 0 (the RoPE base, e.g. 10000.0) or None, "
+                             f"got {rope_theta!r}")
+        if q.dim() == 3 and q.shape[2] % 2:
+            raise ValueError(f"rope_theta needs an even head dim (pairs (d, d + D/2)), got D={q.shape[2]}; "
+                             "change head_dim or pass rope_theta=None")
     for name, hint in (("max_q_len", max_q_len), ("max_k_len", max_k_len)):
         if hint is not None and (isinstance(hint, bool) or not isinstance(hint, int) or hint < 0):
             raise ValueError(f"{name} must be an int >= 0 (a bound on the sequence lengths) or None, got {hint!r}")
