@@ -49,6 +49,7 @@ class OptimConfig:
     weight_decay: float = bounded(0.0, min=0)
     sparse_lr: float = bounded(0.05, min=0)
     grad_clip: float = bounded(1.0, min=0)  # 0: no clipping
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # dense AdamW (beta1, beta2), each in [0, 1)
     warmup_steps: int = bounded(0, min=0)
 
 

@@ -169,10 +169,10 @@ def test_movielens_leave_one_out(tmp_path):
             assert bool((eb.targets[last] >= 0).all()) and int((eb.targets >= 0).sum()) == eb.num_samples
         expected = set()
         for i in range(len(ds2.users)):
-            if split == "val":
-                history, target = ds2.train_seqs[i].tolist(), ds2.val_items[i]
-            else:
-                history, target = ds2.train_seqs[i].tolist() + [ds2.val_items[i]], ds2.test_items[i]
+            # train_items = "auto": training ends right before the held-out item of the split
+            history = ds2.train_seqs[i].tolist()
+            target = ds2.val_items[i] if split == "val" else ds2.test_items[i]
+            assert history == ds2.seqs[i].tolist()[:-2 if split == "val" else -1]
             expected.add((tuple(history[-3:]), target))
         got = {(tuple(eb.items[int(eb.offsets[j]):int(eb.offsets[j + 1])].tolist()), int(eb.targets[int(eb.offsets[j + 1]) - 1]))
                for eb in batches for j in range(eb.num_samples)}

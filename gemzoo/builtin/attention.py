@@ -21,12 +21,14 @@ ALL = frozenset(ACTIVATIONS)
 
 
 def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                        norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
-    """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct."""
+                        norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
+                        bias=None):
+    """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct.
+    ``bias`` [B, 1 or H, >= Lq, >= Lk] is added to the scaled scores before the mask and the activation."""
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=REFERENCE.capabilities, kernel=REFERENCE,
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
-        window=window, rope_theta=rope_theta)
+        window=window, rope_theta=rope_theta, bias=bias)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
@@ -47,6 +49,8 @@ def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, acti
         qb, kb = qb.transpose(0, 1), kb.transpose(0, 1)  # [H, Lq, D], [H, Lk, D]
         vb = v[ks:ke].to(compute).transpose(0, 1)
         s = scale * qb @ kb.transpose(1, 2)  # [H, Lq, Lk]
+        if bias is not None:
+            s = s + bias[b, :, :lq, :lk].to(compute)
         mask = allowed_mask(lq, lk, causal=causal, window=window, block_size=block_size, device=q.device)
         has_key = mask.any(-1, keepdim=True)  # [Lq, 1]
         if activation == "softmax":
@@ -76,14 +80,16 @@ def _padded_mask(q_lens, k_lens, lq_max, lk_max, causal, window, block_size, dev
 
 
 def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                          norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
-    """Pad to [B, H, Lmax, D], run SDPA (or pointwise attention) with a mask, unpad. The naive baseline."""
+                          norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
+                          bias=None):
+    """Pad to [B, H, Lmax, D], run SDPA (or pointwise attention) with a mask, unpad. The naive baseline.
+    ``bias`` (padded [B, 1 or H, >= Lq, >= Lk]) is added to the scaled scores."""
     from gemzoo.jagged import jagged_to_padded, max_length, offsets_to_lengths, padded_to_jagged
 
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=SDPA_PADDED.capabilities, kernel=SDPA_PADDED,
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
-        window=window, rope_theta=rope_theta)
+        window=window, rope_theta=rope_theta, bias=bias)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     lq_max = max_q_len if max_q_len is not None else max_length(q_offsets)
     lk_max = max_k_len if max_k_len is not None else max_length(k_offsets)
@@ -97,7 +103,9 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
     kp = jagged_to_padded(k, k_offsets, max(lk_max, 1)).transpose(1, 2)
     vp = jagged_to_padded(v, k_offsets, max(lk_max, 1)).transpose(1, 2)
     q_lens, k_lens = offsets_to_lengths(q_offsets), offsets_to_lengths(k_offsets)
-    simple = activation == "softmax" and window is None and block_size is None
+    simple = activation == "softmax" and window is None and block_size is None and bias is None
+    if bias is not None:
+        bias = bias[:, :, :lq_max, :max(lk_max, 1)].to(qp.dtype)
     if simple and causal and (k_offsets is q_offsets or torch.equal(q_lens, k_lens)):
         # Lq == Lk: top-left causal is bottom-right causal, and padded keys only reach padded queries,
         # so SDPA's own causal kernel (flash) needs no mask at all.
@@ -114,10 +122,14 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
         if activation == "softmax":
             has_key = mask.any(-1, keepdim=True)
             safe_mask = mask | ~has_key  # let empty rows see every key (finite softmax), then zero them
+            if bias is not None:  # a float mask: the bias on allowed keys, -inf elsewhere
+                safe_mask = torch.where(safe_mask, bias, torch.full((), float("-inf"), dtype=qp.dtype))
             out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=safe_mask, scale=scale)
             out = torch.where(has_key, out, torch.zeros_like(out))
         else:
             s = scale * (qp @ kp.transpose(-1, -2))
+            if bias is not None:
+                s = s + bias
             p = torch.where(mask, apply_activation(s, activation), torch.zeros((), dtype=s.dtype))
             if norm is not None:
                 p = p / norm
@@ -222,14 +234,14 @@ def _flex(q, k, v, block_mask, scale):
 
 REFERENCE = FunctionKernel(
     reference_attention,
-    AttentionCapabilities(activations=ALL, window=True, block=True, rotary=True,
+    AttentionCapabilities(activations=ALL, window=True, block=True, rotary=True, bias=True,
                           dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})),
-    "per-sequence torch oracle (rope_theta included)",
+    "per-sequence torch oracle (rope_theta and bias included)",
 )
 SDPA_PADDED = FunctionKernel(
     sdpa_padded_attention,
-    AttentionCapabilities(activations=ALL, window=True, block=True),
-    "pad to the longest sequence, SDPA with a mask, unpad (naive baseline)",
+    AttentionCapabilities(activations=ALL, window=True, block=True, bias=True),
+    "pad to the longest sequence, SDPA with a mask, unpad (naive baseline; bias included)",
 )
 FLEX = FunctionKernel(
     flex_attention_jagged,

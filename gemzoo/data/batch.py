@@ -96,11 +96,15 @@ class SeqBatch(_Movable):
 
     items [T] / offsets [B+1]: input items, oldest first. targets [T]: the item that follows each input
     position, or -1 where there is nothing to predict (evaluation batches set only the last position).
+    times [T] (optional): each input item's timestamp; next_times [T] (optional): the timestamp of the event
+    that follows each position (the target's, or the held-out item's at the last evaluated position).
     """
 
     items: torch.Tensor
     offsets: torch.Tensor
     targets: torch.Tensor
+    times: torch.Tensor | None = None
+    next_times: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -116,6 +120,8 @@ class SeqBatch(_Movable):
 
     def select(self, index) -> "SeqBatch":
         """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
-        offsets, items, targets = gather_jagged(self.offsets, torch.as_tensor(index, dtype=torch.int64),
-                                                self.items, self.targets)
-        return SeqBatch(items, offsets, targets)
+        timed = self.times is not None and self.next_times is not None
+        extra = (self.times, self.next_times) if timed else ()
+        offsets, items, targets, *times = gather_jagged(self.offsets, torch.as_tensor(index, dtype=torch.int64),
+                                                        self.items, self.targets, *extra)
+        return SeqBatch(items, offsets, targets, *times)

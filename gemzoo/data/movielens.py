@@ -2,25 +2,40 @@
 
 Each line is ``UserID::MovieID::Rating::Timestamp``. Every rating counts as an interaction. Each user's
 events are sorted by time (ties keep file order); the last item is the test target, the one before it the
-validation target, and the rest is the training sequence. Users with fewer than three events are dropped.
-Movie ids are mapped to 0..num_items-1 in increasing raw-id order.
+validation target. Users with fewer than three events are dropped.
+
+Items (``items``): ``"rated"``, the movies that have a rating; ``"movies"``, every movie of ``movies.dat``
+(``MovieID::Title::Genres``; ML-1M lists 3,883, 177 of them never rated), the candidate set of the HSTU
+reference, which samples negatives from and ranks over all of them; ``"auto"``: ``"movies"`` when
+``movies_path`` (default: ``movies.dat`` beside ``ratings.dat``) exists, else ``"rated"``. Movie ids map to
+0..num_items-1 in increasing raw-id order.
+
+Training sequence (``train_items``): ``"before_val"``, every item before the validation item;
+``"before_test"``, every item before the test item (the validation item is then a training target, as in the
+HSTU reference when it reports test); ``"auto"``: the one that matches ``eval_split`` (val -> before_val,
+test -> before_test), so validation is never trained on.
 
 - ``train_batch(step)``: ``batch_size`` users, shuffled per epoch from (seed, epoch); inputs are the
   ``max_len`` most recent training items but the last, targets the items that follow them.
 - ``eval_batches(n)``: a fixed seeded order of users; input is the history before the held-out target
-  (``eval_split = "val"``: the training sequence; ``"test"``: training + validation item), truncated to the
-  ``max_len`` most recent; only the last position has a target.
+  (``eval_split = "val"``: every item before the validation item; ``"test"``: every item before the test
+  item), truncated to the ``max_len`` most recent; only the last position has a target.
+
+Batches carry ``times`` (each input's timestamp) and ``next_times`` (the timestamp of the event that follows
+each position: the target's), which HSTU's time-bucketed attention bias reads.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from gemzoo.data.batch import SeqBatch
+from gemzoo.config import bounded
 from gemzoo.data.synthetic import stream_generator
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import DatasetSpec
@@ -37,6 +52,11 @@ class MovieLensConfig:
     batch_size: int = 128
     max_len: int = 200
     eval_split: str = "val"  # "val" or "test": which held-out item eval_batches ask for
+    # what the training sequences end before: "auto" (the eval_split's held-out item), "before_val", "before_test"
+    train_items: str = bounded("auto", choices=("auto", "before_val", "before_test"))
+    # the item set (negatives and ranking): "auto", "movies" (every movie of movies.dat), "rated"
+    items: str = bounded("auto", choices=("auto", "movies", "rated"))
+    movies_path: str = ""  # "": movies.dat beside ratings.dat
 
 
 def read_ratings(path: str) -> list[tuple[int, int, int, int]]:
@@ -69,6 +89,45 @@ def read_ratings(path: str) -> list[tuple[int, int, int, int]]:
     return rows
 
 
+MOVIES_FORMAT = "MovieID::Title::Genres"
+
+
+def read_movie_ids(path: str) -> list[int]:
+    """The movie ids of a MovieLens ``movies.dat``; ConfigError naming the file and line on a bad one."""
+    ids = []
+    with open(path, encoding="latin-1") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                ids.append(int(line.split("::", 1)[0]))
+            except ValueError:
+                raise ConfigError(f"{path}, line {lineno}: expected {MOVIES_FORMAT}, got {line[:80]!r}") from None
+    if not ids:
+        raise ConfigError(f"{path}: no movies; expected lines of {MOVIES_FORMAT}")
+    return ids
+
+
+def movie_catalogue(cfg: MovieLensConfig, rated: set[int]) -> tuple[list[int], str]:
+    """Sorted raw movie ids of the item table and where they came from ("rated" or the movies.dat path)."""
+    path = cfg.movies_path or os.path.join(os.path.dirname(cfg.path) or ".", "movies.dat")
+    if cfg.items == "rated" or (cfg.items == "auto" and not os.path.isfile(path)):
+        return sorted(rated), "rated"
+    if not os.path.isfile(path):
+        raise ConfigError(f'[data] items = "movies" needs {path!r} ({MOVIES_FORMAT}, from the same MovieLens '
+                          'download as ratings.dat); set [data] movies_path, or items = "rated"')
+    movies = set(read_movie_ids(path))
+    unknown = sorted(rated - movies)
+    if unknown:
+        raise ConfigError(f"{path} does not list {len(unknown)} rated movies (e.g. {unknown[:3]}); is it from the "
+                          f"same MovieLens release as {cfg.path}? Or set [data] items = \"rated\"")
+    if cfg.items == "auto":
+        print(f"movielens: items from {path} ({len(movies)} movies, {len(movies - rated)} never rated); "
+              'set [data] items = "rated" for the rated ones only', file=sys.stderr)
+    return sorted(movies), path
+
+
 class MovieLensDataset:
     def __init__(self, cfg: MovieLensConfig, seed: int = 0):
         if cfg.batch_size < 1 or cfg.max_len < 1:
@@ -77,22 +136,29 @@ class MovieLensDataset:
             raise ConfigError(f"[data] eval_split must be 'val' or 'test', got {cfg.eval_split!r}")
         self.cfg, self.seed = cfg, seed
         rows = read_ratings(cfg.path)
-        movies = sorted({m for _, m, _, _ in rows})
+        movies, items_source = movie_catalogue(cfg, {m for _, m, _, _ in rows})
         index = {m: i for i, m in enumerate(movies)}
         by_user: dict[int, list[tuple[int, int, int]]] = {}
         for order, (user, movie, _, ts) in enumerate(rows):
             by_user.setdefault(user, []).append((ts, order, index[movie]))
         self.users, self.train_seqs, self.val_items, self.test_items = [], [], [], []
+        self.seqs, self.times = [], []  # every event of each kept user, in time order, and its timestamps
         dropped = 0
+        train_items = cfg.train_items if cfg.train_items != "auto" else (
+            "before_val" if cfg.eval_split == "val" else "before_test")
+        cut = 2 if train_items == "before_val" else 1
         for user in sorted(by_user):
-            events = [item for _, _, item in sorted(by_user[user])]
+            events = sorted(by_user[user])
             if len(events) < 3:
                 dropped += 1
                 continue
+            seq = torch.tensor([item for _, _, item in events], dtype=torch.long)
             self.users.append(user)
-            self.train_seqs.append(torch.tensor(events[:-2], dtype=torch.long))
-            self.val_items.append(events[-2])
-            self.test_items.append(events[-1])
+            self.seqs.append(seq)
+            self.times.append(torch.tensor([ts for ts, _, _ in events], dtype=torch.long))
+            self.train_seqs.append(seq[:-cut])
+            self.val_items.append(int(seq[-2]))
+            self.test_items.append(int(seq[-1]))
         if not self.users:
             raise ConfigError(f"{cfg.path}: no user has the 3 or more ratings the leave-one-out split needs")
         # users who have at least one (input, target) pair to train on
@@ -106,6 +172,9 @@ class MovieLensDataset:
             "num_users": len(self.users),
             "dropped_users": dropped,
             "num_ratings": len(rows),
+            "items": items_source,
+            "train_items": train_items,
+            "timestamps": True,
         }
 
     # -- sampling ------------------------------------------------------------------------------
@@ -116,30 +185,36 @@ class MovieLensDataset:
 
     def train_batch(self, step: int) -> SeqBatch:
         n, bs, L = len(self.trainable), self.cfg.batch_size, self.cfg.max_len
-        items, targets, lengths = [], [], []
+        items, targets, lengths, times, next_times = [], [], [], [], []
         for j in range(step * bs, (step + 1) * bs):
             user = int(self._epoch_order(j // n)[j % n])
-            seq = self.train_seqs[user][-(L + 1):]
+            end = self.train_seqs[user].numel()
+            start = max(0, end - (L + 1))
+            seq, ts = self.train_seqs[user][start:], self.times[user][start:end]
             items.append(seq[:-1])
             targets.append(seq[1:])
+            times.append(ts[:-1])
+            next_times.append(ts[1:])
             lengths.append(seq.numel() - 1)
-        return SeqBatch(torch.cat(items), lengths_to_offsets(torch.tensor(lengths)), torch.cat(targets))
+        return SeqBatch(torch.cat(items), lengths_to_offsets(torch.tensor(lengths)), torch.cat(targets),
+                        torch.cat(times), torch.cat(next_times))
 
     def _eval_batch(self, users: list[int]) -> SeqBatch:
         L = self.cfg.max_len
-        items, targets, lengths = [], [], []
+        items, targets, lengths, times, next_times = [], [], [], [], []
         for u in users:
-            if self.cfg.eval_split == "val":
-                history, target = self.train_seqs[u], self.val_items[u]
-            else:
-                history, target = torch.cat([self.train_seqs[u], torch.tensor([self.val_items[u]])]), self.test_items[u]
-            history = history[-L:]
+            end = self.seqs[u].numel() - (2 if self.cfg.eval_split == "val" else 1)  # index of the held-out item
+            start = max(0, end - L)
+            history, ts = self.seqs[u][start:end], self.times[u][start:end + 1]
             t = torch.full((history.numel(),), -1, dtype=torch.long)
-            t[-1] = target
+            t[-1] = self.seqs[u][end]
             items.append(history)
             targets.append(t)
+            times.append(ts[:-1])
+            next_times.append(ts[1:])
             lengths.append(history.numel())
-        return SeqBatch(torch.cat(items), lengths_to_offsets(torch.tensor(lengths)), torch.cat(targets))
+        return SeqBatch(torch.cat(items), lengths_to_offsets(torch.tensor(lengths)), torch.cat(targets),
+                        torch.cat(times), torch.cat(next_times))
 
     def eval_batches(self, n: int) -> list[SeqBatch]:
         """Up to ``n`` batches over a fixed seeded order of users (every user once when n is large)."""

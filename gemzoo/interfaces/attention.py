@@ -34,6 +34,7 @@ class AttentionCapabilities:
     backward_devices: frozenset[str] = frozenset({"cpu", "cuda"})
     head_dims: tuple[int, ...] | None = None  # None: any
     rotary: bool = False  # rope_theta
+    bias: bool = False  # an additive score bias, bias= [B, 1 or H, >= Lq, >= Lk] padded
 
     def missing(self, req: "AttentionRequest") -> list[str]:
         """Human-readable list of what ``req`` needs that this kernel lacks."""
@@ -60,6 +61,8 @@ class AttentionCapabilities:
             out.append(f"head_dim {req.head_dim}")
         if req.rotary and not self.rotary:
             out.append("rope_theta (rotary)")
+        if req.bias and not self.bias:
+            out.append("bias (additive attention bias)")
         return out
 
 
@@ -77,6 +80,7 @@ class AttentionRequest:
     backward: bool = True
     head_dim: int | None = None
     rotary: bool = False
+    bias: bool = False
 
     def replace(self, **kw) -> "AttentionRequest":
         from dataclasses import replace
@@ -234,9 +238,29 @@ def _positive_int(value, name: str, meaning: str) -> None:
         raise ValueError(f"{name} must be an int >= 1 ({meaning}) or None, got {value!r}")
 
 
+def _check_bias(bias, q, q_offsets, k_offsets, compiling: bool) -> None:
+    """``bias`` is a floating tensor [B, 1 or H, >= longest Lq, >= longest Lk] on q's device: entry
+    [b, h, i, j] is added to the score of query i and key j of sequence b (rows and columns past a
+    sequence's lengths are ignored)."""
+    from gemzoo.errors import JaggedShapeError
+    from gemzoo.jagged import max_length
+
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.dim() != 4:
+        raise JaggedShapeError(f"bias must be a floating tensor [B, 1 or H, Lq_max, Lk_max], got "
+                               f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+    if bias.device != q.device:
+        raise ValueError(f"bias is on {bias.device} but q is on {q.device}; move it with bias.to(q.device)")
+    b, h = q_offsets.numel() - 1, q.shape[1]
+    if bias.shape[0] != b or bias.shape[1] not in (1, h):
+        raise JaggedShapeError(f"bias has shape {tuple(bias.shape)}; it needs [B={b}, 1 or H={h}, Lq_max, Lk_max]")
+    if not compiling and (bias.shape[2] < max_length(q_offsets) or bias.shape[3] < max_length(k_offsets)):
+        raise JaggedShapeError(f"bias {tuple(bias.shape)} is smaller than the longest sequences (Lq "
+                               f"{max_length(q_offsets)}, Lk {max_length(k_offsets)}); pad it to at least those")
+
+
 def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax", *, capabilities=None,
                  kernel=None, causal: bool = True, scale=None, norm=None, max_q_len=None, max_k_len=None,
-                 block_size=None, window=None, rope_theta=None):
+                 block_size=None, window=None, rope_theta=None, bias=None):
     """The one input check of every attention kernel; returns ``(q_offsets, k_offsets)``, contiguous, with
     ``k_offsets`` defaulting to ``q_offsets``.
 
@@ -297,7 +321,7 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
         req = AttentionRequest(
             activation, bool(causal), asymmetric, window is not None, block_size is not None, q.dtype,
             q.device.type, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)), q.shape[2],
-            rope_theta is not None,
+            rope_theta is not None, bias is not None,
         )
         missing = capabilities.missing(req)
         if missing:
@@ -309,6 +333,8 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
             )
     elif rope_theta is not None:
         raise PluginError(f"attention kernel {_kernel_name(kernel)!r} does not support rope_theta (rotary)")
+    elif bias is not None:
+        raise PluginError(f"attention kernel {_kernel_name(kernel)!r} does not support bias (additive attention bias)")
     for name, off, t in (("q_offsets", q_offsets, q), ("k_offsets", k_offsets, k)):
         if not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or off.dim() != 1:
             raise JaggedShapeError(f"{name} must be a 1-D int64 tensor, got "
@@ -327,6 +353,8 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
                     f"max_{name}_len={hint} is smaller than the longest {'query' if name == 'q' else 'key'} "
                     f"sequence ({longest}); pass max_{name}_len >= {longest}, or None to have it computed"
                 )
+    if bias is not None:
+        _check_bias(bias, q, q_offsets, k_offsets, compiling)
     same = k_offsets is q_offsets
     q_offsets = q_offsets if q_offsets.is_contiguous() else q_offsets.contiguous()
     k_offsets = q_offsets if same else (k_offsets if k_offsets.is_contiguous() else k_offsets.contiguous())

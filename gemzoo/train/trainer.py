@@ -222,7 +222,10 @@ def build_optimizers(model: nn.Module, cfg: Config) -> dict[str, torch.optim.Opt
     sparse = [p for p in sparse if is_local_tensor(p)]  # sharded ones carry a fused optimizer
     dense = [p for p in dense if is_local_tensor(p) or is_fsdp_shard(p)]
     mixed = len({type(p.data) for p in dense}) > 1  # FSDP2 DTensors beside plain tensors: no foreach
-    opts = {"dense": torch.optim.AdamW(dense, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+    betas = tuple(cfg.optim.betas)
+    if len(betas) != 2 or not all(isinstance(x, (int, float)) and 0.0 <= x < 1.0 for x in betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1) (AdamW's beta1, beta2), got {cfg.optim.betas!r}")
+    opts = {"dense": torch.optim.AdamW(dense, lr=cfg.optim.lr, betas=betas, weight_decay=cfg.optim.weight_decay,
                                        foreach=False if mixed else None)}
     if sparse:
         # Row-wise Adagrad is what fbgemm's fused TBE uses for sparse tables; torch's Adagrad here.
@@ -233,7 +236,8 @@ def build_optimizers(model: nn.Module, cfg: Config) -> dict[str, torch.optim.Opt
 def apply_optimizer_settings(optimizers: dict[str, torch.optim.Optimizer], cfg: Config) -> None:
     """Set the config's hyper-parameters on the param groups (after loading optimizer state on resume,
     which brings the checkpoint's back). ``base_lr`` is what warm-up scales each step."""
-    settings = {"dense": {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay},
+    settings = {"dense": {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay,
+                          "betas": tuple(cfg.optim.betas)},
                 "sparse": {"lr": cfg.optim.sparse_lr}}
     for name, opt in optimizers.items():
         for group in opt.param_groups:
