@@ -28,6 +28,7 @@ from gemzoo.distributed import (World, all_reduce_gradients, clip_grad_norm, ini
                                 shard_dense_blocks)
 from gemzoo.embedding import use_sparse_gradients
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
+from gemzoo.interfaces.attention import kernels_that_serve
 from gemzoo.interfaces.memory import needs_compile, policy_report
 from gemzoo.interfaces.planner import Topology
 from gemzoo.interfaces.precision import PrecisionConfig
@@ -154,8 +155,7 @@ def select_attention(model: nn.Module, cfg: Config, device: torch.device, dtype:
         req = site.request.replace(dtype=dtype, device=device.type, backward=True)
         missing = kernel.capabilities.missing(req)
         if missing:
-            able = [n for n in registry.names("attention")
-                    if not registry.get("attention", n).capabilities.missing(req)]
+            able = kernels_that_serve(req)
             raise PluginError(
                 f"attention kernel {name!r} cannot serve {site_name}: it lacks {', '.join(missing)}. "
                 f"Kernels that can: {', '.join(able) or '(none)'}. Choose one for this site with "
