@@ -25,6 +25,20 @@ class JaggedAttention(nn.Module):
         self.options = options  # fixed keyword options: window, block_size, norm, scale...
         self.kernel_name = "reference"
         self._kernel = None
+        self.add_options()
+
+    def add_options(self, **options) -> None:
+        """Add fixed options; the request then asks for what they need (window, block, rotary), so the
+        assembly check requires a kernel that declares them."""
+        self.options.update(options)
+        o = self.options
+        self.request = self.request.replace(window=self.request.window or o.get("window") is not None,
+                                            block=self.request.block or o.get("block_size") is not None,
+                                            rotary=self.request.rotary or o.get("rope_theta") is not None)
+
+    def mask_options(self) -> dict:
+        """The options that change which pairs are allowed (for FLOP counts)."""
+        return {k: self.options.get(k) for k in ("block_size", "window")}
         self._output_checked = False
 
     @property
@@ -93,9 +107,42 @@ def reverse_positions(offsets: torch.Tensor, total: int, max_len: int) -> torch.
     return (lengths[ids] - 1 - positions(offsets, total)).clamp(max=max_len - 1)
 
 
-def self_attention_pairs(lengths: torch.Tensor, *, causal: bool) -> int:
-    """Allowed (query, key) pairs of self-attention over sequences of ``lengths``: L(L+1)/2 causal, L^2 not."""
+def self_attention_options(cfg, head_dim: int, family: str) -> dict:
+    """Options of a model's self-attention sites from ``[model] attention_block_size``, ``attention_window``
+    and ``rope_theta`` (0: off), checked when the model is built."""
+    opts = {}
+    for key, opt in (("attention_block_size", "block_size"), ("attention_window", "window")):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"[model] ({family}): {key} must be an int >= 0 (0: off), got {value!r}")
+        if value:
+            opts[opt] = value
+    theta = cfg.rope_theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 <= theta < float("inf"):
+        raise ConfigError(f"[model] ({family}): rope_theta must be a number >= 0 (0: off, e.g. 10000.0), got {theta!r}")
+    if theta:
+        if head_dim % 2:
+            raise ConfigError(f"[model] ({family}): rope_theta needs an even head dim, got {head_dim}; "
+                              "change the head dim or set rope_theta = 0")
+        opts["rope_theta"] = float(theta)
+    return opts
+
+
+def self_attention_pairs(lengths: torch.Tensor, *, causal: bool, block_size: int | None = None,
+                         window: int | None = None) -> int:
+    """Allowed (query, key) pairs of self-attention over sequences of ``lengths``: L(L+1)/2 causal, L^2 not;
+    with ``block_size`` / ``window``, exactly the pairs DESIGN.md's rule allows."""
     lengths = lengths.long().cpu()
+    if block_size is not None or window is not None:
+        n = lengths.repeat_interleave(lengths)  # each query's sequence length
+        i = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths).repeat_interleave(lengths)
+        lo, hi = torch.zeros_like(i), (i + 1) if causal else n
+        if window is not None:
+            lo = (i - window + 1).clamp_min(0)  # i - j < window (every later key too when not causal)
+        if block_size is not None:
+            start = (i // block_size) * block_size
+            lo, hi = torch.maximum(lo, start), torch.minimum(hi, start + block_size)
+        return int((hi - lo).clamp_min(0).sum())
     return int((lengths * (lengths + 1) // 2).sum()) if causal else int((lengths * lengths).sum())
 
 
@@ -134,7 +181,7 @@ class SelfAttention(nn.Module):
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())
         inner = self.num_heads * self.head_dim
-        pairs = self_attention_pairs(lengths, causal=self.attn.request.causal)
+        pairs = self_attention_pairs(lengths, causal=self.attn.request.causal, **self.attn.mask_options())
         return (linear_flops(tokens, self.qkv.in_features, 3 * inner) + linear_flops(tokens, inner, self.out.out_features)
                 + attention_flops(pairs, self.num_heads, self.head_dim))
 

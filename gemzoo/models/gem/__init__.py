@@ -31,6 +31,7 @@ from gemzoo.models.common import (
     check_heads,
     init_weights,
     reverse_positions,
+    self_attention_options,
 )
 from gemzoo.flops import attention_flops, linear_flops
 
@@ -52,6 +53,11 @@ class GemConfig:
     # the target-aware cross attention: "softmax", or a pointwise GDPA activation (normalised by the longest
     # history in the batch) served by a kernel that declares it, e.g. [plugins.attention_sites] cross = "gdpa"
     cross_activation: str = "softmax"
+    # the tower's self-attention: blocks of this many events from each history's start (GEM's BlockAttention,
+    # e.g. 64), a sliding window, RoPE base (0: off each); the kernel must declare them, e.g. "block-attention"
+    attention_block_size: int = 0
+    attention_window: int = 0
+    rope_theta: float = 0.0
 
 
 class SequenceTower(nn.Module):
@@ -64,6 +70,9 @@ class SequenceTower(nn.Module):
             TransformerBlock(d, cfg.num_heads, head_dim, cfg.ffn_mult * d, request=request, dropout=cfg.dropout)
             for _ in range(cfg.num_layers)
         )
+        options = self_attention_options(cfg, head_dim, "gem")
+        for block in self.blocks:
+            block.attn.attn.add_options(**options)
         self.norm = nn.LayerNorm(d)
 
 

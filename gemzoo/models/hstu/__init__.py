@@ -22,7 +22,7 @@ from torch import nn
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
-from gemzoo.models.common import JaggedAttention, self_attention_pairs
+from gemzoo.models.common import JaggedAttention, self_attention_options, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel
 from gemzoo.flops import attention_flops, linear_flops
 
@@ -32,6 +32,9 @@ class HSTUConfig(RetrievalConfig):
     family: str = "hstu"
     qk_dim: int = 0  # per head; 0: embedding_dim // num_heads
     v_dim: int = 0  # per head; 0: embedding_dim // num_heads
+    attention_block_size: int = 0  # self-attention blocks from each sequence's start (0: off)
+    attention_window: int = 0  # sliding window (0: off)
+    rope_theta: float = 0.0  # RoPE base (0: off); these need a kernel that declares them, e.g. "block-attention"
 
 
 class HSTUBlock(nn.Module):
@@ -60,7 +63,7 @@ class HSTUBlock(nn.Module):
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())
         h = self.num_heads
-        pairs = self_attention_pairs(lengths, causal=True)
+        pairs = self_attention_pairs(lengths, causal=True, **self.attn.mask_options())
         attn = attention_flops(pairs, h, self.qk_dim, self.v_dim)  # QK^T over qk_dim, AV over v_dim
         return (linear_flops(tokens, self.uvqk.in_features, self.uvqk.out_features)
                 + linear_flops(tokens, self.out.in_features, self.out.out_features) + attn)
@@ -82,6 +85,9 @@ class HSTUModel(RetrievalModel):
         self.blocks = nn.ModuleList(
             HSTUBlock(d, heads, qk_dim, v_dim, self.max_len, cfg.dropout) for _ in range(cfg.num_layers)
         )
+        options = self_attention_options(cfg, qk_dim, "hstu")
+        for block in self.blocks:
+            block.attn.add_options(**options)
 
 
 def build(cfg: HSTUConfig, data_info: dict) -> HSTUModel:
