@@ -5,6 +5,8 @@ import glob
 import os
 import sys
 
+pytest_plugins = ["gemzoo.testing.pytest_plugin"]  # <kind>_name parametrisation, registry_entry
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 for tests_dir in sorted(glob.glob(os.path.join(HERE, "plugins", "*", "tests"))):
     if tests_dir not in sys.path:

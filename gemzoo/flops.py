@@ -45,3 +45,20 @@ def attention_flops(pairs: int, heads: int, head_dim: int, v_dim: int | None = N
     """PaLM-style attention FLOPs: 2*H*(D + Dv) per allowed pair forward, 3x that with backward."""
     f = 2 * pairs * heads * (head_dim + (head_dim if v_dim is None else v_dim))
     return f * FWD_BWD if backward else f
+
+
+def sample_pairs(q_lens: torch.Tensor, k_lens: torch.Tensor | None = None, *, causal: bool = True,
+                 window: int | None = None) -> torch.Tensor:
+    """Allowed (query, key) pairs of each sequence, int64 ``[B]`` (bottom-right causal); sums to
+    ``attention_pairs``. Tensors in, tensors out, so per-sample costs (a model's ``cost_model``) use the same
+    ``linear_flops`` / ``attention_flops`` as ``flops``: both are elementwise in tokens and pairs."""
+    q_lens = q_lens.long().cpu()
+    k_lens = q_lens if k_lens is None else k_lens.long().cpu()
+    if window is None:
+        if not causal:
+            return q_lens * k_lens
+        # query i (of Lq) sees keys 0..i + Lk - Lq: the last m = min(Lq, Lk) queries see Lk - m + 1 .. Lk keys
+        m = torch.minimum(q_lens, k_lens)
+        return m * k_lens - m * (m - 1) // 2
+    return torch.tensor([attention_pairs(q_lens[b:b + 1], k_lens[b:b + 1], causal=causal, window=window)
+                         for b in range(q_lens.numel())], dtype=torch.long)

@@ -9,12 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gemzoo.interfaces.models import transformer_blocks
 from gemzoo.plugins import hookimpl
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """Modules that mark themselves as blocks (``is_transformer_block = True``)."""
-    return [m for m in model.modules() if getattr(m, "is_transformer_block", False)]
 
 
 class NoMemoryPolicy:

@@ -80,7 +80,7 @@ def shard_dense_blocks(model, world: World, mode: str):
         return model
     from torch.distributed.fsdp import fully_shard
 
-    from gemzoo.builtin.memory import transformer_blocks
+    from gemzoo.interfaces.models import transformer_blocks
 
     for block in transformer_blocks(model):
         fully_shard(block, mesh=world.mesh)

@@ -4,12 +4,15 @@ from gemzoo.interfaces.attention import AttentionCapabilities, AttentionKernel, 
 from gemzoo.interfaces.batching import BatchingPolicy
 from gemzoo.interfaces.comms import CommsBackend, CommsCapabilities
 from gemzoo.interfaces.memory import MemoryPolicy
-from gemzoo.interfaces.models import DatasetSpec, Evaluator, ModelOutput, ModelSpec, RecModel
+from gemzoo.interfaces.models import (Batch, Dataset, DatasetSpec, Evaluator, ModelOutput, ModelSpec, RecModel,
+                                      transformer_blocks)
+from gemzoo.interfaces.options import Configurable
 from gemzoo.interfaces.planner import Planner, Topology
-from gemzoo.interfaces.precision import PrecisionCapabilities, PrecisionConfig, PrecisionPolicy
+from gemzoo.interfaces.precision import OptimizerStepHook, PrecisionCapabilities, PrecisionConfig, PrecisionPolicy
 
 __all__ = [
     "AttentionCapabilities", "AttentionKernel", "AttentionRequest", "FunctionKernel", "BatchingPolicy",
     "CommsBackend", "CommsCapabilities", "MemoryPolicy", "DatasetSpec", "Evaluator", "ModelOutput",
     "ModelSpec", "RecModel", "Planner", "Topology", "PrecisionCapabilities", "PrecisionConfig", "PrecisionPolicy",
+    "Batch", "Dataset", "transformer_blocks", "Configurable", "OptimizerStepHook",
 ]

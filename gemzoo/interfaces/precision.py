@@ -24,6 +24,9 @@ class PrecisionCapabilities:
 
 @runtime_checkable
 class PrecisionPolicy(Protocol):
+    """Required members below. Optional: ``after_optimizer_step(model)`` (see ``OptimizerStepHook``) and the
+    ``options_cls``/``configure`` pair (gemzoo.interfaces.options)."""
+
     capabilities: PrecisionCapabilities
 
     def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module: ...
@@ -31,6 +34,20 @@ class PrecisionPolicy(Protocol):
     def make_linear(self, linear: nn.Linear) -> nn.Module:
         """The module this policy puts in place of ``linear`` (used by the conformance suite)."""
         ...
+
+
+@runtime_checkable
+class OptimizerStepHook(Protocol):
+    """Optional on a precision policy: called by the trainer with the model after every optimizer step,
+    e.g. to refresh low-precision weight copies or amax histories from the updated master weights."""
+
+    def after_optimizer_step(self, model: nn.Module) -> None: ...
+
+
+def after_optimizer_step(policy, model: nn.Module) -> None:
+    """Run ``policy.after_optimizer_step(model)`` when the policy has one."""
+    if isinstance(policy, OptimizerStepHook):
+        policy.after_optimizer_step(model)
 
 
 def adopt_linear(cls: type, linear: nn.Linear) -> nn.Module:

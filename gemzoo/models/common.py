@@ -9,7 +9,7 @@ from torch import nn
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.jagged import positions, seq_ids
-from gemzoo.flops import attention_flops, linear_flops
+from gemzoo.flops import attention_flops, linear_flops, sample_pairs
 
 
 class JaggedAttention(nn.Module):
@@ -185,6 +185,13 @@ class SelfAttention(nn.Module):
         return (linear_flops(tokens, self.qkv.in_features, 3 * inner) + linear_flops(tokens, inner, self.out.out_features)
                 + attention_flops(pairs, self.num_heads, self.head_dim))
 
+    def sample_flops(self, lengths: torch.Tensor) -> torch.Tensor:
+        """int64 [B]: each sequence's share of ``flops(lengths)``."""
+        lengths, inner = lengths.long().cpu(), self.num_heads * self.head_dim
+        pairs = sample_pairs(lengths, causal=self.attn.request.causal)
+        return (linear_flops(lengths, self.qkv.in_features, 3 * inner) + linear_flops(lengths, inner, self.out.out_features)
+                + attention_flops(pairs, self.num_heads, self.head_dim))
+
 
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, hidden: int, activation: str = "gelu", dropout: float = 0.0):
@@ -223,6 +230,10 @@ class TransformerBlock(nn.Module):
 
     def flops(self, lengths: torch.Tensor) -> int:
         return self.attn.flops(lengths) + self.mlp.flops(int(lengths.sum()))
+
+    def sample_flops(self, lengths: torch.Tensor) -> torch.Tensor:
+        """int64 [B]: each sequence's share of ``flops(lengths)`` (linear FLOPs are elementwise in tokens)."""
+        return self.attn.sample_flops(lengths) + self.mlp.flops(lengths.long().cpu())
 
 
 class MLP(nn.Module):

@@ -12,7 +12,7 @@ import gemzoo
 from gemzoo.interfaces import AttentionRequest, DatasetSpec, ModelOutput, ModelSpec
 from gemzoo.jagged import lengths_to_offsets
 from gemzoo.models.common import JaggedAttention
-from gemzoo.flops import attention_flops, attention_pairs, linear_flops
+from gemzoo.flops import attention_flops, attention_pairs, linear_flops, sample_pairs
 
 
 @dataclass
@@ -102,6 +102,9 @@ class ToyModel(nn.Module):
     def embedding_tables(self):
         return []
 
+    def transformer_blocks(self):
+        return []
+
     def logits(self, batch):
         h, d = self.cfg.heads, self.cfg.d_model
         x = self.emb(batch.ids)
@@ -121,6 +124,11 @@ class ToyModel(nn.Module):
         t, d = batch.num_tokens, self.cfg.d_model
         pairs = attention_pairs(batch.lengths)
         return linear_flops(t, d, 3 * d) + attention_flops(pairs, self.cfg.heads, d // self.cfg.heads)
+
+    def cost_model(self, batch):
+        lengths, d = batch.lengths.long(), self.cfg.d_model
+        pairs = sample_pairs(lengths, causal=True)
+        return (linear_flops(lengths, d, 3 * d) + attention_flops(pairs, self.cfg.heads, d // self.cfg.heads)).double()
 
     def evaluator(self):
         model = self

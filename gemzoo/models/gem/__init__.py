@@ -145,6 +145,9 @@ class GemModel(nn.Module):
         if self.sparse_arch is not None:
             self.sparse_arch.init_weights()
 
+    def transformer_blocks(self) -> list[nn.Module]:
+        return list(self.tower.blocks)
+
     def embedding_tables(self) -> list:
         from gemzoo.embedding import torchrec_available
 
@@ -201,6 +204,21 @@ class GemModel(nn.Module):
             f += linear_flops(b, self.sparse_proj.in_features, d)
         f += self.interaction.flops(c) + sum(linear_flops(c, h.in_features, 1) for h in self.head.values())
         return int(f)
+
+    def cost_model(self, batch) -> torch.Tensor:
+        """float64 [B]: each user's share of ``flops(batch)``: history tokens through the tower (attention
+        over its causal pairs), candidates through cross attention (candidates x history pairs) and the head."""
+        cfg, d, x = self.cfg, self.cfg.d_model, self.cross
+        lengths, cands = batch.lengths.long().cpu(), batch.cand_lengths.long().cpu()
+        inner = x.num_heads * x.head_dim
+        f = linear_flops(lengths, cfg.embedding_dim, d) + sum(blk.sample_flops(lengths) for blk in self.tower.blocks)
+        f = f + linear_flops(cands, cfg.embedding_dim, d) + linear_flops(cands, d, inner)
+        f = f + linear_flops(lengths, d, 2 * inner) + linear_flops(cands, inner, d)
+        f = f + attention_flops(cands * lengths, x.num_heads, x.head_dim)
+        if self.sparse_proj is not None:
+            f = f + linear_flops(1, self.sparse_proj.in_features, d)
+        f = f + self.interaction.flops(cands) + sum(linear_flops(cands, h.in_features, 1) for h in self.head.values())
+        return f.double()
 
     def evaluator(self) -> "GemEvaluator":
         return GemEvaluator(self)

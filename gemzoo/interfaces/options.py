@@ -1,0 +1,41 @@
+"""The options pair every kind shares: ``options_cls`` and ``configure``.
+
+A registered entry that takes options from ``[plugins.options.NAME]`` declares ``options_cls``, a dataclass
+whose fields are the keys allowed there (config validates the table with it, so a typo is an error), and
+``configure(options) -> entry``, which returns a configured copy: the registered object itself is never
+changed, so two runs in one process do not see each other's options. An entry without options has no
+``options_cls`` (or ``options_cls = None``) and needs no ``configure``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+from gemzoo.errors import PluginError
+
+
+@runtime_checkable
+class Configurable(Protocol):
+    options_cls: type | None  # a dataclass; fields = the keys of [plugins.options.NAME]
+
+    def configure(self, options: Any) -> Any:
+        """A copy of this entry configured with ``options`` (an ``options_cls`` instance)."""
+
+
+def options_cls(entry: Any) -> type | None:
+    """The entry's options dataclass, or None when it takes no options."""
+    return getattr(entry, "options_cls", None)
+
+
+def check_configurable(entry: Any, name: str) -> None:
+    """Raise PluginError when ``entry`` declares ``options_cls`` but not the rest of the pair."""
+    cls = options_cls(entry)
+    if cls is None:
+        return
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise PluginError(f"plugin {name!r}: options_cls must be a dataclass (its fields are the keys of "
+                          f"[plugins.options.{name}]), got {cls!r}")
+    if not callable(getattr(entry, "configure", None)):
+        raise PluginError(f"plugin {name!r} declares options_cls = {cls.__name__} but no configure(options) "
+                          "method returning the configured entry; add one")

@@ -1,0 +1,109 @@
+"""The one table of registry kinds.
+
+Each kind says which hook registers it, the Protocol (or spec type) its entries satisfy, whether a run takes
+one entry or a list, where a config names it and what it defaults to, and which conformance suite checks it.
+
+    >>> from gemzoo.kinds import KINDS, kind
+    >>> kind("memory").many, kind("memory").config_key
+    (True, 'plugins.memory')
+    >>> [k.name for k in KINDS if k.in_plugins]
+    ['attention', 'precision', 'planner', 'comms', 'memory', 'batching']
+
+For now ``registry.KINDS``, ``config.PLUGIN_KINDS`` / ``PluginsConfig``, the CLI's ``list`` choices and the
+trainer's selected plugins keep their own lists; ``tests/test_kinds.py`` checks that they agree with this
+table, so deriving them from it is a safe next step (issue #9 item 1). Adding a kind then touches
+``hookspecs.py``, this table and ``interfaces/`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gemzoo.interfaces.attention import AttentionKernel
+from gemzoo.interfaces.batching import BatchingPolicy
+from gemzoo.interfaces.comms import CommsBackend
+from gemzoo.interfaces.memory import MemoryPolicy
+from gemzoo.interfaces.models import Dataset, DatasetSpec, ModelSpec, RecModel
+from gemzoo.interfaces.planner import Planner
+from gemzoo.interfaces.precision import PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One registry kind.
+
+    ``protocol``: what every registered entry is (a runtime-checkable Protocol, or the spec dataclass for
+    model and dataset, whose ``build`` returns a ``builds``). ``many``: a run takes a list of entries, applied
+    in order (memory), else exactly one. ``config_key``: the dotted config key that names the run's
+    entry (or entries). ``default``: the name(s) used when the config gives none; ``None`` when the config must
+    name one ([model] family, [data] source). ``conformance``: the ``gemzoo.testing`` module whose suite
+    every entry of the kind passes.
+    """
+
+    name: str
+    hook: str
+    protocol: type
+    many: bool
+    config_key: str
+    default: str | tuple[str, ...] | None
+    conformance: str
+    builds: type | None = None
+    description: str = ""
+
+    @property
+    def in_plugins(self) -> bool:
+        """Chosen in the [plugins] table (and by ``--plugins``), not in [model] / [data]."""
+        return self.config_key.startswith("plugins.")
+
+    @property
+    def slot(self) -> str:
+        """The field of its config section: ``attention``, ``memory``, ``family``, ``source``."""
+        return self.config_key.rpartition(".")[2]
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("attention", "gemzoo_register_attention", AttentionKernel, False, "plugins.attention", "reference",
+         "gemzoo.testing.attention", description="jagged attention kernels (per attention site)"),
+    Kind("precision", "gemzoo_register_precision", PrecisionPolicy, False, "plugins.precision", "fp32",
+         "gemzoo.testing.precision", description="linear and attention-matmul precision policies"),
+    Kind("planner", "gemzoo_register_planners", Planner, False, "plugins.planner", "torchrec",
+         "gemzoo.testing.planner", description="embedding-table sharding planners"),
+    Kind("comms", "gemzoo_register_comms", CommsBackend, False, "plugins.comms", "torch",
+         "gemzoo.testing.comms", description="c10d communication backends"),
+    Kind("memory", "gemzoo_register_memory", MemoryPolicy, True, "plugins.memory", (),
+         "gemzoo.testing.memory", description="activation-memory policies, applied in list order"),
+    Kind("batching", "gemzoo_register_batching", BatchingPolicy, False, "plugins.batching", "none",
+         "gemzoo.testing.batching", description="policies that assign samples to data-parallel ranks"),
+    Kind("model", "gemzoo_register_models", ModelSpec, False, "model.family", None,
+         "gemzoo.testing.models", builds=RecModel, description="model families"),
+    Kind("dataset", "gemzoo_register_datasets", DatasetSpec, False, "data.source", None,
+         "gemzoo.testing.models", builds=Dataset, description="datasets"),
+)
+
+_BY_NAME = {k.name: k for k in KINDS}
+
+
+def kind(name: str) -> Kind:
+    """The kind called ``name``; ``KeyError`` naming the kinds that exist."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown kind {name!r}; the kinds are: {', '.join(_BY_NAME)}") from None
+
+
+def names() -> list[str]:
+    """Every kind's name, in table order."""
+    return [k.name for k in KINDS]
+
+
+def plugin_kinds() -> list[Kind]:
+    """The kinds a run picks in [plugins] (and ``--plugins``), in table order."""
+    return [k for k in KINDS if k.in_plugins]
+
+
+def hooks() -> dict[str, str]:
+    """Kind name -> its registration hook (what ``registry.KINDS`` holds today)."""
+    return {k.name: k.hook for k in KINDS}
+
+
+__all__ = ["Kind", "KINDS", "kind", "names", "plugin_kinds", "hooks"]

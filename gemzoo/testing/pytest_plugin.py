@@ -1,0 +1,68 @@
+"""A pytest plugin for conformance tests: parametrisation over every registered entry of a kind.
+
+Load it from a root ``conftest.py`` (gemzoo's does) or a plugin's own::
+
+    pytest_plugins = ["gemzoo.testing.pytest_plugin"]
+
+Then a test that takes an argument ``<kind>_name`` runs once per registered entry of that kind (``attention_name``,
+``precision_name``, ``planner_name``, ``comms_name``, ``memory_name``, ``batching_name``, ``model_name``,
+``dataset_name``), ids being the names, and ``registry_entry(kind, name)`` returns the entry::
+
+    def test_my_invariant(memory_name, registry_entry):
+        policy = registry_entry("memory", memory_name)
+
+``registered(kind, device=..., pattern=...)`` gives the same list for an explicit ``parametrize`` (and filters by
+the devices an entry's ``capabilities`` declare). A third-party plugin's tests run the suites of
+``gemzoo.testing.<kind>`` on its own entry the same way, or over ``registered(kind, pattern="mine*")``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gemzoo.kinds import KINDS
+
+
+def registered(kind: str, *, device: str | None = None, pattern: str | None = None) -> list:
+    """``pytest.param(name, id=name)`` for each registered ``kind`` entry (those declaring ``device`` in their
+    ``capabilities.devices`` when ``device`` is given; entries without capabilities run anywhere)."""
+    from gemzoo import registry
+
+    out = []
+    for name in registry.names(kind, pattern):
+        devices = getattr(getattr(registry.get(kind, name), "capabilities", None), "devices", None)
+        if device is not None and devices is not None and device not in devices:
+            continue
+        out.append(pytest.param(name, id=name))
+    return out
+
+
+@pytest.fixture
+def registry_entry():
+    """``registry_entry(kind, name)``: the registered object (a fresh configured copy when it has options)."""
+    from gemzoo import registry
+
+    def get(kind: str, name: str):
+        obj = registry.get(kind, name)
+        options_cls = getattr(obj, "options_cls", None)
+        if options_cls is None:
+            return obj
+        try:
+            defaults = options_cls()
+        except TypeError:  # options without defaults: the registered object as it is
+            return obj
+        return obj.configure(defaults)
+
+    return get
+
+
+def pytest_generate_tests(metafunc) -> None:
+    for kind in KINDS:
+        arg = f"{kind.name}_name"
+        if arg in metafunc.fixturenames and not _already_parametrized(metafunc, arg):
+            metafunc.parametrize(arg, registered(kind.name))
+
+
+def _already_parametrized(metafunc, arg: str) -> bool:
+    return any(arg in (m.args[0] if isinstance(m.args[0], (list, tuple)) else m.args[0].replace(" ", "").split(","))
+               for m in metafunc.definition.iter_markers("parametrize"))
