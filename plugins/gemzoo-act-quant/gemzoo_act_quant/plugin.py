@@ -154,6 +154,7 @@ class ActQuantPolicy:
     def apply(self, model: nn.Module, cfg=None) -> nn.Module:
         run = getattr(cfg, "run", None)
         self.compiled = bool(getattr(run, "compile", False))
+        self.said, self.last, self.steps = set(), _Stats(), 0  # a new run: its own report, its own notes
         self._param_keys = {p.untyped_storage().data_ptr() for p in model.parameters()
                             if p.device.type != "meta" and p.layout == torch.strided}
         for h in self._handles:

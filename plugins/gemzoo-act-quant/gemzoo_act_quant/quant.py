@@ -51,6 +51,7 @@ class Packed:
     dtype: torch.dtype
     shape: torch.Size
     kind: str  # "row" | "block32" (plain torch) | "mx" (gemzoo_mxfp8)
+    stride: tuple[int, ...] | None = None  # x's strides when it was not contiguous (compiled backward graphs check them)
 
     @property
     def nbytes(self) -> int:
@@ -89,15 +90,26 @@ def quantize(x: torch.Tensor, elem: torch.dtype = torch.float8_e4m3fn, scale: st
     """x (floating, last dim >= 1) -> Packed; see the module docstring."""
     scale = resolve_scale(scale)
     if scale == "row":
-        return quantize_rows(x, elem)
-    api = mx_api()
-    if api is not None:
-        data, s = api[0](x.contiguous(), axis=-1, block=BLOCK, elem=elem)
-        return Packed(data, s, x.dtype, x.shape, "mx")
-    return quantize_blocks(x, elem)
+        p = quantize_rows(x, elem)
+    elif mx_api() is not None:
+        data, s = mx_api()[0](x.contiguous(), axis=-1, block=BLOCK, elem=elem)
+        p = Packed(data, s, x.dtype, x.shape, "mx")
+    else:
+        p = quantize_blocks(x, elem)
+    if not x.is_contiguous():
+        p.stride = tuple(x.stride())
+    return p
 
 
 def dequantize(p: Packed) -> torch.Tensor:
+    y = _dequantize(p)
+    if p.stride is None:
+        return y
+    out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=y.device)
+    return out.copy_(y)
+
+
+def _dequantize(p: Packed) -> torch.Tensor:
     if p.kind == "mx":
         out_dtype = p.dtype if p.dtype in (torch.float32, torch.bfloat16) else torch.float32
         return mx_api()[1](p.data, p.scale, axis=-1, block=BLOCK, dtype=out_dtype).to(p.dtype)

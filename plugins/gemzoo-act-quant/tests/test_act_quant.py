@@ -41,6 +41,16 @@ def test_roundtrip_within_e4m3_rounding(scale, dtype):
     assert bool((y[3] == 0).all())
 
 
+@pytest.mark.parametrize("scale", ["row", "block32"])
+def test_strides_come_back(scale):
+    """Compiled backward graphs assert the strides of what they saved: a view of q out of a fused qkv."""
+    qkv = torch.randn(50, 3, 4, 32)
+    q = qkv.unbind(1)[0]
+    y = dequantize(quantize(q, torch.float8_e4m3fn, scale))
+    assert y.shape == q.shape and y.stride() == q.stride()
+    assert torch.allclose(y, q, rtol=2**-4, atol=1e-2)
+
+
 def test_powers_of_two_are_exact_and_nan_stays():
     x = torch.tensor([[1.0, -2.0, 0.5, 448.0, 2.0**-6], [3.0, 0.0, float("nan"), 1.5, 0.75]]).repeat(1, 8)
     y = dequantize(quantize(x, torch.float8_e4m3fn, "row"))
