@@ -5,7 +5,7 @@
 Every plugin set of the ablation file trains in its own process, into its own run folder
 ``DIR/runs/NN-<plugins>/`` (what ``gemzoo train`` writes there: ``metrics.jsonl``), with the process's output and
 its summary beside it (``NN-<plugins>.log``, ``NN-<plugins>.json``), so each run's peak memory is
-its own (CUDA ``max_memory_allocated``; on CPU the maximum RSS of that run's process, from ``wait4``) and
+its own (CUDA ``max_memory_allocated``; on CPU the peak RSS of that run's process, its VmHWM) and
 a crash or an out-of-memory in one set leaves the others running. The ablation folder ``DIR`` then gets:
 
     ablation.json  ablation.csv       one row per plugin set (medians after the warm-up steps)
@@ -24,9 +24,11 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,8 +130,31 @@ def child_main(spec_path: str) -> int:
 
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"
+    peak = peak_rss_bytes()
+    if "peak_mem_source" not in result and peak is not None:  # CPU: this process's own high-water mark
+        result["peak_mem_gib"] = peak / 2**30
+        result["peak_mem_source"] = "peak RSS of the run's process"
     Path(spec["result"]).write_text(json.dumps(result, indent=1, default=str))
     return 0 if "error" not in result else 1
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set since its exec: VmHWM of /proc/self/status (Linux).
+
+    Not ``getrusage().ru_maxrss``: on Linux that keeps the high-water mark of the address space the process
+    replaced at exec, i.e. the parent's resident set at fork, so every run would report at least the
+    ablation process's own size."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if sys.platform == "darwin":
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, and exec resets it there
+    return None
 
 
 def _train_and_summarise(spec: dict) -> dict:
@@ -202,15 +227,27 @@ def run_one(plan: AblationPlan, index: int, plugins: str) -> dict:
         row["log_tail"] = _tail(log_path)
         row.setdefault("wall_s", time.perf_counter() - t0)
     if row.get("peak_mem_source") is None and rusage is not None:
-        # CPU (or a failed GPU run): the maximum resident set of this run's own process.
+        # The run's process died before reporting: wait4's figure, an upper bound (see peak_rss_bytes).
         row["peak_mem_gib"] = rusage.ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 2**30
-        row["peak_mem_source"] = "max RSS of the run's process"
+        row["peak_mem_source"] = "max RSS from wait4 (upper bound: includes the parent's size at fork)"
     row["run_seconds"] = time.perf_counter() - t0
     return row
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float | None):
-    """Wait for ``proc``; return (exit code or "timeout", its own resource usage)."""
+    """Wait for ``proc``; return (exit code or "timeout", its own resource usage). If the wait itself is
+    interrupted (Ctrl-C, SIGTERM), the run's process is killed first, so no orphan keeps training."""
+    try:
+        return _wait_for(proc, timeout_s)
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+            os.waitpid(proc.pid, 0)
+            proc.returncode = -9
+        raise
+
+
+def _wait_for(proc: subprocess.Popen, timeout_s: float | None):
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         pid, status, rusage = os.wait4(proc.pid, os.WNOHANG if deadline else 0)
@@ -227,8 +264,6 @@ def _wait(proc: subprocess.Popen, timeout_s: float | None):
 
 def _describe_rc(rc) -> str:
     if isinstance(rc, int) and rc < 0:
-        import signal
-
         name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
         hint = " (killed: out of memory?)" if -rc == signal.SIGKILL else ""
         return f"signal {name}{hint}"
@@ -247,6 +282,8 @@ def run_ablation(plan: AblationPlan, *, overwrite: bool = False, echo=print) -> 
     """Run every plugin set of ``plan``; write ablation.json/.csv, the plots and report.md into ``plan.out``."""
     prepare_out(plan.out, overwrite)
     started = time.time()
+    if threading.current_thread() is threading.main_thread():  # SIGTERM stops the ablation like Ctrl-C
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     rows = []
     for i, plugins in enumerate(plan.runs, 1):
         echo(f"== [{i}/{len(plan.runs)}] {plugins}")
@@ -274,6 +311,10 @@ def write_report(data: dict, out: Path, echo=print) -> list[Path]:
     (out / "report.md").write_text(render_report(data, plots))
     echo(f"wrote {out}/: ablation.json, ablation.csv, report.md" + "".join(f", {p.name}" for p in plots))
     return plots
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def summary_line(row: dict) -> str:
