@@ -25,6 +25,7 @@ class JaggedAttention(nn.Module):
         self.options = options  # fixed keyword options: window, block_size, norm, scale...
         self.kernel_name = "reference"
         self._kernel = None
+        self._output_checked = False
         self.add_options()
 
     def add_options(self, **options) -> None:
@@ -39,7 +40,6 @@ class JaggedAttention(nn.Module):
     def mask_options(self) -> dict:
         """The options that change which pairs are allowed (for FLOP counts)."""
         return {k: self.options.get(k) for k in ("block_size", "window")}
-        self._output_checked = False
 
     @property
     def kernel(self):
