@@ -6,6 +6,14 @@ and ``num_negatives`` uniformly sampled items' normalised embeddings (cosine / t
 accidental hits of the target masked out; the loss is the softmax cross-entropy of the target.
 ``negatives = "shared"`` draws one set of negatives for the whole batch (cheap); ``"per_position"`` draws
 ``num_negatives`` for every position, as the HSTU reference code does (memory O(positions x negatives x d)).
+``accidental_hits = "mask"`` drops a negative that equals the target from the softmax (the reference's way);
+``"redraw"`` (per_position only) draws each position's negatives from the other num_items - 1 items, so a
+negative never equals the target.
+
+Input: item embedding x sqrt(d) + a learned position, dropout. ``positions = "recency"`` counts back from the
+most recent item (0 = newest); ``"from_start"`` counts from the start of the window (0 = oldest), as the HSTU
+reference does. ``init = "reference"`` initialises each family as the HSTU reference code does
+(docs/quality-ml1m.md lists the schemes); ``"normal"``: truncated normal ``init_std`` everywhere.
 
 Evaluation: the user state at each evaluated position is scored against every item; HR@K and NDCG@K
 (K in ``eval_ks``) use the target's rank, ties counted at their average rank; ``eval_ranking = "unseen"``
@@ -23,6 +31,7 @@ from torch import nn
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import ModelOutput
 from gemzoo.jagged import max_length
+from gemzoo.jagged import positions as window_positions
 from gemzoo.models.common import init_weights, log2_discount, require_data_info, reverse_positions
 from gemzoo.flops import linear_flops
 
@@ -44,6 +53,15 @@ class RetrievalConfig:
     # in "_unseen", so the two are never compared by mistake.
     eval_ranking: str = "all"
     init_std: float = 0.02
+    positions: str = "recency"  # "recency" (0 = most recent item) or "from_start" (0 = oldest in the window)
+    accidental_hits: str = "mask"  # "mask" (a drawn target is left out of the softmax) or "redraw"
+    init: str = "normal"  # "normal" (truncated normal init_std) or "reference" (the HSTU reference code's)
+    norm_affine: bool = True  # learnable LayerNorm scale and shift in the blocks
+
+
+def trunc_normal(weight: torch.Tensor, std: float) -> None:
+    """Normal(0, std) truncated at +-2 std, in place."""
+    nn.init.trunc_normal_(weight, std=std, a=-2 * std, b=2 * std)
 
 
 def check_retrieval_config(cfg: RetrievalConfig, family: str) -> None:
@@ -62,6 +80,14 @@ def check_retrieval_config(cfg: RetrievalConfig, family: str) -> None:
     need(bool(cfg.eval_ks) and min(cfg.eval_ks) >= 1, f"eval_ks must list positive cut-offs, got {cfg.eval_ks}")
     need(cfg.eval_ranking in ("all", "unseen"),
          f"eval_ranking must be 'all' or 'unseen' (history items left out), got {cfg.eval_ranking!r}")
+    need(cfg.positions in ("recency", "from_start"),
+         f"positions must be 'recency' or 'from_start', got {cfg.positions!r}")
+    need(cfg.accidental_hits in ("mask", "redraw"),
+         f"accidental_hits must be 'mask' or 'redraw', got {cfg.accidental_hits!r}")
+    need(cfg.accidental_hits != "redraw" or cfg.negatives == "per_position",
+         "accidental_hits = 'redraw' needs negatives = 'per_position' (one shared draw cannot avoid every "
+         "position's target); use accidental_hits = 'mask' with shared negatives")
+    need(cfg.init in ("normal", "reference"), f"init must be 'normal' or 'reference', got {cfg.init!r}")
 
 
 class RetrievalModel(nn.Module):
@@ -76,6 +102,9 @@ class RetrievalModel(nn.Module):
                           'use [data] source = "movielens" (or model family gem)')
         self.cfg = cfg
         self.num_items, self.max_len = int(data_info["num_items"]), int(data_info["max_len"])
+        if cfg.accidental_hits == "redraw" and self.num_items < 2:
+            raise ConfigError(f"[model] ({self.family}): accidental_hits = 'redraw' needs at least 2 items, "
+                              f"the data has {self.num_items}")
         d = cfg.embedding_dim
         self.item_emb = nn.Embedding(self.num_items, d)
         self.pos_emb = nn.Embedding(self.max_len, d)
@@ -86,7 +115,26 @@ class RetrievalModel(nn.Module):
 
     # -- trainer API -------------------------------------------------------------------------------
     def init_weights(self) -> None:
-        init_weights(self, std=self.cfg.init_std)
+        if self.cfg.init == "reference":
+            self.reference_init()
+        else:
+            init_weights(self, std=self.cfg.init_std)
+
+    def reference_init(self) -> None:
+        """The HSTU reference code's initialisation; each family defines its own."""
+        raise ConfigError(f"[model] ({self.family}): init = 'reference' is not defined for this family; "
+                          "use init = 'normal'")
+
+    def positions(self, offsets: torch.Tensor, total: int) -> torch.Tensor:
+        """Row of ``pos_emb`` for each input position (``positions`` config)."""
+        if self.cfg.positions == "from_start":
+            return window_positions(offsets, total).clamp(max=self.max_len - 1)
+        return reverse_positions(offsets, total, self.max_len)
+
+    def run_blocks(self, x: torch.Tensor, batch, longest: int) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, batch.offsets, longest)
+        return x
 
     def embedding_tables(self) -> list:
         return []
@@ -103,10 +151,8 @@ class RetrievalModel(nn.Module):
             )
         dtype = self.item_emb.weight.dtype
         x = self.item_emb(items) * self.cfg.embedding_dim ** 0.5
-        x = self.input_dropout(x + self.pos_emb(reverse_positions(offsets, t, self.max_len))).to(dtype)
-        for block in self.blocks:
-            x = block(x, offsets, longest)
-        return self.output_norm(x)
+        x = self.input_dropout(x + self.pos_emb(self.positions(offsets, t))).to(dtype)
+        return self.output_norm(self.run_blocks(x, batch, longest))
 
     def forward(self, batch) -> ModelOutput:
         h = self.encode(batch)
@@ -120,6 +166,12 @@ class RetrievalModel(nn.Module):
             negatives = torch.randint(self.num_items, (1, k), device=user.device)
             neg = F.normalize(self.item_emb(negatives[0]).float(), dim=-1)
             neg_logit = user @ neg.T
+        elif self.cfg.accidental_hits == "redraw":
+            # uniform over the other num_items - 1 items: draw from [0, n - 1), then skip over the target
+            negatives = torch.randint(max(self.num_items - 1, 1), (target.numel(), k), device=user.device)
+            negatives = negatives + (negatives >= target.unsqueeze(1)).long()
+            neg = F.normalize(self.item_emb(negatives).float(), dim=-1)  # [P, k, d]
+            neg_logit = torch.einsum("pd,pkd->pk", user, neg)
         else:
             negatives = torch.randint(self.num_items, (target.numel(), k), device=user.device)
             neg = F.normalize(self.item_emb(negatives).float(), dim=-1)  # [P, k, d]
@@ -137,6 +189,19 @@ class RetrievalModel(nn.Module):
         positions = int((batch.targets >= 0).sum())
         head = linear_flops(positions, self.cfg.embedding_dim, 1 + self.cfg.num_negatives)
         return int(self.block_flops(lengths) + head)
+
+    def cost_model(self, batch) -> torch.Tensor:
+        """float64 [B]: each sequence's share of ``flops(batch)`` (its blocks' FLOPs, and the head's for each
+        of its positions that has a target)."""
+        lengths = batch.lengths.long().cpu()
+        has_target = torch.cat([torch.zeros(1, dtype=torch.long), (batch.targets >= 0).long().cpu().cumsum(0)])
+        offsets = batch.offsets.cpu()
+        positions = has_target[offsets[1:]] - has_target[offsets[:-1]]
+        f = linear_flops(positions, self.cfg.embedding_dim, 1 + self.cfg.num_negatives)
+        return (f + sum(block.sample_flops(lengths) for block in self.blocks)).double()
+
+    def transformer_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
 
     def evaluator(self) -> "RankingEvaluator":
         return RankingEvaluator(self)
