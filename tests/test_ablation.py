@@ -143,3 +143,50 @@ def test_sigterm_stops_the_run_process_too(tmp_path):
     assert parent.wait(timeout=60) != 0
     time.sleep(0.5)
     assert not [p for p in _children_of_ablation(out) if p != parent.pid]
+
+
+def _fake_ablation(out: Path) -> dict:
+    """An ablation folder as a GPU machine without matplotlib leaves it: ablation.json and run folders."""
+    rows = []
+    for i, (plugins, loss0) in enumerate([("a,bf16", 2.0), ("b,bf16", 1.8)], 1):
+        run = out / "runs" / f"0{i}-{plugins.replace(',', '-')}"
+        run.mkdir(parents=True)
+        lines = [{"event": "start", "step": 0}] + [{"step": s, "loss": loss0 / s} for s in range(1, 31)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        rows.append({"plugins": plugins, "status": "ok", "run_dir": str(run.relative_to(out)), "steps": 30,
+                     "samples_per_s": 100.0 * i, "tokens_per_s": 1e4 * i, "tflops": 50.0 * i, "mfu": 0.05 * i,
+                     "step_s": 0.01, "wall_s": 3.0, "final_loss": loss0 / 30, "mfu_peak": "H200 bf16 dense",
+                     "peak_mem_gib": 10.0 * i, "peak_mem_source": "torch.cuda.max_memory_allocated",
+                     "eval": {"eval/auc_click": 0.6 + 0.01 * i}, "device": "NVIDIA H200", "device_memory_gib": 139.8})
+    rows.append({"plugins": "c,bf16", "status": "failed", "error": "OutOfMemoryError: CUDA out of memory",
+                 "run_dir": "runs/03-c-bf16", "log_tail": "torch.OutOfMemoryError: CUDA out of memory"})
+    data = {"ablation": "configs/ablations/x.toml", "config": "configs/x.toml", "steps": 30, "warmup": 5,
+            "overrides": [], "command": "gemzoo ablate configs/ablations/x.toml --out /out", "started": 0.0,
+            "machine": {"platform": "Linux", "python": "3.12", "cpu": "cpu", "cpu_count": 16, "memory_gib": 128,
+                        "gpu": "NVIDIA H200", "gpu_memory_gib": 139.8}, "versions": {"torch": "2.11"}, "rows": rows}
+    (out / "ablation.json").write_text(json.dumps(data))
+    return data
+
+
+def test_report_without_matplotlib_then_redrawn_elsewhere(tmp_path, monkeypatch, capsys, fresh_registry):
+    from gemzoo import ablate, plotting
+    from gemzoo.cli import main
+
+    data = _fake_ablation(tmp_path)
+
+    def no_matplotlib(*a, **k):
+        raise ConfigError("plots need matplotlib: pip install matplotlib")
+
+    with monkeypatch.context() as m:
+        m.setattr(plotting, "_figure", no_matplotlib)
+        assert ablate.write_report(data, tmp_path, echo=lambda s: None) == []
+    report = (tmp_path / "report.md").read_text()
+    assert "No plots" in report and "gemzoo ablate --report DIR" in report and not list(tmp_path.glob("*.png"))
+    assert "NVIDIA H200 (139.8 GiB)" in report and "OutOfMemoryError" in report
+
+    assert main(["ablate", "--report", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "No plots" not in report and "![throughput](throughput.png)" in report
+    assert {p.name for p in tmp_path.glob("*.png")} == {"throughput.png", "memory.png", "loss.png", "eval.png"}
+    assert "| `b,bf16` | 200.0 |" in capsys.readouterr().out  # the table, ratios against the first set
+    assert "2.00x" in report
