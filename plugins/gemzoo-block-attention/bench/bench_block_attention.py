@@ -37,6 +37,7 @@ from gemzoo_block_attention.ops import rope_jagged  # noqa: E402
 
 H, D, DTYPE, BLOCK, THETA = 4, 128, torch.bfloat16, 64, 10000.0
 RESULTS: dict = {"device": None, "rows": [], "skipped": []}
+DEVICE = "cuda"  # --dry-run: "cpu" under TRITON_INTERPRET=1, tiny shapes, one untimed call each (code paths only)
 
 
 def save(out_dir):
@@ -46,16 +47,26 @@ def save(out_dir):
 
 
 def inputs(lens, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    off = lengths_to_offsets(lens).cuda()
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    off = lengths_to_offsets(lens).to(DEVICE)
     t = int(lens.sum())
-    q, k, v = (torch.randn(t, H, D, device="cuda", dtype=DTYPE, generator=gen).requires_grad_() for _ in range(3))
-    grad = torch.randn(t, H, D, device="cuda", dtype=DTYPE, generator=gen)
+    dtype = DTYPE if DEVICE == "cuda" else torch.float32
+    q, k, v = (torch.randn(t, H, D, device=DEVICE, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    grad = torch.randn(t, H, D, device=DEVICE, dtype=dtype, generator=gen)
     return off, (q, k, v), grad
 
 
 def timed(fn, leaves, grad):
     """(fwd ms, fwd+bwd ms, peak bytes of one fwd+bwd above what is allocated before it)."""
+    if DEVICE != "cuda":  # dry run: one forward (and backward where CPU has one), untimed
+        if getattr(fn, "cpu_backward", True):
+            fn().backward(grad)
+        else:
+            with torch.no_grad():
+                fn()
+        for t in leaves:
+            t.grad = None
+        return 1.0, 1.0, 0
     from triton.testing import do_bench
 
     def fwd():
@@ -89,6 +100,8 @@ def flex_fn(off, leaves, t, *, block, window, doc_mask):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     global _flex
+    if DEVICE != "cuda":
+        _flex = flex_attention
     if _flex is None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _flex = torch.compile(flex_attention, dynamic=False)
@@ -102,12 +115,15 @@ def flex_fn(off, leaves, t, *, block, window, doc_mask):
             ok = ok & (pos[qi] - pos[kj] < window)
         return ok
 
-    bm = create_block_mask(mask_mod, None, None, t, t, device="cuda", _compile=True)
+    bm = create_block_mask(mask_mod, None, None, t, t, device=DEVICE, _compile=DEVICE == "cuda")
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in leaves)
+    if DEVICE != "cuda":  # CPU Flex refuses inputs that require grad
+        q, k, v = q.detach(), k.detach(), v.detach()
 
     def fn():
         return _flex(q, k, v, block_mask=bm).squeeze(0).transpose(0, 1)
 
+    fn.cpu_backward = False  # FlexAttention has no CPU backward
     return fn
 
 
@@ -178,7 +194,7 @@ def rotary(lens):
     r_f = row(name, "rope fused", lens, *timed(fused, leaves, grad), pairs, err_vs_unfused=round(err, 5))
     r_u = row(name, "rope in torch + kernel", lens, *timed(unfused, leaves, grad), pairs)
     r_f["speedup_fwd_bwd_vs_unfused"] = r_u["fwd_bwd_ms"] / r_f["fwd_bwd_ms"]
-    r_f["peak_ratio_vs_unfused"] = r_f["peak_gib"] / r_u["peak_gib"]
+    r_f["peak_ratio_vs_unfused"] = r_f["peak_gib"] / max(r_u["peak_gib"], 1e-9)
     log(f"  -> fused RoPE: fwd+bwd {r_f['speedup_fwd_bwd_vs_unfused']:.2f}x, peak {r_f['peak_ratio_vs_unfused']:.2f}x")
 
 
@@ -203,16 +219,22 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--deadline", type=float, default=1e9, help="seconds; rows not started by then are skipped")
     p.add_argument("--lengths", default="8192,16384,32768,65536")
+    p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes, untimed")
     args = p.parse_args()
     import triton
 
+    global DEVICE, BLOCK, gem_lognormal
+    if args.dry_run:
+        DEVICE, BLOCK, args.lengths = "cpu", 16, "64,128"
+        gem_lognormal = lambda: torch.tensor([40, 0, 70, 17])  # noqa: E731
     start = time.time()
-    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     RESULTS["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     steps = [(f"one seq L={n}", lambda n=n: compare(f"one_seq_L{n}", torch.tensor([n]), dense=True))
              for n in map(int, args.lengths.split(","))]
-    steps += [("block+window L=32K", lambda: compare("one_seq_L32768_win1024", torch.tensor([32768]), window=1024)),
+    win_l, win = (32768, 1024) if DEVICE == "cuda" else (128, 10)
+    steps += [("block+window L=32K", lambda: compare(f"one_seq_L{win_l}_win{win}", torch.tensor([win_l]), window=win)),
               ("gem-lognormal", lambda: compare("gem_lognormal_B64", gem_lognormal(), doc_mask=True)),
               ("rotary", lambda: rotary(gem_lognormal()))]
     for what, fn in steps:
@@ -225,7 +247,8 @@ def main():
         except Exception as exc:  # noqa: BLE001 - record and go on: one process measures every row
             RESULTS.setdefault("errors", {})[what] = f"{type(exc).__name__}: {exc}"
             log(f"FAILED {what}: {type(exc).__name__}: {exc}")
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         save(args.out)
     mine = {r["T"]: r["fwd_bwd_ms"] for r in RESULTS["rows"]
             if r["method"] == "block-attention" and r["workload"].startswith("one_seq_L") and "win" not in r["workload"]}
