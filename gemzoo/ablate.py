@@ -441,6 +441,14 @@ def markdown_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (reports read better)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
 def render_report(data: dict, plots: list[Path]) -> str:
     m, rows = data["machine"], data["rows"]
     ok = [r for r in rows if r.get("status") == "ok"]
@@ -453,7 +461,7 @@ def render_report(data: dict, plots: list[Path]) -> str:
     lines = [
         f"# Ablation: {Path(data['ablation']).stem}",
         "",
-        f"`{data['config']}` under {len(rows)} plugin sets, {data['steps']} steps each; throughput figures are medians "
+        f"`{_shown(data['config'])}` under {len(rows)} plugin sets, {data['steps']} steps each; throughput figures are medians "
         f"after {data['warmup']} warm-up steps. Each set trained in its own process and run folder (`runs/`).",
         "",
         "```bash",

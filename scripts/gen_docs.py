@@ -204,12 +204,15 @@ def in_this_repo(distribution: str) -> bool:
         return False
     import subprocess
 
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, timeout=30).returncode == 0
+
     try:
-        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", str(pyproject.relative_to(ROOT))], cwd=ROOT,
-                                 capture_output=True, timeout=30)
+        if not git("rev-parse", "--is-inside-work-tree"):
+            return True  # not a git checkout (an sdist, an archive): what is on disk is the repository
+        return git("ls-files", "--error-unmatch", str(pyproject.relative_to(ROOT)))
     except (OSError, subprocess.TimeoutExpired):
-        return True  # not a git checkout: what is on disk is the repository
-    return tracked.returncode == 0
+        return True
 
 
 def config_reference() -> str:
