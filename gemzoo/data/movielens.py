@@ -59,6 +59,15 @@ class MovieLensConfig:
     movies_path: str = ""  # "": movies.dat beside ratings.dat
 
 
+def _dat_lines(path: str):
+    """(line number, stripped line) of each non-empty line of a MovieLens .dat file (latin-1)."""
+    with open(path, encoding="latin-1") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if line:
+                yield lineno, line
+
+
 def read_ratings(path: str) -> list[tuple[int, int, int, int]]:
     """Parse ``path``; ConfigError naming the file, line and expected format on any problem."""
     if not path:
@@ -69,21 +78,15 @@ def read_ratings(path: str) -> list[tuple[int, int, int, int]]:
             f"to its ratings.dat, whose lines read {FORMAT}"
         )
     rows = []
-    with open(path, encoding="latin-1") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            parts = line.split("::")
-            try:
-                if len(parts) != 4:
-                    raise ValueError
-                user, movie, rating, ts = (int(p) for p in parts)
-            except ValueError:
-                raise ConfigError(
-                    f"{path}, line {lineno}: expected {FORMAT}, got {line[:80]!r}"
-                ) from None
-            rows.append((user, movie, rating, ts))
+    for lineno, line in _dat_lines(path):
+        parts = line.split("::")
+        try:
+            if len(parts) != 4:
+                raise ValueError
+            user, movie, rating, ts = (int(p) for p in parts)
+        except ValueError:
+            raise ConfigError(f"{path}, line {lineno}: expected {FORMAT}, got {line[:80]!r}") from None
+        rows.append((user, movie, rating, ts))
     if not rows:
         raise ConfigError(f"{path}: the file has no ratings; expected lines of {FORMAT}")
     return rows
@@ -95,15 +98,11 @@ MOVIES_FORMAT = "MovieID::Title::Genres"
 def read_movie_ids(path: str) -> list[int]:
     """The movie ids of a MovieLens ``movies.dat``; ConfigError naming the file and line on a bad one."""
     ids = []
-    with open(path, encoding="latin-1") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                ids.append(int(line.split("::", 1)[0]))
-            except ValueError:
-                raise ConfigError(f"{path}, line {lineno}: expected {MOVIES_FORMAT}, got {line[:80]!r}") from None
+    for lineno, line in _dat_lines(path):
+        try:
+            ids.append(int(line.split("::", 1)[0]))
+        except ValueError:
+            raise ConfigError(f"{path}, line {lineno}: expected {MOVIES_FORMAT}, got {line[:80]!r}") from None
     if not ids:
         raise ConfigError(f"{path}: no movies; expected lines of {MOVIES_FORMAT}")
     return ids
