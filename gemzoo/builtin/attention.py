@@ -59,10 +59,10 @@ def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, acti
             s = s.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
             p = torch.softmax(s, dim=-1)
         else:
-            p = torch.where(mask, apply_activation(s, activation), torch.zeros((), dtype=s.dtype))
+            p = torch.where(mask, apply_activation(s, activation), 0.0)
             if norm is not None:
                 p = p / norm
-        o = torch.where(has_key, p @ vb, torch.zeros((), dtype=s.dtype))  # no allowed key -> exactly 0
+        o = torch.where(has_key, p @ vb, 0.0)  # no allowed key -> exactly 0
         pieces.append(o.transpose(0, 1))
     if not pieces:
         return out.to(q.dtype)
@@ -111,7 +111,7 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
         # so SDPA's own causal kernel (flash) needs no mask at all.
         out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
         # SDPA's CPU flash kernel can drop a NaN query row; every row here has a key, so NaN q means NaN out
-        out = torch.where(qp.isnan().any(-1, keepdim=True), torch.full((), float("nan"), dtype=out.dtype), out)
+        out = torch.where(qp.isnan().any(-1, keepdim=True), float("nan"), out)
     elif simple and not causal:
         has_key = (k_lens > 0).view(-1, 1, 1, 1)
         key_mask = torch.arange(kp.shape[2], device=q.device).view(1, 1, 1, -1) < k_lens.view(-1, 1, 1, 1)
@@ -130,10 +130,10 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
             s = scale * (qp @ kp.transpose(-1, -2))
             if bias is not None:
                 s = s + bias
-            p = torch.where(mask, apply_activation(s, activation), torch.zeros((), dtype=s.dtype))
+            p = torch.where(mask, apply_activation(s, activation), 0.0)
             if norm is not None:
                 p = p / norm
-            out = torch.where(mask.any(-1, keepdim=True), p @ vp, torch.zeros((), dtype=s.dtype))
+            out = torch.where(mask.any(-1, keepdim=True), p @ vp, 0.0)
     return padded_to_jagged(out.transpose(1, 2), q_offsets).to(in_dtype)
 
 
@@ -183,7 +183,7 @@ def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
     v, poisoned = _quarantine_nonfinite_v(v, q_offsets, k_offsets, q_pos[:tq], causal, window, block_size)
     out = _flex(heads_first(q, tq_pad), heads_first(k, tk_pad), heads_first(v, tk_pad), block_mask, scale)
     out = out.squeeze(0).transpose(0, 1)[:tq]
-    return torch.where(poisoned.view(-1, 1, 1), torch.full((), float("nan"), dtype=out.dtype), out)
+    return torch.where(poisoned.view(-1, 1, 1), float("nan"), out)
 
 
 def _quarantine_nonfinite_v(v, q_offsets, k_offsets, q_pos, causal, window, block_size):
@@ -197,7 +197,7 @@ def _quarantine_nonfinite_v(v, q_offsets, k_offsets, q_pos, causal, window, bloc
     k_seq, q_seq = seq_ids(k_offsets, tk), seq_ids(q_offsets, tq)
     bad_tok = ~torch.isfinite(v).flatten(1).all(1)
     bad_seq = torch.zeros(b, dtype=torch.int32, device=v.device).index_add_(0, k_seq, bad_tok.int()) > 0
-    v = torch.where(bad_seq[k_seq].view(-1, 1, 1), torch.zeros((), dtype=v.dtype), v)
+    v = torch.where(bad_seq[k_seq].view(-1, 1, 1), 0.0, v)
     lo, hi = torch.zeros_like(q_pos), k_offsets.diff()[q_seq] - 1  # allowed keys of each query: [lo, hi]
     if causal:
         hi = torch.minimum(hi, q_pos)
