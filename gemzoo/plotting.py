@@ -87,7 +87,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] 
         ax_eval.text(0.5, 0.5, "no eval metrics logged", ha="center", va="center", transform=ax_eval.transAxes)
     for ax in (ax_loss, ax_tput, ax_eval):
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
+        entries = len(ax.get_legend_handles_labels()[0])
+        if entries > 4:  # below the panel, so it never hides the curves
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+        elif entries:
             ax.legend(fontsize=8)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

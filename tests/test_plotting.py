@@ -1,0 +1,55 @@
+"""``gemzoo plot`` and the one metrics.jsonl reader the plots use."""
+
+import json
+
+import pytest
+
+from gemzoo.cli import main
+from gemzoo.errors import ConfigError
+from gemzoo.plotting import plot_runs, read_metrics
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(path, rows):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def steps(a, b, loss=1.0, **extra):
+    return [{"step": s, "loss": loss / s, "samples_per_s": 100.0 + s, **extra} for s in range(a, b + 1)]
+
+
+def test_resumed_rows_supersede_the_earlier_ones(tmp_path):
+    """A run killed at step 7 after checkpointing at 5, resumed at 5: steps 6-7 of the first process go."""
+    rows = [{"event": "start", "step": 0}, *steps(1, 7, loss=2.0), {"event": "resume", "step": 5},
+            *steps(6, 9, loss=1.0), {"event": "end", "step": 9}]
+    run = write_run(tmp_path / "run", rows)
+    got = read_metrics(run)
+    assert [r["step"] for r in got] == list(range(1, 10))
+    assert got[4]["loss"] == 2.0 / 5 and got[5]["loss"] == 1.0 / 6  # before the resume point: first process
+
+
+def test_a_line_cut_short_at_the_end_is_ignored_elsewhere_an_error(tmp_path):
+    run = write_run(tmp_path / "run", steps(1, 3))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\nnot json\n{"step": 2, "loss": 1}\n')
+    with pytest.raises(ConfigError, match="metrics.jsonl:2 is not JSON"):
+        read_metrics(run)
+    with pytest.raises(ConfigError, match="no metrics.jsonl"):
+        read_metrics(tmp_path / "nothing")
+
+
+def test_plot_runs_and_cli(tmp_path, capsys):
+    a = write_run(tmp_path / "a", steps(1, 30) + [{"step": 30, "loss": 0.1, "eval/auc": 0.7}])
+    b = write_run(tmp_path / "b", steps(1, 20, loss=2.0))
+    out = plot_runs([a, b], tmp_path / "both.png")
+    assert out.read_bytes().startswith(PNG) and out.stat().st_size > 10_000
+    assert main(["plot", str(a)]) == 0
+    assert (a / "curves.png").read_bytes().startswith(PNG)
+    assert capsys.readouterr().out.strip().endswith("curves.png")
+    assert main(["plot", str(a), str(b), "--labels", "only-one"]) == 2
+    assert "--labels has 1 names for 2 runs" in capsys.readouterr().err
