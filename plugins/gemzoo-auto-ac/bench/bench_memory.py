@@ -81,7 +81,7 @@ def main() -> None:
 
     t_start = time.perf_counter()
     base_cfg = _compiler_configs()
-    search = ["plugins.options.auto-ac.trials=4", "plugins.options.auto-ac.tolerance_gib=2.0"]
+    search = ["plugins.options.auto-ac.trials=3", "plugins.options.auto-ac.tolerance_gib=2.0"]
     rows: list[dict] = []
     by = {}
 
