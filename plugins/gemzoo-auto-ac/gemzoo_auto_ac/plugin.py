@@ -214,6 +214,10 @@ class SavedBytes:
         elif isinstance(obj, (tuple, list)):
             for o in obj:
                 self._count(o)
+        elif hasattr(obj, "__dict__"):  # a packed object (e.g. act-quant's Packed: fp8 data and scales)
+            for o in vars(obj).values():
+                if isinstance(o, (torch.Tensor, tuple, list)):
+                    self._count(o)
 
     def __enter__(self) -> "SavedBytes":
         inner = _top_hooks()

@@ -132,3 +132,20 @@ def test_unreachable_target_stops_with_the_smallest_reachable_peak(tmp_path):
                                           r"[0-9.]+ GiB \(activation_memory_budget = 0, step 1\)"):
         tr.fit()
     assert isinstance(tr.memory[0], AutoACPolicy) and len(tr.memory[0].search.trials) == 1
+
+
+def test_saved_bytes_counts_what_the_hooks_below_pack():
+    """auto-ac's counter chains onto hooks already active (act-quant listed first): it counts packed bytes."""
+    aq = pytest.importorskip("gemzoo_act_quant")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    x = torch.randn(512, 256, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with SavedBytes(params) as plain:
+        model(x).sum().backward()
+    policy = aq.ActQuantPolicy()
+    policy.apply(model, None)
+    with policy.step_context(), SavedBytes(params) as packed:
+        y = model(x).sum()
+    y.backward()
+    assert plain.bytes > 0 and plain.tensors > 0
+    assert 0 < packed.bytes < plain.bytes / 2  # fp32 activations in fp8 plus their scales
