@@ -153,6 +153,15 @@ def main() -> None:
     for r in rows:
         for name, rep in (r.get("memory") or {}).items():
             print(f"  {r['label']}: {name}: {rep.get('summary')}")
+    print("\n| plugins | samples/s | MFU | peak GiB | activation GiB | vs `jfa,bf16` | loss at the last step |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| `{r['label']}` | {r['error'][:120]} | | | | | |")
+            continue
+        ratio = r["samples_per_s"] / base["samples_per_s"] if ok else math.nan
+        print(f"| `{r['label']}` | {r['samples_per_s']:.1f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
+              f"{r['activation_gib']:.1f} | {ratio:.2f}x | {r['final_loss']:.4f} |")
 
 
 if __name__ == "__main__":
