@@ -65,3 +65,37 @@ def test_off_by_default_and_clear_error_without_the_package(fresh_registry, tmp_
 
     with pytest.raises(ConfigError, match=r"gemzoo\[tensorboard\]"):
         train(_cfg(tmp_path / "on", steps=2), progress=False)
+
+
+def test_resumed_run_continues_the_curves(fresh_registry, tmp_path):
+    install(fresh_registry)
+    out = tmp_path / "run"
+    raw = lambda steps: _cfg(out, steps=steps)  # noqa: E731
+    cfg = raw(4)
+    cfg.checkpoint.every, cfg.eval.every = 2, 0
+    train(cfg, progress=False)
+    rows = {json.loads(line)["step"]: json.loads(line)["loss"]
+            for line in (out / "metrics.jsonl").read_text().splitlines() if "event" not in json.loads(line)}
+    cfg = raw(6)
+    cfg.checkpoint.every, cfg.eval.every = 2, 0
+    train(cfg, resume=True, progress=False)
+    loss = [(e.step, e.value) for e in _events(out / "tensorboard").Scalars("loss")]
+    assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]  # one point a step across both processes
+    assert dict(loss)[3] == pytest.approx(rows[3], rel=1e-6)
+
+
+def test_points_after_the_resume_step_are_purged(fresh_registry, tmp_path):
+    """A crash after step 4 with the last checkpoint at 2: the resumed run's steps 3-4 replace the old ones."""
+    import shutil
+
+    install(fresh_registry)
+    out = tmp_path / "run"
+    cfg = _cfg(out, steps=4)
+    cfg.checkpoint.every, cfg.checkpoint.keep, cfg.eval.every = 2, 0, 0
+    train(cfg, progress=False)
+    shutil.rmtree(out / "checkpoints" / "step-00000004")  # as if killed before that checkpoint landed
+    cfg = _cfg(out, steps=4)
+    cfg.checkpoint.every, cfg.checkpoint.keep, cfg.eval.every = 2, 0, 0
+    train(cfg, resume=True, progress=False)
+    steps = [e.step for e in _events(out / "tensorboard").Scalars("loss")]
+    assert steps == [1, 2, 3, 4]
