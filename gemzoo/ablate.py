@@ -130,6 +130,10 @@ def child_main(spec_path: str) -> int:
 
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"
+    cuda = sys.modules.get("torch") is not None and sys.modules["torch"].cuda.is_initialized()
+    if "peak_mem_source" not in result and cuda:  # a GPU run that failed: how far it got before failing
+        result["peak_mem_gib"] = sys.modules["torch"].cuda.max_memory_allocated() / 2**30
+        result["peak_mem_source"] = "torch.cuda.max_memory_allocated"
     peak = peak_rss_bytes()
     if "peak_mem_source" not in result and peak is not None:  # CPU: this process's own high-water mark
         result["peak_mem_gib"] = peak / 2**30
