@@ -11,7 +11,8 @@ import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+if __name__ == "__main__":  # a script run: switch the interpreter on before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
@@ -124,19 +125,11 @@ def nan_stays_in_block():
 
 def conformance():
     """The shared gemzoo conformance suite, run on the Triton path itself (CPU tensors, interpreter)."""
-    from gemzoo.interfaces.attention import FunctionKernel
-    from gemzoo.testing import attention_cases, check_attention
+    from gemzoo.testing.interpreter import conformance_results
     from gemzoo_block_attention import block_attention_triton
     from gemzoo_block_attention.plugin import KERNEL
 
-    kernel = FunctionKernel(block_attention_triton, KERNEL.capabilities)
-    results = {}
-    for case in attention_cases(KERNEL.capabilities, quick=True):
-        try:
-            results[str(case)] = {"ok": True, **check_attention(kernel, case, device="cpu")}
-        except AssertionError as exc:
-            results[str(case)] = {"ok": False, "error": str(exc)}
-    return results
+    return conformance_results(block_attention_triton, KERNEL.capabilities, quick=True)
 
 
 def compile_check():
