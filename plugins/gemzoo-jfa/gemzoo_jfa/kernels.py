@@ -145,14 +145,28 @@ def _load_block(base, offs, stride, rows, L, offs_d, D: tl.constexpr):
 
 
 @triton.jit
-def _rope_cos_sin(pos, rope_c, D: tl.constexpr, BD: tl.constexpr):
-    """cos and sin [len(pos), BD/2] of RoPE's angles pos * theta^(-2f/D), f < D/2."""
+def _rope_cos_sin(pos, rope_c, D: tl.constexpr, BD: tl.constexpr, EXACT: tl.constexpr):
+    """cos and sin [len(pos), BD/2] of RoPE's angles pos * theta^(-2f/D), f < D/2. Without EXACT (CUDA): the
+    angle reduced to [-pi, pi] (two-constant Cody-Waite), then one MUFU cos.approx / sin.approx each (abs
+    error ~1e-6, below the fp32 angle's own rounding at long positions) instead of libdevice's range reduction."""
     ang = pos.to(tl.float32)[:, None] * tl.exp2(tl.arange(0, BD // 2).to(tl.float32) * rope_c)[None, :]
-    return tl.cos(ang), tl.sin(ang)
+    if EXACT:
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    else:
+        turns = tl.floor(ang * 0.15915494309189535 + 0.5)
+        r = ang - turns * 6.28125
+        r = r - turns * 0.0019353071795864769
+        c = tl.inline_asm_elementwise("cos.approx.ftz.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        s = tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return c, s
 
 
 @triton.jit
-def _rope_load(base, offs, stride, rows, L, pos, rope_c, D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr):
+def _rope_load(base, offs, stride, rows, L, pos, rope_c, D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr,
+               EXACT: tl.constexpr):
     """[R, BD] fp32 tile at ``base`` (rows ``stride`` apart, rows >= L are 0) rotated by RoPE at positions
     ``pos``, in the rotated layout (halves at columns 0 and BD/2)."""
     offs_h = tl.arange(0, BD // 2)
@@ -160,17 +174,17 @@ def _rope_load(base, offs, stride, rows, L, pos, rope_c, D: tl.constexpr, BD: tl
     ptrs = base + offs[:, None] * stride + offs_h[None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + D // 2, mask=mask, other=0.0).to(tl.float32)
-    c, s = _rope_cos_sin(pos, rope_c, D, BD)
+    c, s = _rope_cos_sin(pos, rope_c, D, BD, EXACT)
     return tl.reshape(tl.permute(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), (0, 2, 1)), (R, BD))
 
 
 @triton.jit
 def _rope_store(base, offs, stride, rows, L, pos, rope_c, g, D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr,
-                ATOMIC: tl.constexpr):
+                ATOMIC: tl.constexpr, EXACT: tl.constexpr):
     """Store (or, with ATOMIC, add) the gradient of an unrotated tile from ``g``, the fp32 gradient of its
     rotated tile (rotated layout): the transpose of the rotation, i.e. rotation by -angle."""
     g1, g2 = tl.split(tl.permute(tl.reshape(g, (R, 2, BD // 2)), (0, 2, 1)))
-    c, s = _rope_cos_sin(pos, rope_c, D, BD)
+    c, s = _rope_cos_sin(pos, rope_c, D, BD, EXACT)
     offs_h = tl.arange(0, BD // 2)
     mask = (rows[:, None] < L) & (offs_h[None, :] < D // 2)
     ptrs = base + offs[:, None] * stride + offs_h[None, :]
@@ -301,7 +315,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
         cols = n + offs_n
         if ROPE:
             kt = tl.trans(_rope_load(k_base + n.to(tl.int64) * stride_kt, offs_n, stride_kt, cols, Lk, cols, rope_c,
-                                     D, BD, BN)).to(q.dtype)
+                                     D, BD, BN, UPCAST)).to(q.dtype)
         else:
             kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA,
                             True)
@@ -350,7 +364,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
 
     if ROPE:
         q = _rope_load(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, rows + shift,
-                       rope_c, D, BD, BM)
+                       rope_c, D, BD, BM, UPCAST)
         if not UPCAST:
             q = q.to(Q.dtype.element_ty)
     else:
@@ -419,7 +433,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         rows = m + offs_m
         if ROPE:
             qt = tl.trans(_rope_load(q_base + m.to(tl.int64) * stride_qt, offs_m, stride_qt, rows, Lq, rows + shift,
-                                     rope_c, D, BD, BM)).to(k.dtype)
+                                     rope_c, D, BD, BM, UPCAST)).to(k.dtype)
         else:
             qt = _load_kv_t(q_base, m, stride_qt, offs_m, offs_d, QD, q_row0, h, Lq, D, BD, BM, MASKED, USE_TMA,
                             True)
@@ -495,7 +509,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
         v = v.to(tl.float32)
     if ROPE:
         k = _rope_load(K + (k_start + n_lo) * stride_kt + h * stride_kh, offs_n, stride_kt, cols, Lk, cols, rope_c, D,
-                       BD, BN).to(v.dtype)
+                       BD, BN, UPCAST).to(v.dtype)
     lo, full_lo, full_hi, hi = _query_range(n_lo, n_last, Lq, shift, window, BM, CAUSAL, WINDOWED, block, BLOCKED)
 
     q_base = Q + q_start * stride_qt + h * stride_qh
@@ -518,7 +532,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
     dv = dv * dv_scale
     if ROPE:
         _rope_store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh, offs_n, stride_dkt, cols, Lk, cols, rope_c, dk,
-                    D, BD, BN, False)
+                    D, BD, BN, False, UPCAST)
     else:
         tl.store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=kmask & (offs_d[None, :] < D))
@@ -537,7 +551,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
         cols = n + offs_n
         if ROPE:
             kt = tl.trans(_rope_load(k_base + n.to(tl.int64) * stride_kt, offs_n, stride_kt, cols, Lk, cols, rope_c,
-                                     D, BD, BN)).to(q.dtype)
+                                     D, BD, BN, UPCAST)).to(q.dtype)
         else:
             kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA,
                             True)
@@ -593,7 +607,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
         do = do.to(tl.float32)
     if ROPE:
         q = _rope_load(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, rows + shift,
-                       rope_c, D, BD, BM).to(do.dtype)
+                       rope_c, D, BD, BM, UPCAST).to(do.dtype)
     k_base = K + k_start * stride_kt + h * stride_kh
     v_base = V + k_start * stride_vt + h * stride_vh
     k_row0 = k_start.to(tl.int32)
@@ -615,7 +629,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
     dq_mask = rmask[:, None] & (offs_d[None, :] < D)
     if ROPE:
         _rope_store(DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh, offs_m, stride_dqt, rows, Lq, rows + shift,
-                    rope_c, dq, D, BD, BM, SPLIT)
+                    rope_c, dq, D, BD, BM, SPLIT, UPCAST)
     elif SPLIT:
         tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
     else:
