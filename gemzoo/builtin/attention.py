@@ -123,7 +123,7 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
             has_key = mask.any(-1, keepdim=True)
             safe_mask = mask | ~has_key  # let empty rows see every key (finite softmax), then zero them
             if bias is not None:  # a float mask: the bias on allowed keys, -inf elsewhere
-                safe_mask = torch.where(safe_mask, bias, torch.full((), float("-inf"), dtype=qp.dtype))
+                safe_mask = bias.masked_fill(~safe_mask, float("-inf"))
             out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=safe_mask, scale=scale)
             out = torch.where(has_key, out, torch.zeros_like(out))
         else:
