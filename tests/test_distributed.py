@@ -154,3 +154,52 @@ def test_fsdp_and_replicated_dense_parts_train_alike(tmp_path):
     ddp = json.loads((tmp_path / "ddp" / "gem-rank0-3-ddp.json").read_text())
     assert fsdp["dtensor_params"] > 0 and ddp["dtensor_params"] == 0
     torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(ddp["losses"]), rtol=1e-4, atol=1e-5)
+
+
+def _logging_rank(rank: int, world: int, port: int, tmp: str) -> None:
+    import json
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    sys.path.insert(0, SUPPORT)
+    import torch.distributed as dist
+
+    import gemzoo
+    from gemzoo import registry
+    from gemzoo.config import load_config
+    from gemzoo.train.trainer import train
+    from toy_plugin import TOY_CONFIG, install
+
+    seen = []
+
+    class Record:
+        @gemzoo.hookimpl
+        def gemzoo_step_end(self, trainer, step, metrics):
+            seen.append({"loss": metrics["loss"], "samples": metrics["samples_per_s"] * metrics["step_s"]})
+
+    install(registry)
+    registry.host().register(Record(), name="record")
+    raw = copy.deepcopy(TOY_CONFIG)
+    raw["run"].update(out_dir=os.path.join(tmp, "run"), steps=4, log_every=1)
+    raw["eval"].update(every=0)
+    result = train(load_config(raw=raw), progress=False)
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump({"steps": seen, "is_main": getattr(result, "is_main", None), "batch_size": load_config(raw=raw).data.batch_size}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_log_the_global_loss_and_throughput(tmp_path):
+    """Several ranks log global numbers: one loss for the step (the mean over ranks), every rank's samples."""
+    import json
+
+    _spawn(_logging_rank, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [s["loss"] for s in ranks[0]["steps"]] == [s["loss"] for s in ranks[1]["steps"]]  # one global loss
+    for s in ranks[0]["steps"]:
+        assert s["samples"] == pytest.approx(ranks[0]["batch_size"])  # both ranks' samples, not rank 0's half
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    start = rows[0]
+    assert start["event"] == "start" and start["world_size"] == 2 and start["mesh"] == {"shape": [2], "dims": ["dp"]}
+    assert [r["loss"] for r in rows if "loss" in r] == [s["loss"] for s in ranks[0]["steps"]]
+    assert [r["is_main"] for r in ranks] == [True, False]  # rank 0 prints the summary
