@@ -1,0 +1,110 @@
+"""Memory conformance: a policy changes memory, not the math. On a tiny model (gem over synthetic-gem, wide
+enough that activation tensors pass act-quant-style size thresholds), one forward+backward with the policy
+applied and its ``step_context`` entered gives the loss and every gradient of the same model without it,
+within the relative error the policy declares as ``grad_rtol`` (absent: 0, bit-exact, as recompute is).
+``apply`` keeps every state-dict name (checkpoints load either way) and ``report()``, when present, is JSON.
+A policy that ``needs_compile`` is compared with both sides compiled by ``compile_backend``.
+
+    from gemzoo.testing.memory import check_memory_policy
+    def test_conformance():
+        check_memory_policy(MY_POLICY)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import torch
+
+from gemzoo.interfaces.memory import needs_compile, policy_report
+
+# aot_autograd's min-cut partitioner (where activation_memory_budget acts) without inductor's codegen: fast on CPU
+COMPILE_BACKEND = "aot_eager_decomp_partition"
+
+
+def declared_tolerance(policy) -> float:
+    """The relative error of loss and gradients the policy promises (``grad_rtol``; 0 when it declares none)."""
+    tol = getattr(policy, "grad_rtol", 0.0)
+    if not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+        raise AssertionError(f"{type(policy).__name__}.grad_rtol must be a number in [0, 1), got {tol!r}")
+    return float(tol)
+
+
+def tiny_model(seed: int = 0, *, d_model: int = 32, batch_size: int = 16):
+    """(model, batch): a gem model over a synthetic-gem batch, built as the trainer builds it (meta, to_empty,
+    init_weights), in fp32 on CPU with the ``reference`` attention kernel and no dropout."""
+    from gemzoo import registry
+
+    data = registry.get("dataset", "synthetic-gem")
+    ds = data.build(data.config_cls(batch_size=batch_size, max_len=48, median_len=16, min_len=0, max_candidates=4,
+                                    num_items=120, num_clusters=4, num_sparse_tables=2, sparse_table_size=30), seed)
+    spec = registry.get("model", "gem")
+    with torch.device("meta"):
+        model = spec.build(spec.config_cls(d_model=d_model, num_layers=1, num_heads=2, embedding_dim=16,
+                                           mlp_dims=[32, 16], dropout=0.0), ds.info)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model, ds.train_batch(0)
+
+
+def _loss_and_grads(model, batch, policy=None, compile_backend: str | None = None):
+    forward = torch.compile(model, backend=compile_backend) if compile_backend else model
+    ctx = policy.step_context() if policy is not None else None
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        loss = forward(batch).loss
+        loss.backward()
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    grads = {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
+             for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def check_memory_policy(policy, *, seed: int = 0, compile_backend: str = COMPILE_BACKEND,
+                        model_and_batch=None) -> dict[str, float]:
+    """Loss and every gradient with ``policy`` against without it; returns the relative errors."""
+    model, batch = model_and_batch or tiny_model(seed)
+    twin = copy.deepcopy(model)
+    compiled = needs_compile(policy)
+    backend = compile_backend if compiled else None
+    if compiled:
+        torch._dynamo.reset()
+    ref_loss, ref_grads = _loss_and_grads(model, batch, None, backend)
+    names = set(twin.state_dict())
+    cfg = SimpleNamespace(run=SimpleNamespace(compile=compiled))
+    out = policy.apply(twin, cfg)
+    twin = twin if out is None else out
+    assert set(twin.state_dict()) == names, (
+        f"{type(policy).__name__}.apply renamed state-dict entries: {sorted(names ^ set(twin.state_dict()))}")
+    if compiled:
+        torch._dynamo.reset()
+    loss, grads = _loss_and_grads(twin, batch, policy, backend)
+    tol = declared_tolerance(policy)
+    assert grads.keys() == ref_grads.keys(), (
+        f"{type(policy).__name__}: gradients for {sorted(grads.keys() ^ ref_grads.keys())} appear or vanish")
+    errors = {"loss": _rel(loss, ref_loss), **{n: _rel(g, ref_grads[n]) for n, g in grads.items()}}
+    if tol == 0:
+        bad = {n: e for n, e in errors.items() if e != 0}
+        assert not bad, (f"{type(policy).__name__} declares no grad_rtol (bit-exact) but changed "
+                         f"{len(bad)} of loss/gradients, e.g. {dict(list(bad.items())[:3])}; declare the "
+                         "relative error it promises as grad_rtol")
+    else:
+        bad = {n: e for n, e in errors.items() if not e <= tol}
+        assert not bad, f"{type(policy).__name__}: relative error over its grad_rtol {tol:g}: {bad}"
+    report = policy_report(policy)
+    json.dumps(report)  # the trainer writes it to metrics.jsonl
+    return errors
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if torch.equal(a, b):
+        return 0.0
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
