@@ -112,6 +112,9 @@ def main() -> int:
     if args.one:
         row = train_one(args.one, args)
         (out / f"{args.one}.json").write_text(json.dumps(row, indent=1))
+        shown = ", ".join(f"{m} {v:.4f}" for m, v in row["metrics"].items() if v is not None)
+        print(f"ml1m_repro: {args.one} done: {row['steps']} steps in {row['wall_s']:.0f} s "
+              f"({row['train_s_per_epoch']:.2f} s / epoch); {shown}", flush=True)
         return 0
     t0 = time.perf_counter()
     if args.serial:
