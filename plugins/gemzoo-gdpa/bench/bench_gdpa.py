@@ -36,6 +36,7 @@ from gemzoo_jfa import jfa_triton  # noqa: E402
 
 H, D, DTYPE = 4, 128, torch.bfloat16
 RESULTS: dict = {"device": None, "rows": [], "checks": {}}
+EAGER = True  # --no-eager skips the (slow) eager padded baselines
 EAGER_BUDGET = 24e9  # bytes of [chunk, H, Lq, Lk] intermediates the eager baseline may hold at once
 
 
@@ -151,7 +152,8 @@ def self_attention(name, lens, activations, baselines=True):
         log(f"{name}: gdpa silu vs eager padded, out rel err {err:.2e} (chunk {e.chunk} of {e.B})")
         return row(name, "eager padded silu", *timed(e.fwd, e.fwd_bwd, e.leaves), fl_f, fl_fb, chunk=e.chunk)
 
-    res["eager"] = guarded(f"{name} eager", eager)
+    if EAGER:
+        res["eager"] = guarded(f"{name} eager", eager)
     del w
     torch.cuda.empty_cache()
     return res
@@ -221,7 +223,8 @@ def cross_attention(n_cand=64):
                                           if k.startswith(name)))
         return row(name, "eager padded silu", *timed(e.fwd, e.fwd_bwd, e.leaves), fl_f, fl_fb, chunk=e.chunk)
 
-    res["eager"] = guarded(f"{name} eager", eager)
+    if EAGER:
+        res["eager"] = guarded(f"{name} eager", eager)
     return res
 
 
@@ -277,7 +280,11 @@ def targets(res):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_gdpa.json ($OUT)")
-    ap.add_argument("--only", default="self,acts,cross,short", help="comma-separated subset of self,acts,cross,short")
+    ap.add_argument("--only", default="self,acts,cross,short",
+                    help="comma-separated subset of self (gem_lognormal and uniform_8k), self1 (gem_lognormal only), "
+                         "acts, cross, short")
+    ap.add_argument("--acts", default="", help="comma-separated activations for the acts rows (default: all)")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager padded baselines")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gdpa needs a CUDA device")
@@ -288,6 +295,8 @@ def main():
     RESULTS["command"] = " ".join(sys.argv)
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     only = set(args.only.split(","))
+    global EAGER
+    EAGER = not args.no_eager
     t0 = time.time()
     res = {}
 
@@ -302,10 +311,11 @@ def main():
 
     # priority order (a run cut short keeps the first rows): silu self-attention with its baselines, cross,
     # short, then the other activations against the silu figure of this same run
-    if "self" in only:
+    if "self" in only or "self1" in only:
         res["gem_lognormal"] = guarded("gem_lognormal",
                                        lambda: self_attention("gem_lognormal", gem_lognormal(), ["silu"])) or {}
         save()
+    if "self" in only:
         res["uniform_8k"] = guarded("uniform_8k", lambda: self_attention("uniform_8k", uniform_8k(), ["silu"])) or {}
         save()
     if "cross" in only:
@@ -315,7 +325,7 @@ def main():
         res["short"] = guarded("short", lambda: self_attention("short", short_lengths(), ["silu"])) or {}
         save()
     if "acts" in only:
-        others = [a for a in ACTIVATIONS if a not in ("softmax", "silu")]
+        others = args.acts.split(",") if args.acts else [a for a in ACTIVATIONS if a not in ("softmax", "silu")]
         acts = others if "silu" in res.get("gem_lognormal", {}) else ["silu"] + others
         res.setdefault("gem_lognormal", {}).update(self_attention("gem_lognormal", gem_lognormal(), acts,
                                                                   baselines=False))

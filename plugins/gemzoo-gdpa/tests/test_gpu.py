@@ -98,7 +98,7 @@ def test_every_activation_bf16(act):
     check(128, 128, True, "same", None, torch.bfloat16, act, None if act == "identity" else 64.0, batch=6)
 
 
-@pytest.mark.parametrize("act,causal,split", [("silu", False, None), ("silu", False, 0), ("silu", False, 512),
+@pytest.mark.parametrize("act,causal,split", [("silu", False, None), ("silu", False, 0), ("silu", False, 4),
                                               ("gelu", True, None), ("relu2", False, None)])
 def test_cross_attention_short_q_long_k(act, causal, split):
     check(128, 128, causal, "history", None, torch.bfloat16, act, 32.0, split=split, batch=12, max_q=64)
@@ -110,7 +110,7 @@ def test_split_plan_picks_the_cross_path():
     q = torch.empty(64 * 64, 4, 128, device="cuda")
     k = torch.empty(64 * 1500, 4, 128, device="cuda")
     plan = split_plan(q, k, 64, 1, 128, 128)
-    assert plan is not None and plan[1] == 64 and plan[0] % 128 == 0
+    assert plan == (8, 64)  # 1500 keys per history: 8 splits; 64 candidates: 64-row query blocks
     assert split_plan(q, k, 64, 0, 128, 128) is None  # softmax never splits
     assert split_plan(k, k, 64, 1, 128, 128) is None  # self-attention does not
 

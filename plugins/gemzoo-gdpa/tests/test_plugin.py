@@ -11,7 +11,7 @@ from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
 from gemzoo.jagged import lengths_to_offsets
 from gemzoo.testing import attention_cases, check_attention
 from gemzoo_gdpa.plugin import KERNEL
-from gemzoo_jfa.schedule import build_split_schedule
+from gemzoo_jfa.schedule import build_schedule, split_items
 
 
 def test_entry_point_registers_gdpa():
@@ -92,29 +92,22 @@ def test_errors_name_the_problem_and_fix():
         gdpa_triton(q, q, q, off, max_q_len=3)
 
 
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 50)])
-def test_split_schedule_covers_every_allowed_key_once(causal, window):
+@pytest.mark.parametrize("n_splits", [1, 4])
+def test_split_items_repeat_each_item_once_per_split(n_splits):
     gen = torch.Generator().manual_seed(4)
     lq = torch.randint(0, 40, (23,), generator=gen)
-    lq[[0, 5]] = 0
     lk = torch.randint(0, 700, (23,), generator=gen)
-    lk[7] = 0
     qo, ko = lengths_to_offsets(lq), lengths_to_offsets(lk)
-    bm, split_n = 16, 64
-    seq, blk, split = build_split_schedule(qo, ko, bm, split_n, causal=causal, window=window).tolist()
-    items = list(zip(seq, blk, split))
-    assert len(items) == len(set(items))
-    for b in range(23):  # every (query block, allowed key) is in exactly one item
-        for m in range((int(lq[b]) + bm - 1) // bm):
-            mine = sorted(s for (sb, mb, s) in items if sb == b and mb == m)
-            assert mine, f"query block {m} of sequence {b} has no item"
-            rows = torch.arange(m * bm, min(m * bm + bm, int(lq[b]))) + int(lk[b] - lq[b])
-            cols = torch.arange(int(lk[b]))
-            ok = torch.ones(len(rows), len(cols), dtype=torch.bool)
-            if causal:
-                ok &= cols[None] <= rows[:, None]
-            if window is not None:
-                ok &= rows[:, None] - cols[None] < window
-            needed = sorted({int(c) // split_n for c in cols[ok.any(0)]})
-            assert set(needed) <= set(mine) and len(mine) <= max(len(needed), 1)
-    assert all(s >= 0 for s in seq), "split schedules hold real items only"
+    items = build_schedule(qo, ko, int(lq.sum()), 16, over="q", causal=False, window=None)
+    split = split_items(items, n_splits)
+    assert split.dtype == torch.int32 and split.shape == (3, items.shape[1] * n_splits) and split.is_contiguous()
+    assert torch.equal(split[:2, ::n_splits], items)  # same order: costliest items first
+    assert split[2].tolist() == list(range(n_splits)) * items.shape[1]
+
+
+@pytest.mark.parametrize("lk", [1, 63, 64, 65, 700, 16384])
+def test_split_chunks_cover_the_keys(lk):
+    """The kernel's rule: chunk = ceil(Lk / n) rounded up to BN; n chunks cover [0, Lk)."""
+    for n in (1, 2, 8, 16):
+        chunk = -(-(-(-lk // n)) // 64) * 64
+        assert n * chunk >= lk and chunk % 64 == 0

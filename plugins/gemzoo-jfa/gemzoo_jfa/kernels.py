@@ -46,20 +46,53 @@ def _blk_start(p, block):
 
 
 @triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
+def _tanh(x, FAST: tl.constexpr):
+    """tanh; FAST (CUDA): the one-instruction tanh.approx.f32 (max abs error ~5e-4, far below bf16 P)."""
+    if FAST:
+        y = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+    return y
 
 
 @triton.jit
-def _act(x, ACT: tl.constexpr):
-    """Pointwise activation (codes of ops.ACTIVATION_CODES, 1..8)."""
+def _sigmoid(x, FAST: tl.constexpr):
+    """sigmoid; FAST: 0.5 tanh(x / 2) + 0.5 (one MUFU op, no IEEE division)."""
+    if FAST:
+        y = 0.5 * _tanh(0.5 * x, FAST) + 0.5
+    else:
+        y = 1.0 / (1.0 + tl.exp(-x))
+    return y
+
+
+@triton.jit
+def _erf_and_gauss(x, FAST: tl.constexpr):
+    """(erf(x / sqrt 2), exp(-x^2 / 2)). FAST: Abramowitz-Stegun 7.1.26 (max abs error 1.5e-7) with one
+    approximate reciprocal and one exp2, sharing the exp with the Gaussian (libdevice's erf is ~3x dearer)."""
+    e = tl.math.exp2(-0.7213475204444817 * x * x)  # exp(-x^2 / 2)
+    if FAST:
+        a = tl.abs(x) * 0.7071067811865476
+        t = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + 0.3275911 * a],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+        erf_a = 1.0 - poly * e
+        erf = tl.where(x < 0, -erf_a, erf_a)
+    else:
+        erf = tl.math.erf(x * 0.7071067811865476)
+    return erf, e
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr, FAST: tl.constexpr):
+    """Pointwise activation (codes of ops.ACTIVATION_CODES, 1..8); FAST uses approximate MUFU forms (CUDA)."""
     if ACT == 1:  # silu
-        y = x * _sigmoid(x)
+        y = x * _sigmoid(x, FAST)
     elif ACT == 2:  # gelu (erf)
-        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        erf, _ = _erf_and_gauss(x, FAST)
+        y = 0.5 * x * (1.0 + erf)
     elif ACT == 3:  # gelu_tanh
-        t = 2.0 * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)) - 1.0
-        y = 0.5 * x * (1.0 + t)
+        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x), FAST))
     elif ACT == 4:  # relu
         y = tl.where(x > 0, x, 0.0)
     elif ACT == 5:  # relu2
@@ -75,19 +108,20 @@ def _act(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_fwd_grad(x, ACT: tl.constexpr):
+def _act_fwd_grad(x, ACT: tl.constexpr, FAST: tl.constexpr):
     """(act(x), act'(x)) with shared subexpressions."""
     if ACT == 1:
-        sg = _sigmoid(x)
+        sg = _sigmoid(x, FAST)
         y = x * sg
         g = sg * (1.0 + x * (1.0 - sg))
     elif ACT == 2:
-        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        erf, gauss = _erf_and_gauss(x, FAST)
+        cdf = 0.5 * (1.0 + erf)
         y = x * cdf
-        g = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        g = cdf + x * 0.3989422804014327 * gauss
     elif ACT == 3:
         x2 = x * x
-        t = 2.0 * _sigmoid(1.5957691216057308 * (x + 0.044715 * x2 * x)) - 1.0
+        t = _tanh(0.7978845608028654 * (x + 0.044715 * x2 * x), FAST)
         y = 0.5 * x * (1.0 + t)
         g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x2)
     elif ACT == 4:
@@ -200,7 +234,7 @@ def _rope_store(base, offs, stride, rows, L, pos, rope_c, g, D: tl.constexpr, BD
 def _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN: tl.constexpr, CAUSAL: tl.constexpr,
                WINDOWED: tl.constexpr, SPLIT: tl.constexpr, block=1, BLOCKED: tl.constexpr = False):
     """Keys that queries [m_lo, m_last] may see, as [lo, full_lo) masked, [full_lo, full_hi) fully
-    allowed, [full_hi, hi) masked; with SPLIT only those inside key split ``split`` (split_n keys each)."""
+    allowed, [full_hi, hi) masked; with SPLIT only those inside key split ``split`` of ``split_n``."""
     hi = Lk
     if CAUSAL:
         hi = tl.minimum(hi, m_last + shift + 1)
@@ -214,9 +248,10 @@ def _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN: tl.constexpr
         hi = tl.minimum(hi, _blk_start(m_last + shift, block) + block)
         full_lo = tl.maximum(full_lo, _ceil_to(tl.maximum(_blk_start(m_last + shift, block), 0), BN))
     lo = (lo // BN) * BN
-    if SPLIT:
-        lo = tl.maximum(lo, split * split_n)
-        hi = tl.minimum(hi, split * split_n + split_n)
+    if SPLIT:  # split_n splits per sequence, ceil(Lk / split_n) keys each, rounded up to BN
+        chunk = _ceil_to((Lk + split_n - 1) // split_n, BN)
+        lo = tl.maximum(lo, split * chunk)
+        hi = tl.minimum(hi, split * chunk + chunk)
     hi = tl.maximum(hi, lo)
     full_hi = Lk
     if CAUSAL:
@@ -256,6 +291,26 @@ def _query_range(n_lo, n_last, Lq, shift, window, BM: tl.constexpr, CAUSAL: tl.c
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _has_key(rows, Lk, shift, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, block=1,
+             BLOCKED: tl.constexpr = False):
+    """[BM] whether query row i has any allowed key. Rows without one output exactly 0 (and get dq = 0):
+    their masked products 0 * x would carry a NaN of a key they never see."""
+    p = rows + shift
+    hi = Lk - 1  # the largest key the row could see
+    ok = hi >= 0
+    if BLOCKED:
+        b0 = _blk_start(p, block)
+        hi = tl.minimum(hi, b0 + block - 1)
+        ok = ok & (hi >= tl.maximum(b0, 0))
+    if CAUSAL:
+        hi = tl.minimum(hi, p)
+        ok = ok & (p >= 0) & (hi >= 0)
+    if WINDOWED:
+        ok = ok & (p - hi < window)
+    return ok
 
 
 @triton.jit
@@ -334,7 +389,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
             acc = acc * alpha[:, None]
             m_i = m_new
         else:
-            p = _act(qk, ACT)
+            p = _act(qk, ACT, not UPCAST)
             if MASKED:
                 p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), p, 0.0)
         vv = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA,
@@ -376,6 +431,9 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
     k_row0 = k_start.to(tl.int32)
     lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
                                           SPLIT, block, BLOCKED)
+    if SPLIT:
+        if hi <= lo:  # this key split holds no allowed key: the zeroed fp32 output needs nothing
+            return
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -394,15 +452,18 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
     o_ptrs = O + (q_start + m_lo) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
     o_mask = (rows[:, None] < Lq) & (offs_dv[None, :] < DV)
     if ACT == 0:
-        empty = l_i == 0.0  # no allowed key: output 0, lse +inf
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        # no allowed key: output 0 (even if a masked 0 * NaN reached acc), lse +inf
+        empty = (l_i == 0.0) | ~_has_key(rows, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED)
+        out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
         lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
         tl.store(LSE + h.to(tl.int64) * Tq + q_start + rows, lse, mask=rows < Lq)
     elif SPLIT:
-        tl.atomic_add(o_ptrs, acc * inv_norm, mask=o_mask, sem="relaxed")
+        keep = _has_key(rows, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED)
+        tl.atomic_add(o_ptrs, tl.where(keep[:, None], acc * inv_norm, 0.0), mask=o_mask, sem="relaxed")
     else:
-        tl.store(o_ptrs, (acc * inv_norm).to(O.dtype.element_ty), mask=o_mask)
+        keep = _has_key(rows, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED)
+        tl.store(o_ptrs, tl.where(keep[:, None], acc * inv_norm, 0.0).to(O.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -466,7 +527,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
             dst = pt * (dpt - delta[None, :])
         else:
-            pt, gt = _act_fwd_grad(qkt * qk_scale, ACT)
+            pt, gt = _act_fwd_grad(qkt * qk_scale, ACT, not UPCAST)
             if MASKED:
                 pt = tl.where(ok, pt, 0.0)
             dv = tl.dot(pt.to(do.dtype), do, dv)
@@ -567,7 +628,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
                 p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), p, 0.0)
             ds = p * (dp - delta[:, None])
         else:
-            _, g = _act_fwd_grad(qk * qk_scale, ACT)
+            _, g = _act_fwd_grad(qk * qk_scale, ACT, not UPCAST)
             ds = dp * g
             if MASKED:
                 ds = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), ds, 0.0)
@@ -613,6 +674,9 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
     k_row0 = k_start.to(tl.int32)
     lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
                                           SPLIT, block, BLOCKED)
+    if SPLIT:
+        if hi <= lo:  # this key split holds no allowed key: the zeroed fp32 output needs nothing
+            return
 
     dq = tl.zeros([BM, BD], tl.float32)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk, shift, window,
@@ -624,7 +688,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
                    UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
-    dq = dq * dq_scale
+    dq = tl.where(_has_key(rows, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED)[:, None], dq * dq_scale, 0.0)
     dq_ptrs = DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
     dq_mask = rmask[:, None] & (offs_d[None, :] < D)
     if ROPE:

@@ -62,7 +62,7 @@ ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 
 _override: Configs | None = None
 _order = "lpt"
 _tma: bool | None = None  # None: TMA where validated (see _tma_ok); True: wherever shapes allow; False: never
-_split: int | None = None  # pointwise key split: None = heuristic (split_plan), 0 = never, n = n keys per split
+_split: int | None = None  # pointwise key split: None = heuristic (split_plan), 0 = never, n = n splits per sequence
 
 
 @contextlib.contextmanager
@@ -81,12 +81,14 @@ def using(configs: Configs | None = None, *, order: str | None = None, tma: bool
         _override, _order, _tma, _split = saved
 
 
-def _tma_ok(*tensors, causal: bool = True) -> bool:
+def _tma_ok(*tensors, causal: bool = True, pointwise: bool = False) -> bool:
     """Whether to load tiles through TMA tensor descriptors instead of pointers.
 
     Needs Hopper+ (or the interpreter when asked), power-of-two head dims and 16-byte strides. By default
-    (``_tma is None``) only the GPU-validated set: causal, 2-byte dtypes, head dim 64 or 128. With
-    triton 3.6 ptxas crashes on the non-causal dk/dv and the D=256 variants, and fp32 tiles do not fit.
+    (``_tma is None``) only the GPU-validated set: causal (or any pointwise activation), 2-byte dtypes, head
+    dim 64 or 128. With triton 3.6 ptxas crashes on the softmax non-causal dk/dv and the D=256 variants, and
+    fp32 tiles do not fit. The pointer path spills heavily at 128-wide tiles (ptxas -v: 2-4 KB per thread),
+    so the pointwise non-causal kernels (GEM's cross attention) use TMA: they compile with ptxas 3.6.
     """
     if _tma is False:
         return False
@@ -94,7 +96,7 @@ def _tma_ok(*tensors, causal: bool = True) -> bool:
     if t0.device.type == "cuda":
         if torch.cuda.get_device_capability(t0.device)[0] < 9:
             return False
-        if _tma is None and not (causal and t0.element_size() == 2 and t0.shape[-1] in (64, 128)):
+        if _tma is None and not ((causal or pointwise) and t0.element_size() == 2 and t0.shape[-1] in (64, 128)):
             return False
     elif _tma is not True:  # interpreter: only when asked for
         return False
@@ -138,12 +140,13 @@ def _sm_count(device) -> int:
 
 def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, block_m: int,
                block_n: int) -> tuple[int, int] | None:
-    """(keys per split, query block) for the short-Q/long-K path, or None to run unsplit.
+    """(key splits per sequence, query block) for the short-Q/long-K path, or None to run unsplit.
 
-    Pointwise only (softmax would need a logsumexp merge). Chosen from shapes alone: on average at most
-    256 queries per sequence and at least 4 keys per query, i.e. GEM's candidates-over-history cross
-    attention. The query block shrinks to 64 rows when the average sequence has at most 64 queries, and
-    the split size aims at about 4 waves of programs: items ~ Tk * ceil(Lq / BM) * H / split.
+    Pointwise only (softmax would need a logsumexp merge). Chosen from shapes alone (no host sync): on
+    average at most 256 queries per sequence and at least 4 keys per query, i.e. GEM's candidates-over-
+    history cross attention. The query block shrinks to 64 rows when the average sequence has at most 64
+    queries. Each sequence's keys are cut into the same number of splits (a power of two, about one per
+    256 keys of the average sequence, at most 16), so the longest history spreads over that many programs.
     """
     if activation == 0 or _split == 0 or batch == 0:
         return None
@@ -152,11 +155,9 @@ def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, bl
         return None
     bm = min(block_m, 64) if tq <= 64 * batch else block_m
     if _split is not None:
-        return max(block_n, (_split // block_n) * block_n), bm
-    q_blocks = -(-tq // (bm * batch))
-    target = tk * q_blocks * h / (4 * _sm_count(q.device))
-    split_n = 1 << max(int(target) - 1, 1).bit_length()
-    return min(max(split_n, 4 * block_n), 8192), bm
+        return _split, bm
+    per_seq = -(-tk // (256 * batch))
+    return min(1 << (per_seq - 1).bit_length(), 16), bm
 
 
 def _act_scale(activation: int, scale: float) -> float:
@@ -164,9 +165,9 @@ def _act_scale(activation: int, scale: float) -> float:
 
 
 def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest, block=-1):
-    """Schedule of a query-block kernel (forward, dq): (items, block_m, keys per split or 0, target). With
-    a split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32)."""
-    from gemzoo_jfa.schedule import build_schedule, build_split_schedule
+    """Schedule of a query-block kernel (forward, dq): (items, block_m, key splits or 0, target). With a
+    split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32)."""
+    from gemzoo_jfa.schedule import build_schedule, split_items
 
     win = None if window < 0 else window
     plan = None if block > 0 else split_plan(q, k, q_offsets.numel() - 1, activation, c.block_m, c.block_n)
@@ -174,15 +175,16 @@ def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activa
         items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal, window=win,
                                order=_order, block_size=block if block > 0 else None)
         return items, c.block_m, 0, dest
-    split_n, bm = plan
-    items = build_split_schedule(q_offsets, k_offsets, bm, split_n, causal=causal, window=win)
+    n_splits, bm = plan
+    items = split_items(build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal, window=win,
+                                       order=_order), n_splits)
     target = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device,
                                                                   dtype=torch.float32)
-    return items, bm, split_n, target.zero_()
+    return items, bm, n_splits, target.zero_()
 
 
 def _warps(c: KernelConfig, bm: int) -> int:
-    return min(c.num_warps, 4) if bm < c.block_m else c.num_warps
+    return c.num_warps  # also for the 64-row split blocks: 4 warps spill there (ptxas -v), 8 do not
 
 
 def _rope_c(rope_theta: float, head_dim: int) -> float:
@@ -203,7 +205,7 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, 
     dv = v.shape[2]
     items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, out, block)
     cap = items.shape[1]  # >= 1: there is a query
-    tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal)
+    tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal, pointwise=activation != 0)
     kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
     kernels.attn_fwd_kernel[(cap * h,)](
         q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
@@ -272,7 +274,7 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
                            window=None if window < 0 else window, order=_order,
                            block_size=block if block > 0 else None)
     cap = items.shape[1]
-    tma = rope_theta <= 0 and _tma_ok(q, do, causal=causal)
+    tma = rope_theta <= 0 and _tma_ok(q, do, causal=causal, pointwise=activation != 0)
     qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if tma else (q, do)
     if activation != 0:  # no lse/delta: any fp32 tensor stands in (never read)
         lse = delta = dk
@@ -294,7 +296,7 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
     c = _configs(q).dq
     items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, c, causal, window, activation, dq, block)
     cap = items.shape[1]  # >= 1: there is a query
-    tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal)
+    tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal, pointwise=activation != 0)
     kd, vd = (_desc(k, c.block_n), _desc(v, c.block_n)) if tma else (k, v)
     if activation != 0:
         lse = delta = target

@@ -14,8 +14,8 @@ Orders (GPU blocks are issued in launch order):
   ``natural`` sequence by sequence, block by block, as laid out in memory.
 The bench measures all three (see the README).
 
-Split-K schedules (pointwise activations only, see ``build_split_schedule``) add a third row, the key
-split of each query block: short query blocks over long key ranges then spread over many programs.
+Split-K schedules (pointwise activations only, see ``split_items``) add a third row, the key split of
+each query block: short query blocks over long key ranges then spread over many programs.
 """
 
 from __future__ import annotations
@@ -80,35 +80,11 @@ def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int,
     return items.to(torch.int32).contiguous()
 
 
-def build_split_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, block: int, split_n: int, *,
-                         causal: bool, window: int | None) -> torch.Tensor:
-    """int32 [3, n]: sequence, query block and key split (``split_n`` keys each, aligned to multiples
-    of ``split_n``) of every (query block, key split) pair that has allowed keys, costliest first.
-
-    A query block whose key range is empty still gets one item (it writes nothing but is harmless).
-    The item count is data-dependent: this costs one host sync (the caller zero-fills its fp32 output).
-    """
-    lq = q_offsets[1:] - q_offsets[:-1]
-    lk = k_offsets[1:] - k_offsets[:-1]
-    batch = lq.numel()
-    nblk = (lq + block - 1) // block
-    seq = torch.repeat_interleave(torch.arange(batch, device=lq.device), nblk)
-    ends = torch.cumsum(nblk, 0)
-    blk = torch.arange(seq.numel(), device=lq.device) - (ends - nblk)[seq]
-    lq_s, lk_s = lq[seq], lk[seq]
-    shift = lk_s - lq_s
-    first = blk * block
-    last = torch.minimum(first + block, lq_s) - 1
-    hi = torch.minimum(lk_s, last + shift + 1) if causal else lk_s
-    lo = (first + shift - window + 1).clamp_min(0) if window is not None else torch.zeros_like(hi)
-    hi = torch.maximum(hi, lo)
-    s_first = lo // split_n
-    n_split = ((hi + split_n - 1) // split_n - s_first).clamp_min(1)
-    item_of = torch.repeat_interleave(torch.arange(seq.numel(), device=lq.device), n_split)
-    starts = torch.cumsum(n_split, 0) - n_split
-    split = s_first[item_of] + torch.arange(item_of.numel(), device=lq.device) - starts[item_of]
-    cost = (torch.minimum(hi[item_of], (split + 1) * split_n) - torch.maximum(lo[item_of], split * split_n)
-            ).clamp_min(0) + block
-    perm = torch.sort(cost, descending=True, stable=True).indices
-    items = torch.stack([seq[item_of], blk[item_of], split])[:, perm]
-    return items.to(torch.int32).contiguous()
+def split_items(items: torch.Tensor, n_splits: int) -> torch.Tensor:
+    """int32 [3, cap * n_splits]: every item of a query-block schedule ``items`` [2, cap] repeated once per
+    key split 0..n_splits-1 (third row), in the same (costliest-first) order. Sync-free: the kernel cuts each
+    sequence's keys into n_splits chunks of ceil(Lk / n_splits) rounded up to its key block, and a split
+    whose chunk holds no allowed key exits at once."""
+    seq_blk = items.repeat_interleave(n_splits, dim=1)
+    split = torch.arange(n_splits, device=items.device, dtype=items.dtype).repeat(items.shape[1])
+    return torch.cat([seq_blk, split.unsqueeze(0)]).contiguous()

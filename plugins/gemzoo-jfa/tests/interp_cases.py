@@ -115,6 +115,9 @@ def opcheck():
 
 
 def main(which: str) -> None:
+    from gemzoo_jfa import interp_compat  # triton 3.6's interpreter needs it (see the module)
+
+    interp_compat.apply()
     if which == "cases":
         res = {name: run_case(*args) for name, *args in CASES}
         res["natural-order"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", order="natural")
