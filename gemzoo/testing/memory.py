@@ -3,7 +3,8 @@ enough that activation tensors pass act-quant-style size thresholds), one forwar
 applied and its ``step_context`` entered gives the loss and every gradient of the same model without it,
 within the relative error the policy declares as ``grad_rtol`` (absent: 0, bit-exact, as recompute is).
 ``apply`` keeps every state-dict name (checkpoints load either way) and ``report()``, when present, is JSON.
-A policy that ``needs_compile`` is compared with both sides compiled by ``compile_backend``.
+A policy that ``needs_compile`` is compared with both sides compiled by ``compile_backend``, on a dense model
+(``DenseTiny``: residual MLP blocks) that compiles in seconds.
 
     from gemzoo.testing.memory import check_memory_policy
     def test_conformance():
@@ -17,6 +18,7 @@ import json
 from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 from gemzoo.interfaces.memory import needs_compile, policy_report
 
@@ -32,14 +34,15 @@ def declared_tolerance(policy) -> float:
     return float(tol)
 
 
-def tiny_model(seed: int = 0, *, d_model: int = 32, batch_size: int = 16):
+def tiny_model(seed: int = 0, *, d_model: int = 32, batch_size: int = 16, sparse_tables: int = 2):
     """(model, batch): a gem model over a synthetic-gem batch, built as the trainer builds it (meta, to_empty,
     init_weights), in fp32 on CPU with the ``reference`` attention kernel and no dropout."""
     from gemzoo import registry
 
     data = registry.get("dataset", "synthetic-gem")
     ds = data.build(data.config_cls(batch_size=batch_size, max_len=48, median_len=16, min_len=0, max_candidates=4,
-                                    num_items=120, num_clusters=4, num_sparse_tables=2, sparse_table_size=30), seed)
+                                    num_items=120, num_clusters=4, num_sparse_tables=sparse_tables,
+                                    sparse_table_size=30), seed)
     spec = registry.get("model", "gem")
     with torch.device("meta"):
         model = spec.build(spec.config_cls(d_model=d_model, num_layers=1, num_heads=2, embedding_dim=16,
@@ -49,6 +52,43 @@ def tiny_model(seed: int = 0, *, d_model: int = 32, batch_size: int = 16):
     with torch.no_grad():
         model.init_weights()
     return model, ds.train_batch(0)
+
+
+class _Block(nn.Module):
+    is_transformer_block = True
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class DenseTiny(nn.Module):
+    """Two residual MLP blocks and a regression head over [tokens, width]: what a compiled policy is checked on
+    (a jagged model's per-sequence Python breaks graphs and takes minutes to compile on CPU)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(2))
+        self.head = nn.Linear(width, 1)
+
+    def transformer_blocks(self):
+        return list(self.blocks)
+
+    def forward(self, batch):
+        from gemzoo.interfaces.models import ModelOutput
+
+        x = batch["x"]
+        for block in self.blocks:
+            x = block(x)
+        return ModelOutput(torch.nn.functional.mse_loss(self.head(x).squeeze(-1), batch["y"]), {})
+
+
+def dense_tiny(seed: int = 0, tokens: int = 256, width: int = 32):
+    torch.manual_seed(seed)
+    return DenseTiny(width), {"x": torch.randn(tokens, width), "y": torch.randn(tokens)}
 
 
 def _loss_and_grads(model, batch, policy=None, compile_backend: str | None = None):
@@ -70,9 +110,9 @@ def _loss_and_grads(model, batch, policy=None, compile_backend: str | None = Non
 def check_memory_policy(policy, *, seed: int = 0, compile_backend: str = COMPILE_BACKEND,
                         model_and_batch=None) -> dict[str, float]:
     """Loss and every gradient with ``policy`` against without it; returns the relative errors."""
-    model, batch = model_and_batch or tiny_model(seed)
-    twin = copy.deepcopy(model)
     compiled = needs_compile(policy)
+    model, batch = model_and_batch or (dense_tiny(seed) if compiled else tiny_model(seed))
+    twin = copy.deepcopy(model)
     backend = compile_backend if compiled else None
     if compiled:
         torch._dynamo.reset()

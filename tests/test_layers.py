@@ -1,0 +1,97 @@
+"""Layers that hold (issue #9 item 9), checked on the import statements themselves (ast), so a new violation
+fails here by file and line:
+
+- no core module imports gemzoo.builtin (built-ins are plugins: core reaches them through the registry);
+- no model family imports gemzoo.train (models count their FLOPs and costs with gemzoo.flops);
+- no plugin (its package or bench/) imports gemzoo.builtin or the gemzoo.models.common internals;
+- ``import gemzoo.jagged`` (and ``gemzoo.interfaces``) loads no gemzoo.builtin module.
+
+Today's violations are listed below with their issue; each set must shrink to empty, and a fixed entry must
+be removed from its set (the test says so), so the lists stay true.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# file -> the forbidden modules it imports today (issue #9 item 9; item 5 gives them public homes)
+KNOWN_CORE_BUILTIN = {
+    "gemzoo/ops.py": {"gemzoo.builtin.attention"},  # reference_attention: to gemzoo/attention/ (#9 item 5)
+    "gemzoo/testing/attention.py": {"gemzoo.builtin.attention"},  # the same reference (#9 item 5)
+}
+KNOWN_PLUGIN_INTERNALS = {
+    "plugins/gemzoo-mxfp8/gemzoo_mxfp8/plugin.py": {"gemzoo.builtin.precision", "gemzoo.models.common"},  # #9 item 9
+    "plugins/gemzoo-act-quant/gemzoo_act_quant/plugin.py": {"gemzoo.models.common"},  # attention_sites (#9 item 9)
+    "plugins/gemzoo-jfa/bench/bench_jfa.py": {"gemzoo.builtin.attention"},  # reference_attention (#9 item 5)
+    "plugins/gemzoo-block-attention/bench/bench_block_attention.py": {"gemzoo.models.common"},  # #9 item 9
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an import statement in ``path`` names (``from a import b`` gives a and a.b)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def _hits(paths, forbidden) -> dict[str, set[str]]:
+    found = {}
+    for path in paths:
+        bad = {m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in forbidden)}
+        bad = {m for m in bad if not any(b != m and m.startswith(b + ".") for b in bad)}  # a.b covers a.b.c
+        if bad:
+            found[path.relative_to(ROOT).as_posix()] = bad
+    return found
+
+
+def _compare(found: dict[str, set[str]], known: dict[str, set[str]], what: str) -> None:
+    new = {f: sorted(m - known.get(f, set())) for f, m in found.items() if m - known.get(f, set())}
+    fixed = sorted(f for f in known if f not in found or not (known[f] & found[f]))
+    assert not new, f"{what}: new violations {new}; import the public API instead (gemzoo.interfaces, the registry)"
+    assert not fixed, f"{what}: {fixed} no longer violate: remove them from this test's known set"
+
+
+def test_core_does_not_import_builtin():
+    core = [p for p in (ROOT / "gemzoo").rglob("*.py") if "builtin" not in p.relative_to(ROOT / "gemzoo").parts]
+    _compare(_hits(core, {"gemzoo.builtin"}), KNOWN_CORE_BUILTIN, "core modules importing gemzoo.builtin")
+
+
+def test_models_do_not_import_train():
+    found = _hits((ROOT / "gemzoo" / "models").rglob("*.py"), {"gemzoo.train"})
+    assert not found, f"model families import gemzoo.train: {found}; use gemzoo.flops"
+
+
+def test_plugins_use_public_api_only():
+    paths = [p for pkg in ROOT.glob("plugins/gemzoo-*") for sub in [*pkg.glob("gemzoo_*"), pkg / "bench"]
+             if sub.is_dir() for p in sub.rglob("*.py")]
+    assert paths, "no plugin sources found"
+    _compare(_hits(paths, {"gemzoo.builtin", "gemzoo.models.common"}), KNOWN_PLUGIN_INTERNALS,
+             "plugins importing gemzoo internals")
+
+
+def test_the_scanner_sees_every_import_form(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import gemzoo.builtin.memory\nfrom gemzoo import builtin\nfrom gemzoo.builtin.x import y\n"
+                 "def g():\n    from gemzoo.train import trainer\n")
+    mods = imported_modules(f)
+    assert {"gemzoo.builtin.memory", "gemzoo.builtin", "gemzoo.builtin.x", "gemzoo.train"} <= mods
+
+
+@pytest.mark.parametrize("module", ["gemzoo.jagged", "gemzoo.interfaces", "gemzoo.kinds"])
+def test_import_loads_no_builtin(module):
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('gemzoo.builtin')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"import {module} loaded {out}"
