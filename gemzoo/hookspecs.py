@@ -2,6 +2,8 @@
 
 Registration hooks receive a ``register(name, obj)`` callback (simonw/llm style). Lifecycle hooks are
 called with keywords, so new arguments can be added later without breaking existing plugins.
+``gemzoo.kinds`` is the table of registration hooks: each hook's kind, Protocol, one-or-a-list, default and
+conformance suite (``gemzoo.testing.<kind>``).
 """
 
 from __future__ import annotations
