@@ -1,6 +1,7 @@
 """Precision conformance over every registered policy that runs on CPU (gemzoo.testing.precision)."""
 
 import pytest
+import torch
 
 from gemzoo.testing.precision import check_precision_apply, check_precision_linear, precision_linear_cases
 from gemzoo.testing.pytest_plugin import registered
@@ -15,3 +16,41 @@ def test_linear_matches_fp32(name, case, registry_entry):
 @pytest.mark.parametrize("name", registered("precision", device="cpu"))
 def test_apply_swaps_what_keep_leaves(name, registry_entry):
     check_precision_apply(registry_entry("precision", name))
+
+
+class _Scaled(torch.nn.Linear):
+    """A 'low-precision' linear that is 2% off: within a 6% promise, outside a 1% one."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.02
+
+
+class _ToyPolicy:
+    def __init__(self, rtol):
+        from gemzoo.interfaces.precision import PrecisionCapabilities
+
+        self.capabilities = PrecisionCapabilities(linear_rtol=rtol)
+        self.steps = 0
+
+    def make_linear(self, linear):
+        from gemzoo.interfaces.precision import adopt_linear
+
+        return adopt_linear(_Scaled, linear)
+
+    def apply(self, model, cfg):
+        from gemzoo.interfaces.precision import swap_linears
+
+        swap_linears(model, cfg, self.make_linear)
+        return model
+
+    def after_optimizer_step(self, model):
+        self.steps += 1
+
+
+def test_the_suite_holds_a_policy_to_its_declared_tolerance():
+    loose, tight = _ToyPolicy(0.06), _ToyPolicy(0.01)
+    check_precision_linear(loose)
+    check_precision_apply(loose)
+    assert loose.steps == 1  # after_optimizer_step ran
+    with pytest.raises(AssertionError, match="relative error over 0.01"):
+        check_precision_linear(tight)
