@@ -70,3 +70,15 @@ def test_suites_fail_broken_entries():
         check_assignment(DropsLast(), BatchingCase(8, 2))
     with pytest.raises(AssertionError, match="bit-exact"):
         check_memory_policy(NudgesWeights(), model_and_batch=tiny_model(0, d_model=16, batch_size=8))
+
+
+def test_a_third_party_family_and_dataset_pass_the_model_suite(tmp_path, fresh_registry):
+    """tests/support/toy_plugin.py registers model 'toy' and dataset 'toy-data' from outside gemzoo."""
+    import toy_plugin
+
+    from gemzoo.testing.models import build_dataset, check_dataset, check_model
+
+    toy_plugin.install(fresh_registry)
+    assert "toy" in [p.values[0] for p in registered("model")]
+    check_dataset("toy-data", tmp_path)
+    check_model("toy", tmp_path, model_cfg={"dropout": 0.0}, dataset=build_dataset("toy-data", tmp_path))
