@@ -30,7 +30,6 @@ KNOWN_PLUGIN_INTERNALS = {
     "plugins/gemzoo-mxfp8/gemzoo_mxfp8/plugin.py": {"gemzoo.builtin.precision", "gemzoo.models.common"},  # #9 item 9
     "plugins/gemzoo-act-quant/gemzoo_act_quant/plugin.py": {"gemzoo.models.common"},  # attention_sites (#9 item 9)
     "plugins/gemzoo-jfa/bench/bench_jfa.py": {"gemzoo.builtin.attention"},  # reference_attention (#9 item 5)
-    "plugins/gemzoo-block-attention/bench/bench_block_attention.py": {"gemzoo.models.common"},  # #9 item 9
 }
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.jagged import positions, seq_ids
-from gemzoo.flops import attention_flops, linear_flops, sample_pairs
+from gemzoo.flops import attention_flops, attention_pairs, linear_flops, sample_pairs
 
 
 class JaggedAttention(nn.Module):
@@ -132,17 +132,9 @@ def self_attention_pairs(lengths: torch.Tensor, *, causal: bool, block_size: int
                          window: int | None = None) -> int:
     """Allowed (query, key) pairs of self-attention over sequences of ``lengths``: L(L+1)/2 causal, L^2 not;
     with ``block_size`` / ``window``, exactly the pairs DESIGN.md's rule allows."""
-    lengths = lengths.long().cpu()
     if block_size is not None or window is not None:
-        n = lengths.repeat_interleave(lengths)  # each query's sequence length
-        i = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths).repeat_interleave(lengths)
-        lo, hi = torch.zeros_like(i), (i + 1) if causal else n
-        if window is not None:
-            lo = (i - window + 1).clamp_min(0)  # i - j < window (every later key too when not causal)
-        if block_size is not None:
-            start = (i // block_size) * block_size
-            lo, hi = torch.maximum(lo, start), torch.minimum(hi, start + block_size)
-        return int((hi - lo).clamp_min(0).sum())
+        return attention_pairs(lengths, causal=causal, window=window, block_size=block_size)
+    lengths = lengths.long().cpu()
     return int((lengths * (lengths + 1) // 2).sum()) if causal else int((lengths * lengths).sum())
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "ben
 from bench_jfa import gem_lognormal, log, rel  # noqa: E402
 
 from gemzoo.jagged import lengths_to_offsets, positions, seq_ids  # noqa: E402
-from gemzoo.models.common import self_attention_pairs  # noqa: E402
+from gemzoo.flops import attention_pairs  # noqa: E402
 from gemzoo_block_attention import block_attention_triton  # noqa: E402
 from gemzoo_block_attention.ops import rope_jagged  # noqa: E402
 
@@ -154,7 +154,7 @@ def compare(name, lens, *, window=None, doc_mask=False, dense=False):
     """block-attention vs Flex (same mask) [vs dense causal SDPA] on one workload."""
     off, leaves, grad = inputs(lens)
     t = int(lens.sum())
-    pairs = self_attention_pairs(lens, causal=True, block_size=BLOCK, window=window)
+    pairs = attention_pairs(lens, causal=True, block_size=BLOCK, window=window)
 
     def mine():
         return block_attention_triton(*leaves, off, block_size=BLOCK, window=window)
@@ -169,7 +169,7 @@ def compare(name, lens, *, window=None, doc_mask=False, dense=False):
     r_mine["speedup_fwd_bwd_vs_flex"] = r_flex["fwd_bwd_ms"] / r_mine["fwd_bwd_ms"]
     if dense:
         r_sdpa = row(name, "sdpa-dense-causal", lens, *timed(sdpa_dense_fn(leaves), leaves, grad),
-                     self_attention_pairs(lens, causal=True))
+                     attention_pairs(lens, causal=True))
         r_mine["speedup_fwd_bwd_vs_dense_sdpa"] = r_sdpa["fwd_bwd_ms"] / r_mine["fwd_bwd_ms"]
     log(f"  -> vs Flex: fwd {r_mine['speedup_fwd_vs_flex']:.2f}x, fwd+bwd {r_mine['speedup_fwd_bwd_vs_flex']:.2f}x")
     return r_mine
@@ -179,7 +179,7 @@ def rotary(lens):
     """Fused RoPE vs RoPE in torch (rope_jagged: fp32 rotation, new q/k) before the same kernel."""
     name = "gem_lognormal rotary"
     off, leaves, grad = inputs(lens, seed=1)
-    pairs = self_attention_pairs(lens, causal=True, block_size=BLOCK)
+    pairs = attention_pairs(lens, causal=True, block_size=BLOCK)
 
     def fused():
         return block_attention_triton(*leaves, off, block_size=BLOCK, rope_theta=THETA)
