@@ -180,7 +180,7 @@ class SelfAttention(nn.Module):
     def sample_flops(self, lengths: torch.Tensor) -> torch.Tensor:
         """int64 [B]: each sequence's share of ``flops(lengths)``."""
         lengths, inner = lengths.long().cpu(), self.num_heads * self.head_dim
-        pairs = sample_pairs(lengths, causal=self.attn.request.causal)
+        pairs = sample_pairs(lengths, causal=self.attn.request.causal, **self.attn.mask_options())
         return (linear_flops(lengths, self.qkv.in_features, 3 * inner) + linear_flops(lengths, inner, self.out.out_features)
                 + attention_flops(pairs, self.num_heads, self.head_dim))
 

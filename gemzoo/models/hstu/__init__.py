@@ -125,7 +125,7 @@ class HSTUBlock(nn.Module):
     def sample_flops(self, lengths: torch.Tensor) -> torch.Tensor:
         """int64 [B]: each sequence's share of ``flops(lengths)``."""
         lengths = lengths.long().cpu()
-        attn = attention_flops(sample_pairs(lengths, causal=True), self.num_heads, self.qk_dim, self.v_dim)
+        attn = attention_flops(sample_pairs(lengths, causal=True, **self.attn.mask_options()), self.num_heads, self.qk_dim, self.v_dim)
         return (linear_flops(lengths, self.uvqk.in_features, self.uvqk.out_features)
                 + linear_flops(lengths, self.out.in_features, self.out.out_features) + attn)
 
