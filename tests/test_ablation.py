@@ -40,7 +40,7 @@ def test_ablate_writes_table_plots_and_report(tmp_path):
     """Two plugin sets train, one fails at assembly (flex has no CPU backward): every row, every file."""
     ablation = tmp_path / "tiny.toml"
     ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nruns = ["cpu,fp32", "flex,fp32", "cpu,bf16"]\n'
-                        'steps = 3\nwarmup = 1\nset = ["data.batch_size=8", "eval.batches=1"]\n')
+                        'steps = 3\nwarmup = 1\nset = ["run.device=cpu", "data.batch_size=8", "eval.batches=1"]\n')
     out = tmp_path / "abl"
     proc = subprocess.run([sys.executable, "-m", "gemzoo.cli", "ablate", str(ablation), "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -104,7 +104,7 @@ def test_peak_memory_is_per_run_not_cumulative():
 
 def test_e2e_script_is_a_thin_caller(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--config", str(ROOT / "configs/gem-tiny.toml"),
-                           "--runs", "cpu,fp32", "--steps", "2", "--warmup", "0", "--set", "data.batch_size=8",
+                           "--runs", "cpu,fp32", "--steps", "2", "--warmup", "0", "--set", "run.device=cpu", "--set", "data.batch_size=8",
                            "--set", "eval.every=0", "--out", str(tmp_path / "e2e")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
