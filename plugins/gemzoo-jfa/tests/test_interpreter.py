@@ -3,13 +3,12 @@ before Triton is imported, and other tests in this process may import it first).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from gemzoo.testing.interpreter import interpreter_results
 
 pytest.importorskip("triton")
 
@@ -17,18 +16,9 @@ SCRIPT = Path(__file__).with_name("interp_cases.py")
 sys.path.insert(0, str(SCRIPT.parent))
 from interp_cases import CASES  # noqa: E402
 
-_cache: dict[str, dict] = {}
-
 
 def _results(group: str) -> dict:
-    if group not in _cache:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, str(SCRIPT), group], capture_output=True, text=True, env=env,
-                              timeout=600)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        _cache[group] = json.loads(line[len("RESULT "):])
-    return _cache[group]
+    return interpreter_results(SCRIPT, group)
 
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
