@@ -18,8 +18,7 @@ import contextlib
 
 import torch
 
-from gemzoo.errors import JaggedShapeError
-from gemzoo_jfa.ops import MAX_HEAD_DIM, _last_dim_contiguous
+from gemzoo_jfa.ops import _last_dim_contiguous, check_triton_inputs
 
 
 def _jfa_ops():
@@ -126,18 +125,11 @@ def rope_jagged(q, k, q_offsets, k_offsets, theta: float):
 # -- public entry ------------------------------------------------------------------------------------
 
 def _check(q, k, v, q_offsets, k_offsets, **options):
-    """The shared input check (gemzoo.interfaces.attention.check_inputs) against the registered kernel's
-    capabilities (block_size, window, rope_theta > 0 and an even head dim with it, ...), plus the Triton
-    kernels' own limit on Dv. Returns contiguous (q_offsets, k_offsets)."""
-    from gemzoo.interfaces.attention import check_inputs
+    """Against the registered kernel's capabilities (block_size, window, rope_theta > 0 and an even head dim
+    with it, ...)."""
     from gemzoo_block_attention.plugin import KERNEL
 
-    q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, capabilities=KERNEL.capabilities,
-                                        kernel=KERNEL, **options)
-    if v.shape[2] > MAX_HEAD_DIM:
-        raise JaggedShapeError(f"block-attention supports head dims up to {MAX_HEAD_DIM}, got Dv={v.shape[2]}; "
-                               "split heads further or use attention='reference'")
-    return q_offsets, k_offsets
+    return check_triton_inputs(KERNEL, "block-attention", q, k, v, q_offsets, k_offsets, **options)
 
 
 def block_attention_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gemzoo.errors import JaggedShapeError
-
-MAX_HEAD_DIM = 256
+from gemzoo_jfa.ops import _last_dim_contiguous, check_triton_inputs
 
 
 def _codes() -> dict[str, int]:
@@ -78,22 +76,11 @@ gdpa_fwd.register_autograd(_backward, setup_context=_setup_context)
 # -- public entry ------------------------------------------------------------------------------------
 
 def _check(q, k, v, q_offsets, k_offsets, **options):
-    """gdpa's input check: the shared one (gemzoo.interfaces.attention.check_inputs) against the registered
-    kernel's capabilities, so softmax, block_size or rotary fail the same way on every device, naming the
-    kernels that serve them; plus the Triton kernels' own limit on Dv. Returns contiguous offsets."""
-    from gemzoo.interfaces.attention import check_inputs
+    """Against the registered kernel's capabilities, so softmax, block_size or rotary fail the same way on
+    every device, naming the kernels that serve them."""
     from gemzoo_gdpa.plugin import KERNEL
 
-    q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, capabilities=KERNEL.capabilities,
-                                        kernel=KERNEL, **options)
-    if v.shape[2] > MAX_HEAD_DIM:
-        raise JaggedShapeError(f"gdpa supports head dims up to {MAX_HEAD_DIM}, got Dv={v.shape[2]}; "
-                               "split heads further or use attention='reference'")
-    return q_offsets, k_offsets
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return check_triton_inputs(KERNEL, "gdpa", q, k, v, q_offsets, k_offsets, **options)
 
 
 def gdpa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="silu", scale=None, norm=None,

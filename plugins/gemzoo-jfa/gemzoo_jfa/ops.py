@@ -388,19 +388,25 @@ def _validate_offsets_once(offsets: torch.Tensor, total: int, device, name: str)
     _offsets_cache.longest(offsets, total, device, name)
 
 
-def _check(q, k, v, q_offsets, k_offsets, **options):
-    """jfa's input check: the shared one (gemzoo.interfaces.attention.check_inputs) against the registered
-    kernel's capabilities, so every option it does not declare fails the same way on every device, plus
-    the Triton kernels' own limit on Dv. Returns contiguous (q_offsets, k_offsets)."""
+def check_triton_inputs(kernel, name: str, q, k, v, q_offsets, k_offsets, **options):
+    """The input check of every Triton path on this kernel family (jfa, gdpa, block-attention): the shared
+    one (gemzoo.interfaces.attention.check_inputs) against ``kernel``'s declared capabilities, so an option it
+    does not declare fails the same way on every device, plus the kernels' own limit on Dv. Returns
+    contiguous (q_offsets, k_offsets)."""
     from gemzoo.interfaces.attention import check_inputs
-    from gemzoo_jfa.plugin import KERNEL
 
-    q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, capabilities=KERNEL.capabilities,
-                                        kernel=KERNEL, **options)
+    q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, capabilities=kernel.capabilities,
+                                        kernel=kernel, **options)
     if v.shape[2] > MAX_HEAD_DIM:
-        raise JaggedShapeError(f"jfa supports head dims up to {MAX_HEAD_DIM}, got Dv={v.shape[2]}; "
+        raise JaggedShapeError(f"{name} supports head dims up to {MAX_HEAD_DIM}, got Dv={v.shape[2]}; "
                                "split heads further or use attention='reference'")
     return q_offsets, k_offsets
+
+
+def _check(q, k, v, q_offsets, k_offsets, **options):
+    from gemzoo_jfa.plugin import KERNEL
+
+    return check_triton_inputs(KERNEL, "jfa", q, k, v, q_offsets, k_offsets, **options)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
