@@ -30,3 +30,68 @@ def test_global_loss_does_not_depend_on_the_split(batching_name, world_size, reg
     model, batch = gem_model_and_batch
     check_global_loss(registry_entry("batching", batching_name), model, batch, world_size,
                       weight=lambda b: b.num_candidates)  # gem's loss is a mean over candidates
+
+
+@pytest.mark.distributed
+def test_every_policy_rebalances_per_rank_parts_on_gloo(tmp_path):
+    """2 gloo ranks, each loading only its part: every registered policy, the toy third-party one and a policy
+    that moves nearly every sample give each rank exactly the global batch's select of the partition; the
+    loss is unchanged. One spawn for all: gloo start-up is the slow part."""
+    from toy_kinds import LongestFirstBatching
+
+    from gemzoo.testing.batching import check_rebalance_on_gloo
+
+    names = gemzoo.registry.names("batching")
+    policies = {**{n: None for n in names}, "toy-lpt": LongestFirstBatching()}
+    out = check_rebalance_on_gloo(policies, tmp_path)
+    assert set(policies) <= set(out[0]) and len(out[0]) == len(policies) + 1  # + reverse-stride
+
+
+def test_cat_undoes_select():
+    """GemBatch.cat and SeqBatch.cat of parts equal select of their union (the exchange merges with cat)."""
+    from gemzoo.data.batch import GemBatch, SeqBatch
+    from gemzoo.testing.batching import _SeqStream, batches_equal
+    from gemzoo.testing.memory import tiny_model
+
+    _, gem = tiny_model(0, d_model=16, batch_size=9)
+    seq = _SeqStream(9).train_batch(1)
+    for batch, cls in ((gem, GemBatch), (seq, SeqBatch)):
+        parts = [torch.tensor([4, 0]), torch.tensor([], dtype=torch.long), torch.tensor([8, 2, 5])]
+        merged = cls.cat([batch.select(p) for p in parts])
+        assert not batches_equal(merged, batch.select(torch.cat(parts)))
+        assert not batches_equal(cls.cat([batch]), batch)
+
+
+@pytest.mark.parametrize("n,world", [(13, 2), (1, 2), (0, 3), (10, 4)])
+def test_shards_are_tensor_split_parts(n, world):
+    from gemzoo.data.exchange import shard_range
+
+    parts = torch.arange(n).tensor_split(world)
+    assert [shard_range(n, r, world) for r in range(world)] == [
+        (int(p[0]) if p.numel() else sum(q.numel() for q in parts[:r]), sum(q.numel() for q in parts[:r + 1]))
+        for r, p in enumerate(parts)]
+
+
+def test_a_rank_part_is_the_global_batch_slice():
+    from gemzoo.data.exchange import load_shard
+    from gemzoo.testing.batching import _SeqStream, batches_equal
+
+    ds = _SeqStream(7)
+    whole = ds.train_batch(3)
+    assert not batches_equal(load_shard(ds, 3, 1, 2), whole.select(torch.arange(4, 7)))  # own train_shard
+
+
+def test_bad_partitions_and_costs_are_named():
+    from gemzoo.data.exchange import check_costs, check_groups
+    from gemzoo.errors import PluginError
+
+    with pytest.raises(PluginError, match=r"'drop'.*samples \[3\] are unassigned"):
+        check_groups([torch.tensor([0, 1]), torch.tensor([2])], 4, 2, "drop")
+    with pytest.raises(PluginError, match=r"\[1\] assigned more than once"):
+        check_groups([torch.tensor([0, 1]), torch.tensor([1, 2])], 3, 2, "dup")
+    with pytest.raises(PluginError, match="want a list of 2"):
+        check_groups([torch.arange(3)], 3, 2, "one")
+    with pytest.raises(PluginError, match="dtype torch.float32"):
+        check_groups([torch.tensor([0.0]), torch.tensor([1.0])], 2, 2, "float")
+    with pytest.raises(PluginError, match=r"samples \[1\].*finite"):
+        check_costs(torch.tensor([1.0, float("nan"), 2.0]))

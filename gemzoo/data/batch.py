@@ -89,6 +89,29 @@ class GemBatch(_Movable):
         return GemBatch(hist, hist_off, cand, cand_off, click, conv, self.sparse_keys, sp_vals,
                         (sp_off[1:] - sp_off[:-1]).to(self.sparse_lengths.dtype))
 
+    @classmethod
+    def cat(cls, parts: "list[GemBatch]") -> "GemBatch":
+        """The samples of ``parts``, one batch after another (what ``select`` of their union gives)."""
+        if not parts:
+            raise ValueError("GemBatch.cat needs at least one batch")
+        keys = parts[0].sparse_keys
+        odd = [i for i, p in enumerate(parts) if p.sparse_keys != keys]
+        if odd:
+            raise ValueError(f"GemBatch.cat: batch {odd[0]} has sparse keys {parts[odd[0]].sparse_keys}, "
+                             f"batch 0 has {keys}")
+        n_keys = len(keys)
+        lens = [p.sparse_lengths.reshape(n_keys, p.num_samples) for p in parts]  # key-major
+        per_key = [p.sparse_values.split(ln.sum(1).tolist()) for p, ln in zip(parts, lens)]
+        values = [chunks[k] for k in range(n_keys) for chunks in per_key]
+        return GemBatch(
+            history_items=torch.cat([p.history_items for p in parts]),
+            history_offsets=lengths_to_offsets(torch.cat([p.lengths for p in parts])),
+            cand_items=torch.cat([p.cand_items for p in parts]),
+            cand_offsets=lengths_to_offsets(torch.cat([p.cand_lengths for p in parts])),
+            click=torch.cat([p.click for p in parts]), conversion=torch.cat([p.conversion for p in parts]),
+            sparse_keys=keys, sparse_values=torch.cat(values) if values else parts[0].sparse_values[:0],
+            sparse_lengths=torch.cat(lens, dim=1).reshape(-1))
+
 
 @dataclass
 class SeqBatch(_Movable):
@@ -125,3 +148,15 @@ class SeqBatch(_Movable):
         offsets, items, targets, *times = gather_jagged(self.offsets, torch.as_tensor(index, dtype=torch.int64),
                                                         self.items, self.targets, *extra)
         return SeqBatch(items, offsets, targets, *times)
+
+    @classmethod
+    def cat(cls, parts: "list[SeqBatch]") -> "SeqBatch":
+        """The samples of ``parts``, one batch after another (what ``select`` of their union gives)."""
+        if not parts:
+            raise ValueError("SeqBatch.cat needs at least one batch")
+        timed = {p.times is not None and p.next_times is not None for p in parts}
+        if len(timed) > 1:
+            raise ValueError("SeqBatch.cat: some batches have times and some do not")
+        extra = (torch.cat([p.times for p in parts]), torch.cat([p.next_times for p in parts])) if timed.pop() else ()
+        return SeqBatch(torch.cat([p.items for p in parts]), lengths_to_offsets(torch.cat([p.lengths for p in parts])),
+                        torch.cat([p.targets for p in parts]), *extra)

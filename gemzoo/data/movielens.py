@@ -183,9 +183,23 @@ class MovieLensDataset:
         return torch.tensor(self.trainable)[torch.randperm(len(self.trainable), generator=g)]
 
     def train_batch(self, step: int) -> SeqBatch:
-        n, bs, L = len(self.trainable), self.cfg.batch_size, self.cfg.max_len
+        bs = self.cfg.batch_size
+        return self._train_rows(step * bs, (step + 1) * bs)
+
+    def train_shard(self, step: int, rank: int, world_size: int) -> SeqBatch:
+        """Rank ``rank``'s contiguous part of ``train_batch(step)`` (gemzoo.data.exchange.shard_range), reading
+        only its own users."""
+        from gemzoo.data.exchange import shard_range
+
+        bs = self.cfg.batch_size
+        lo, hi = shard_range(bs, rank, world_size)
+        return self._train_rows(step * bs + lo, step * bs + hi)
+
+    def _train_rows(self, first: int, stop: int) -> SeqBatch:
+        """Rows ``first..stop-1`` of the endless stream of training sequences (epoch after epoch)."""
+        n, L = len(self.trainable), self.cfg.max_len
         items, targets, lengths, times, next_times = [], [], [], [], []
-        for j in range(step * bs, (step + 1) * bs):
+        for j in range(first, stop):
             user = int(self._epoch_order(j // n)[j % n])
             end = self.train_seqs[user].numel()
             start = max(0, end - (L + 1))
@@ -195,8 +209,12 @@ class MovieLensDataset:
             times.append(ts[:-1])
             next_times.append(ts[1:])
             lengths.append(seq.numel() - 1)
-        return SeqBatch(torch.cat(items), lengths_to_offsets(torch.tensor(lengths)), torch.cat(targets),
-                        torch.cat(times), torch.cat(next_times))
+
+        def cat(parts):  # a shard may hold no rows (more ranks than samples)
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+        return SeqBatch(cat(items), lengths_to_offsets(torch.tensor(lengths, dtype=torch.long)), cat(targets),
+                        cat(times), cat(next_times))
 
     def _eval_batch(self, users: list[int]) -> SeqBatch:
         L = self.cfg.max_len

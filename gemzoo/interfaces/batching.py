@@ -1,13 +1,50 @@
-"""Batching policies: reorder or redistribute samples across data-parallel ranks before a step."""
+"""Batching policies: redistribute a step's samples across data-parallel ranks before the step.
+
+Each rank loads only its own contiguous part of the global batch (``gemzoo.data.exchange.load_shard``). The
+trainer gives the policy that part, the per-sample costs of it from the model's ``cost_model`` (attention
+FLOPs of each sample's allowed pairs plus linear FLOPs of its tokens) and the data-parallel group, and trains
+on the batch the policy returns: this rank's samples.
+
+Most policies only partition. They implement ``assign(costs, world_size)`` over the *global* costs, and
+``gemzoo.data.exchange.rebalance`` does the rest: it all-gathers the costs (one number per sample), calls
+``assign`` (every rank computes the same answer), and moves each sample to its rank with one all-to-all of
+the jagged batch. A policy that moves samples itself (overlapping the partition with the previous step, or
+knowing that nothing has to move) also defines ``rebalance(batch, costs, dp) -> Batch``; its answer must be
+the same as the default one (the batching conformance suite checks it on gloo).
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """The ranks that split a batch between them: this rank's index in it, how many there are, and their
+    process group (``None``: the default group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed.ProcessGroup
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"DataParallelGroup needs 0 <= rank < size, got rank={self.rank}, size={self.size}")
 
 
 @runtime_checkable
 class BatchingPolicy(Protocol):
     def assign(self, costs: torch.Tensor, world_size: int) -> list[torch.Tensor]:
-        """Split sample indices into ``world_size`` groups; ``costs[i]`` is sample i's work (e.g. L^2)."""
+        """Partition the global batch: ``costs`` (float64 ``[N]``) is the work of global sample i (samples are
+        numbered rank by rank: rank 0's part first); return ``world_size`` int64 tensors of sample indices,
+        each sample in exactly one, in the order that rank trains them. Deterministic: a pure function of
+        ``costs`` and ``world_size``, since every rank computes it and all must agree."""
+
+
+def custom_rebalance(policy):
+    """The policy's own ``rebalance(batch, costs, dp)``, or None when it leaves the moving to gemzoo."""
+    fn = getattr(policy, "rebalance", None)
+    return fn if callable(fn) else None

@@ -1,18 +1,30 @@
 """Batching conformance: ``assign(costs, world_size)`` gives every sample to exactly one rank, the same way
 every time, and the global loss and gradient do not depend on the split: the per-rank losses, weighted by each
 rank's share of the normaliser (candidates for gem), sum to the whole batch's loss, and so do the gradients.
-Costs come from the model's own ``cost_model``, as the trainer's will.
+Costs come from the model's own ``cost_model``, as the trainer's do.
+
+On several gloo ranks (``check_rebalance_on_gloo``), each rank loads only its own part of the global batch
+and ``gemzoo.data.exchange.rebalance`` (or the policy's own ``rebalance``) gives it exactly
+``global_batch.select(assign(global_costs)[rank])``, bit for bit, for gem batches (synthetic-gem, the costs
+from gem's ``cost_model``) and for retrieval batches loaded through a dataset's ``train_shard``, with uneven
+parts and a rank with no samples; and the ranks' losses, weighted by their share of the candidates, sum to
+the global batch's loss.
 
     from gemzoo.testing.batching import batching_cases, check_assignment, check_global_loss
     @pytest.mark.parametrize("case", batching_cases(), ids=str)
     def test_assignment(case):
         check_assignment(MY_POLICY, case)
+
+    def test_on_gloo(tmp_path):
+        check_rebalance_on_gloo({"mine": MY_POLICY}, tmp_path)   # spawns 2 ranks
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -103,3 +115,126 @@ def check_global_loss(policy, model, batch, world_size: int, *, weight=None, rto
         got = got_grads.get(n, torch.zeros_like(gr))
         err = float((got.double() - gr.double()).norm() / gr.double().norm().clamp_min(1e-30))
         assert err <= rtol, f"{type(policy).__name__}: the gradient of {n} depends on the split (relative error {err:.3g})"
+
+
+class ReverseStride:
+    """A policy that moves almost every sample: rank r gets the samples i with i % W == W - 1 - r, last first.
+    The gloo check runs it beside the registered ones, so the exchange's order is tested even when every
+    registered policy keeps samples where they are."""
+
+    def assign(self, costs: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+        idx = torch.arange(costs.numel() - 1, -1, -1)
+        return [idx[idx % world_size == world_size - 1 - r] for r in range(world_size)]
+
+
+class _SeqStream:
+    """A retrieval-style dataset that builds only the rows a rank asks for (``train_shard``), with timestamps:
+    the per-rank loading path of the exchange, on SeqBatch."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+
+    def _rows(self, step: int, lo: int, hi: int):
+        from gemzoo.data.batch import SeqBatch
+        from gemzoo.jagged import lengths_to_offsets
+
+        lengths = torch.tensor([(7 * (step * self.batch_size + j)) % 11 for j in range(lo, hi)], dtype=torch.long)
+        t = int(lengths.sum())
+        start = 1000 * step + sum((7 * (step * self.batch_size + j)) % 11 for j in range(lo))
+        items = torch.arange(start, start + t)
+        return SeqBatch(items, lengths_to_offsets(lengths), items + 1, 10 * items, 10 * items + 5)
+
+    def train_batch(self, step: int):
+        return self._rows(step, 0, self.batch_size)
+
+    def train_shard(self, step: int, rank: int, world_size: int):
+        from gemzoo.data.exchange import shard_range
+
+        return self._rows(step, *shard_range(self.batch_size, rank, world_size))
+
+
+def batches_equal(a, b) -> list[str]:
+    """The fields in which two batches of one dataclass type differ (dtype, shape or any value)."""
+    import dataclasses
+
+    if type(a) is not type(b):
+        return [f"type {type(a).__name__} != {type(b).__name__}"]
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                and x.shape == y.shape and torch.equal(x, y)) or (not isinstance(x, torch.Tensor) and x == y)
+        if not same:
+            out.append(f.name)
+    return out
+
+
+def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: str, steps: int = 2) -> None:
+    """One rank of ``check_rebalance_on_gloo``: for each policy (a registered name -> None, or an object) and
+    each step, the samples it gets from its own part equal the global batch's ``select`` of the partition."""
+    from gemzoo.testing.comms import rank_env
+
+    rank_env(rank, world, port)
+    import torch.distributed as dist
+
+    from gemzoo import registry
+    from gemzoo.data.exchange import load_shard, rebalance
+    from gemzoo.interfaces.batching import DataParallelGroup
+    from gemzoo.testing.memory import tiny_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dp = DataParallelGroup(rank, world)
+    model, _ = tiny_model(0, d_model=16, batch_size=13)
+    model = model.double()
+    data = registry.get("dataset", "synthetic-gem")
+    gem = data.build(data.config_cls(batch_size=13, max_len=48, median_len=16, min_len=0, max_candidates=4,
+                                     num_items=120, num_clusters=4, num_sparse_tables=2, sparse_table_size=30), 0)
+    streams = {"gem": (gem, lambda b: model.cost_model(b)), "seq-13": (_SeqStream(13), None),
+               "seq-1": (_SeqStream(1), None)}  # seq-1: one rank has no samples
+    summary = {}
+    for name, policy in policies.items():
+        policy = registry.get("batching", name) if policy is None else policy
+        seen = {}
+        for label, (ds, cost) in streams.items():
+            cost = cost or (lambda b: (b.lengths.double() ** 2 + b.lengths.double()))
+            for step in range(steps):
+                full, local = ds.train_batch(step), load_shard(ds, step, rank, world)
+                got = rebalance(policy, local, cost(local), dp, name=name)
+                groups = policy.assign(cost(full).double(), world)
+                want = full.select(torch.as_tensor(groups[rank]).long())
+                bad = batches_equal(got, want)
+                assert not bad, (f"batching {name!r}, {label} step {step}, rank {rank}: the samples received differ "
+                                 f"from the global batch's select of the partition in {bad}")
+                seen[f"{label}/{step}"] = int(got.num_samples)
+                if label == "gem":  # the ranks' losses, weighted by their candidates, sum to the global loss
+                    with torch.no_grad():
+                        part = (model(got).loss * (got.num_candidates / full.num_candidates) if got.num_samples
+                                else torch.zeros((), dtype=torch.float64))
+                        whole = model(full).loss
+                    total = part.detach().clone()
+                    dist.all_reduce(total)
+                    torch.testing.assert_close(total, whole, rtol=1e-9, atol=0,
+                                               msg=lambda m: f"batching {name!r}: global loss changed: {m}")
+        summary[name] = seen
+    Path(out_dir, f"batching{rank}.json").write_text(json.dumps(summary))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_rebalance_on_gloo(policies, tmp_path, world: int = 2) -> list[dict]:
+    """Spawn ``world`` CPU ranks that check each policy (registered names, or a dict name -> policy object,
+    which must pickle) plus ``ReverseStride``; returns every rank's {policy: {case: samples received}}."""
+    from gemzoo.testing.comms import spawn
+
+    if isinstance(policies, str):
+        policies = [policies]
+    policies = dict(policies) if isinstance(policies, dict) else {n: None for n in policies}
+    policies.setdefault("reverse-stride (gemzoo.testing)", ReverseStride())
+    spawn(rebalance_rank, world, policies, str(tmp_path))
+    out = [json.loads(Path(tmp_path, f"batching{r}.json").read_text()) for r in range(world)]
+    for name in policies:
+        for case in out[0][name]:
+            total = sum(o[name][case] for o in out)
+            want = 13 if not case.startswith("seq-1/") else 1
+            assert total == want, f"batching {name!r}, {case}: {total} samples trained across ranks, want {want}"
+    return out

@@ -22,15 +22,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from gemzoo import registry
+from gemzoo import kinds, registry
 from gemzoo.config import Config
-from gemzoo.distributed import (World, all_reduce_gradients, clip_grad_norm, init_distributed, pick_device,
-                                shard_dense_blocks)
+from gemzoo.data.exchange import load_shard, rebalance
+from gemzoo.distributed import (World, all_reduce_gradients, build_mesh, clip_grad_norm, init_distributed,
+                                is_fsdp_shard, pick_device, shard_dense_blocks, whole_parameters)
+from gemzoo.distributed import state as dstate
 from gemzoo.embedding import use_sparse_gradients
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
 from gemzoo.interfaces.attention import kernels_that_serve
+from gemzoo.interfaces.batching import DataParallelGroup
 from gemzoo.interfaces.memory import needs_compile, policy_report
-from gemzoo.interfaces.planner import Topology
+from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.interfaces.precision import PrecisionConfig
 from gemzoo.models.common import attention_sites
 from gemzoo.train import checkpoint as ckpt
@@ -199,28 +202,15 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     return dense, sparse
 
 
-def fuse_sparse_optimizer(model: nn.Module, cfg: Config) -> None:
-    """Ask torchrec to fuse row-wise Adagrad into the sharded tables' backward (fbgemm TBE)."""
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-
-    apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": cfg.optim.sparse_lr})
-
-
-def is_local_tensor(p: torch.Tensor) -> bool:
-    """A plain tensor held whole by this rank (not a ShardedTensor/DTensor with a fused optimizer)."""
-    return type(p.data) is torch.Tensor and not hasattr(p, "_in_backward_optimizers")
-
-
-def is_fsdp_shard(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(p, DTensor)
-
-
-def build_optimizers(model: nn.Module, cfg: Config) -> dict[str, torch.optim.Optimizer]:
+def build_optimizers(model: nn.Module, cfg: Config, replicated: list[nn.Parameter] | None = None
+                     ) -> dict[str, torch.optim.Optimizer]:
+    """AdamW for the dense parameters this rank updates (whole or FSDP2 shards), Adagrad for the whole tables.
+    ``replicated``: the planner's ``replicated_parameters`` (default: every whole parameter); tables outside
+    it are the planner's (sharded, their optimizer fused)."""
+    whole = {id(p) for p in (whole_parameters(model) if replicated is None else replicated)}
     dense, sparse = split_parameters(model)
-    sparse = [p for p in sparse if is_local_tensor(p)]  # sharded ones carry a fused optimizer
-    dense = [p for p in dense if is_local_tensor(p) or is_fsdp_shard(p)]
+    sparse = [p for p in sparse if id(p) in whole]
+    dense = [p for p in dense if id(p) in whole or is_fsdp_shard(p)]
     mixed = len({type(p.data) for p in dense}) > 1  # FSDP2 DTensors beside plain tensors: no foreach
     betas = tuple(cfg.optim.betas)
     if len(betas) != 2 or not all(isinstance(x, (int, float)) and 0.0 <= x < 1.0 for x in betas):
@@ -278,11 +268,14 @@ class Trainer:
         self.hook.gemzoo_configure(config=cfg)
         torch.manual_seed(cfg.run.seed)
 
-        # 2. Distributed init through the comms backend; DeviceMesh.
+        # 2. Distributed init through the comms backend; the DeviceMesh with the planner's dims (+ dense dp).
         self.comms = configured("comms", cfg.plugins.comms, cfg)
+        self.planner = configured("planner", cfg.plugins.planner, cfg)
         device_type = "cuda" if cfg.run.device.startswith("cuda") or (
             cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world: World = init_distributed(self.comms, device_type)
+        self.topology = Topology(self.world.world_size, device_type)
+        build_mesh(self.world, device_type, self.planner.mesh_dims(self.topology))
         self.device = pick_device(cfg.run.device, self.world)
         if self.world.is_main:
             if self.overwrite and run_folder.clear_run_folder(self.out_dir):
@@ -312,12 +305,10 @@ class Trainer:
         self.attention_plan = select_attention(model, cfg, self.device, attention_dtype(self.precision))
         model = self.precision.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
 
-        # 7. Planner for embedding tables; FSDP2 for transformer blocks, the rest data-parallel.
-        self.planner = configured("planner", cfg.plugins.planner, cfg)
-        topology = Topology(self.world.world_size, self.device.type)
-        plan = self.planner.plan(model.embedding_tables(), topology)
-        if plan is not None:
-            fuse_sparse_optimizer(model, cfg)  # sharded tables update inside their own backward
+        # 7. Planner for embedding tables (its optimizer fused into the tables it shards); FSDP2 for transformer
+        #    blocks, the rest data-parallel.
+        plan = self.planner.plan(model.embedding_tables(), self.topology)
+        self.planner.attach_optimizer(model, plan, SparseOptimizer(lr=cfg.optim.sparse_lr))
         model = self.planner.shard(model, plan, self.world.mesh)
         model = shard_dense_blocks(model, self.world, cfg.run.dense_parallel)
 
@@ -336,12 +327,14 @@ class Trainer:
 
         # 9. Optimizers: sparse tables and dense AdamW. Unsharded plain-torch tables get sparse gradients,
         #    which the tables' Adagrad applies row by row.
-        self.optimizers = build_optimizers(model, cfg)
+        #    The planner says which parameters every rank holds a full copy of: their gradients are averaged
+        #    over dp each step; the rest are FSDP2 shards or the planner's own tables.
+        self.replicated_params = self.planner.replicated_parameters(model)
+        self.optimizers = build_optimizers(model, cfg, self.replicated_params)
         if getattr(model, "sparse_arch", None) is not None:
             use_sparse_gradients(model.sparse_arch)
-        self.dense_params = [p for p in split_parameters(model)[0] if is_local_tensor(p) or is_fsdp_shard(p)]
-        # Parameters every rank holds a full copy of (sharded tables excluded): averaged each step.
-        self.replicated_params = [p for p in model.parameters() if p.requires_grad and is_local_tensor(p)]
+        whole = {id(p) for p in self.replicated_params}
+        self.dense_params = [p for p in split_parameters(model)[0] if id(p) in whole or is_fsdp_shard(p)]
 
         # 10. Resume.
         self.start_step = 0
@@ -375,10 +368,10 @@ class Trainer:
                 f"{self.out_dir} holds checkpoints after step {step} ({', '.join(p.name for p in later[:3])}); "
                 f"continuing from {state['path']} in it would mix two histories. Continue in a new run folder "
                 "(--out DIR), or delete the later checkpoints first.")
-        mismatched = ckpt.shape_mismatches(self.model, state["model"])
+        mismatched = dstate.shape_mismatches(self.model, state["model"])
         if mismatched:
             raise CheckpointError(_shape_message(state, mismatched, saved_cfg, self.cfg.to_dict()))
-        missing, unexpected = ckpt.load_full_state(self.model, state["model"])
+        missing, unexpected = dstate.load_full_state(self.model, state["model"])
         if missing or unexpected:
             raise CheckpointError(
                 f"{state['path']} does not match this model: missing {missing[:5]}, unexpected {unexpected[:5]}. "
@@ -388,12 +381,13 @@ class Trainer:
             if name not in state["optimizers"]:
                 raise CheckpointError(f"{state['path']} has no state for optimizer {name!r}")
             opt.load_state_dict(state["optimizers"][name])
-            ckpt.redistribute_optimizer_state(opt)
+            dstate.redistribute_optimizer_state(opt)
         apply_optimizer_settings(self.optimizers, self.cfg)  # the config's lr etc., not the checkpoint's
-        missing = ckpt.load_fused_optimizer_state(self.model, state["fused_optimizer"])
+        missing = self.planner.load_state_dict(self.model, state["planner"])
         if missing:
-            self.say(f"warning: {state['path']} has no state for the fused optimizers of {len(missing)} sharded "
-                     f"tables (e.g. {missing[0]}); their Adagrad accumulators restart from zero", err=True)
+            self.say(f"warning: {state['path']} has no planner state for {len(missing)} entries (e.g. {missing[0]}) "
+                     f"of planner {self.cfg.plugins.planner!r}; they restart from zero (e.g. the sharded tables' "
+                     "Adagrad accumulators)", err=True)
         ckpt.set_rng_state(state["rng"])
         self.start_step = step
         if self.world.is_main:
@@ -413,11 +407,12 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
-        batch = self.dataset.train_batch(step)
+        # This rank loads its own part of the global batch; the batching policy, given the model's per-sample
+        # costs and the data-parallel group, returns the samples this rank trains.
+        batch = load_shard(self.dataset, step, self.world.rank, self.world.world_size).to(self.device)
         if self.world.world_size > 1:
-            groups = self.batching.assign(batch.lengths.float() ** 2, self.world.world_size)
-            batch = batch.select(groups[self.world.rank])
-        batch = batch.to(self.device)
+            dp = DataParallelGroup(self.world.rank, self.world.world_size)
+            batch = rebalance(self.batching, batch, self.model.cost_model(batch), dp, name=cfg.plugins.batching)
         for opt in self.optimizers.values():
             for group in opt.param_groups:
                 group.setdefault("base_lr", group["lr"])
@@ -448,6 +443,7 @@ class Trainer:
         for opt in self.optimizers.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
+        self.planner.sync(self.model, step)  # e.g. replica groups of 2D sharding average their tables
         after = getattr(self.precision, "after_optimizer_step", None)
         if after is not None:
             after(self.model)
@@ -481,9 +477,10 @@ class Trainer:
         return {f"eval/{k}": float(v) for k, v in evaluator.compute().items()}
 
     def save(self, step: int) -> Path | None:
-        model_state = ckpt.gather_full_state(self.model.state_dict(), self.world.is_main)  # collective
-        fused = ckpt.gather_fused_optimizer_state(self.model, self.world.is_main)  # collective
-        optimizer_states = {n: ckpt.gather_optimizer_state(o.state_dict()) for n, o in self.optimizers.items()}
+        # Whole tensors on rank 0, whatever the layout (collectives: every rank takes part).
+        model_state = dstate.gather_full_state(self.model.state_dict(), self.world.is_main)
+        planner_state = self.planner.state_dict(self.model)
+        optimizer_states = {n: dstate.gather_optimizer_state(o.state_dict()) for n, o in self.optimizers.items()}
         if not self.world.is_main:
             return None
         plugins = {e.name: {"kind": e.kind, "distribution": e.distribution, "version": e.version}
@@ -492,7 +489,7 @@ class Trainer:
         return ckpt.save_checkpoint(
             self.out_dir / "checkpoints", step,
             model_state=model_state,
-            optimizers=optimizer_states, fused_optimizer=fused,
+            optimizers=optimizer_states, planner_state=planner_state,
             manifest=manifest, keep=self.cfg.checkpoint.keep,
         )
 
@@ -513,8 +510,7 @@ class Trainer:
                 print(f"{name}: {summary}", flush=True)
 
     def _selected_names(self) -> set[str]:
-        p = self.cfg.plugins
-        return {p.attention, p.precision, p.planner, p.comms, p.batching, *p.memory}
+        return {name for names in kinds.selected(self.cfg.plugins).values() for name in names}
 
     # ----------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:

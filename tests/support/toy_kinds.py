@@ -13,7 +13,10 @@ from gemzoo.interfaces.planner import Topology
 
 class LongestFirstBatching:
     """Greedy longest-processing-time: samples by decreasing cost (ties by index), each to the least-loaded rank
-    (ties to the lowest rank); each rank's samples in index order."""
+    (ties to the lowest rank); each rank's samples in index order.
+
+    A partition-only policy: it sees the all-gathered costs of the global batch, and gemzoo moves the samples
+    (gemzoo.data.exchange.rebalance), so it works when each rank loads only its own part."""
 
     def assign(self, costs: torch.Tensor, world_size: int) -> list[torch.Tensor]:
         costs = costs.detach().double().cpu()
@@ -27,24 +30,79 @@ class LongestFirstBatching:
 
 
 class ReplicatePlanner:
-    """Every rank keeps every table whole (data-parallel tables: the trainer averages their gradients).
+    """Every rank keeps every table whole, synchronised like torchrec's DMPCollection in its ``replicated``
+    strategy, so every method of the Planner protocol does something a test can see:
 
-    ``plan`` names the tables; ``shard`` checks the model holds them and leaves it as it is. The plan is ``None``
-    when there is nothing to place, as the trainer still treats any other plan as torchrec's (issue #9 item 2)."""
+    - ``mesh_dims``: ``{"replica": world, "shard": 1}``, a 2-D mesh (``dp`` flattened from both dims);
+    - ``attach_optimizer``: the tables get the planner's own Adagrad (not the trainer's), applied in ``sync``;
+    - ``replicated_parameters``: every whole parameter except the tables, so the trainer leaves them alone;
+    - ``sync``: each rank's Adagrad step on its own gradient, then weights and accumulators averaged over the
+      ``replica`` dim;
+    - ``state_dict`` / ``load_state_dict``: the accumulators, ``<table parameter>/sum``."""
+
+    def mesh_dims(self, topology: Topology) -> dict[str, int]:
+        return {"replica": topology.world_size, "shard": 1}
 
     def plan(self, tables: list, topology: Topology):
         names = [getattr(t, "name", None) for t in tables]
         if any(not n for n in names):
             raise PluginError("planner 'toy-replicate' needs tables with names")
-        return None if topology.world_size == 1 or not names else {"replicate": names}
+        return {"replicate": names}
+
+    def attach_optimizer(self, model, plan, optimizer):
+        if optimizer.name != "adagrad":
+            raise PluginError(f"planner 'toy-replicate' trains its tables with adagrad, not {optimizer.name!r}")
+        tables = dict(model.sparse_arch.named_parameters(prefix="sparse_arch"))
+        model.toy_tables = {"lr": optimizer.lr, "params": tables, "group": None,
+                            "sum": {n: torch.zeros_like(p, memory_format=torch.contiguous_format)
+                                    for n, p in tables.items()}}
 
     def shard(self, model, plan, mesh):
-        if plan is not None:
-            have = {getattr(t, "name", None) for t in model.embedding_tables()}
-            lost = [n for n in plan["replicate"] if n not in have]
-            if lost:
-                raise PluginError(f"planner 'toy-replicate': the model has no tables {lost}")
+        have = {getattr(t, "name", None) for t in model.embedding_tables()}
+        lost = [n for n in plan["replicate"] if n not in have]
+        if lost:
+            raise PluginError(f"planner 'toy-replicate': the model has no tables {lost}")
+        model.toy_tables["group"] = None if mesh is None else mesh.get_group("replica")
         return model
+
+    def replicated_parameters(self, model):
+        from gemzoo.distributed import whole_parameters
+
+        tables = {id(p) for p in model.toy_tables["params"].values()}
+        return [p for p in whole_parameters(model) if id(p) not in tables]
+
+    @torch.no_grad()
+    def sync(self, model, step):
+        import torch.distributed as dist
+
+        toy = model.toy_tables
+        for name, p in toy["params"].items():
+            if p.grad is not None:
+                g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                toy["sum"][name] += g * g
+                p -= toy["lr"] * g / (toy["sum"][name].sqrt() + 1e-10)
+                p.grad = None
+            if toy["group"] is not None:
+                for t in (p, toy["sum"][name]):
+                    dist.all_reduce(t, group=toy["group"])
+                    t /= dist.get_world_size(toy["group"])
+
+    def state_dict(self, model):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        return {f"{name}/sum": s.clone() for name, s in model.toy_tables["sum"].items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, model, state):
+        missing = []
+        for name, s in model.toy_tables["sum"].items():
+            if f"{name}/sum" in state:
+                s.copy_(state[f"{name}/sum"])
+            else:
+                missing.append(f"{name}/sum")
+        return missing
 
 
 @gemzoo.hookimpl
