@@ -187,7 +187,7 @@ Ctrl-C finishes the step, writes a checkpoint and prints the command that resume
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemzoo import __version__
+    from gemzoo import __version__, kinds
 
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="gemzoo", description="Train LLM-scale recommendation models with plugins.",
@@ -214,10 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="the same as JSON")
     pl.set_defaults(func=cmd_plugins)
 
+    kind_names = kinds.names()
     ls = sub.add_parser("list", help="list registered names of a kind")
-    ls.add_argument("kind", help="attention, precision, planner, comms, memory, batching, model or dataset",
-                    choices=["attention", "precision", "planner", "comms", "memory", "batching",
-                             "model", "dataset"])
+    ls.add_argument("kind", help=f"{', '.join(kind_names[:-1])} or {kind_names[-1]}", choices=kind_names)
     ls.add_argument("pattern", nargs="?", help="fnmatch pattern on the names, e.g. 's*'")
     ls.set_defaults(func=cmd_list)
 

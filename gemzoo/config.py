@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from gemzoo import kinds
 from gemzoo.errors import ConfigError, PluginError
 
 
@@ -53,14 +54,23 @@ class OptimConfig:
     warmup_steps: int = bounded(0, min=0)
 
 
+def _kind_slot(k) -> tuple[str, str, dataclasses.Field]:
+    """A [plugins] kind's field: a list of names where the kind takes several (memory), else one name."""
+    if k.many:
+        return k.slot, "list[str]", field(default_factory=lambda default=k.default: list(default))
+    return k.slot, "str", field(default=k.default)
+
+
+# One field per [plugins] kind of the kinds table (gemzoo.kinds), in its order, with its default.
+_PluginSlots = dataclasses.make_dataclass("_PluginSlots", [_kind_slot(k) for k in kinds.plugin_kinds()])
+_PluginSlots.__module__ = __name__
+
+
 @dataclass
-class PluginsConfig:
-    attention: str = "reference"
-    precision: str = "fp32"
-    planner: str = "torchrec"
-    comms: str = "torch"
-    memory: list[str] = field(default_factory=list)
-    batching: str = "none"
+class PluginsConfig(_PluginSlots):
+    """[plugins]: one field per [plugins] kind of ``gemzoo.kinds`` (a list for a kind that takes several, such
+    as memory), then the plugins' options and the per-site attention kernels."""
+
     options: dict[str, Any] = field(default_factory=dict)  # plugin name -> its options dataclass
     # attention site (a name such as "cross", a dotted module path or an fnmatch pattern) -> its kernel;
     # sites not named here use ``attention``
@@ -112,7 +122,6 @@ SECTIONS = {
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
 }
-PLUGIN_KINDS = ("attention", "precision", "planner", "comms", "memory", "batching")
 
 
 def _to_plain(value):
@@ -219,50 +228,59 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def apply_plugin_list(plugins_table: dict, plugin_list: str | list[str] | None, registry) -> tuple[dict, set[str]]:
-    """Apply ``--plugins a,b,no:c``: each name sets its kind's slot (memory appends). Returns blocked names."""
+    """Apply ``--plugins a,b,no:c``: each name sets its kind's slot (a kind that takes a list appends, dropping
+    ``none``). Returns the blocked names."""
     if not plugin_list:
         return plugins_table, set()
     names = plugin_list.split(",") if isinstance(plugin_list, str) else list(plugin_list)
     blocked = {n.strip()[3:] for n in names if n.strip().startswith("no:")}
-    chosen: dict[str, str] = {}  # kind -> the name --plugins gave it (one per kind; memory may take several)
+    slots = {k.name: k for k in kinds.plugin_kinds()}
+    chosen: dict[str, str] = {}  # kind -> the name --plugins gave it (one per kind; a list kind may take several)
     for raw_name in names:
         name = raw_name.strip()
         if not name or name.startswith("no:"):
             continue
         entry = registry.find(name)
-        if entry is None or entry.kind not in PLUGIN_KINDS:
+        if entry is None or entry.kind not in slots:
+            listing = "; ".join(f"{k}: {', '.join(registry.names(k)) or '(none)'}" for k in slots)
+            if entry is not None:
+                raise PluginError(f"--plugins: {name!r} is a {entry.kind}, which a config names in "
+                                  f"{kinds.kind(entry.kind).config_key}, not in --plugins. --plugins takes: {listing}.")
             try:
                 registry.get("attention", name.split(":")[-1])
-            except PluginError as exc:
-                raise PluginError(
-                    f"--plugins: no plugin named {name!r} is registered. "
-                    f"Attention kernels: {', '.join(registry.names('attention'))}; "
-                    f"precision: {', '.join(registry.names('precision'))}; "
-                    f"memory: {', '.join(registry.names('memory'))}; planners: {', '.join(registry.names('planner'))}; "
-                    f"comms: {', '.join(registry.names('comms'))}; batching: {', '.join(registry.names('batching'))}. "
-                    f"({exc})"
-                ) from None
-        if entry.kind != "memory":
-            if chosen.get(entry.kind, entry.name) != entry.name:
-                raise PluginError(
-                    f"--plugins names two {entry.kind} plugins, {chosen[entry.kind]!r} and {entry.name!r}; a run uses "
-                    f"one {entry.kind}: keep one of them"
-                )
-            chosen[entry.kind] = entry.name
-        if entry.kind == "memory":
-            current = list(plugins_table.get("memory", []))
+                detail = ""
+            except PluginError as exc:  # its message suggests a close name or the distribution to install
+                detail = f" ({exc})"
+            raise PluginError(f"--plugins: no plugin named {name!r} is registered. Registered plugins by kind: "
+                              f"{listing}.{detail}")
+        k = slots[entry.kind]
+        if k.many:
+            current = _as_list(plugins_table.get(k.slot, k.default))
             if entry.name not in current:
                 current.append(entry.name)
-            plugins_table["memory"] = [m for m in current if m != "none"]
-        else:
-            plugins_table[entry.kind] = entry.name
-    for kind in PLUGIN_KINDS:
-        value = plugins_table.get(kind)
-        if kind == "memory":
-            plugins_table[kind] = [m for m in (value or []) if m not in blocked]
+            plugins_table[k.slot] = [m for m in current if m != "none"]
+            continue
+        if chosen.get(k.name, entry.name) != entry.name:
+            raise PluginError(
+                f"--plugins names two {k.name} plugins, {chosen[k.name]!r} and {entry.name!r}; a run uses "
+                f"one {k.name}: keep one of them"
+            )
+        chosen[k.name] = entry.name
+        plugins_table[k.slot] = entry.name
+    for k in slots.values():
+        value = plugins_table.get(k.slot, k.default)
+        if k.many:
+            plugins_table[k.slot] = [m for m in _as_list(value) if m not in blocked]
         elif value in blocked:
-            raise PluginError(f"--plugins no:{value} blocks the {kind} the config selects; choose another {kind}")
+            raise PluginError(f"--plugins no:{value} blocks the {k.name} the config selects; choose another {k.name}")
     return plugins_table, blocked
+
+
+def _as_list(value) -> list:
+    """A list kind's value as a list: a single name (``memory = "full-ac"``) is a one-name list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def read_toml(path: str | Path, what: str, examples: str) -> dict:
@@ -299,13 +317,13 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
     plugins_table = dict(raw.get("plugins", {}))
     options_raw = plugins_table.pop("options", {})
     sites_raw = plugins_table.pop("attention_sites", {})
+    for k in kinds.plugin_kinds():  # a list kind given one name (memory = "full-ac") takes it as a one-name list
+        if k.many and isinstance(plugins_table.get(k.slot), str):
+            plugins_table[k.slot] = [plugins_table[k.slot]]
     plugins_table, _ = apply_plugin_list(plugins_table, plugins, registry)
-    if isinstance(plugins_table.get("memory"), str):
-        plugins_table["memory"] = [plugins_table["memory"]]
     plugins_cfg = build_dataclass(PluginsConfig, plugins_table, "plugins", source)
-    for kind in PLUGIN_KINDS:
-        selected = getattr(plugins_cfg, kind)
-        for name in selected if isinstance(selected, list) else [selected]:
+    for kind, chosen in kinds.selected(plugins_cfg).items():
+        for name in chosen:
             _lookup(registry, kind, name, source)
     if not isinstance(sites_raw, dict) or not all(isinstance(v, str) for v in sites_raw.values()):
         raise ConfigError(f"{source}: [plugins.attention_sites] maps site names to attention kernel names, "

@@ -9,10 +9,11 @@ one entry or a list, where a config names it and what it defaults to, and which 
     >>> [k.name for k in KINDS if k.in_plugins]
     ['attention', 'precision', 'planner', 'comms', 'memory', 'batching']
 
-For now ``registry.KINDS``, ``config.PLUGIN_KINDS`` / ``PluginsConfig``, the CLI's ``list`` choices and the
-trainer's selected plugins keep their own lists; ``tests/test_kinds.py`` checks that they agree with this
-table, so deriving them from it is a safe next step (issue #9 item 1). Adding a kind then touches
-``hookspecs.py``, this table and ``interfaces/`` only.
+Everything that lists kinds derives from this table: the registry (which hook fills which kind),
+``config.PluginsConfig`` (one field per [plugins] kind, a list where ``many``) and ``--plugins``, the CLI's
+``list`` choices, and the plugins a run records as selected (:func:`selected`). Adding a kind touches
+``hookspecs.py``, this table and ``interfaces/`` only; ``tests/test_kinds.py`` adds one in a subprocess to
+show it.
 """
 
 from __future__ import annotations
@@ -80,15 +81,14 @@ KINDS: tuple[Kind, ...] = (
          "gemzoo.testing.models", builds=Dataset, description="datasets"),
 )
 
-_BY_NAME = {k.name: k for k in KINDS}
 
 
 def kind(name: str) -> Kind:
     """The kind called ``name``; ``KeyError`` naming the kinds that exist."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise KeyError(f"unknown kind {name!r}; the kinds are: {', '.join(_BY_NAME)}") from None
+    for k in KINDS:
+        if k.name == name:
+            return k
+    raise KeyError(f"unknown kind {name!r}; the kinds are: {', '.join(names())}")
 
 
 def names() -> list[str]:
@@ -102,8 +102,18 @@ def plugin_kinds() -> list[Kind]:
 
 
 def hooks() -> dict[str, str]:
-    """Kind name -> its registration hook (what ``registry.KINDS`` holds today)."""
+    """Kind name -> its registration hook, in table order."""
     return {k.name: k.hook for k in KINDS}
 
 
-__all__ = ["Kind", "KINDS", "kind", "names", "plugin_kinds", "hooks"]
+def selected(plugins) -> dict[str, list[str]]:
+    """Kind name -> the entry names a ``PluginsConfig`` selects for it (one name, or the list of a ``many``
+    kind), for every [plugins] kind in table order."""
+    out = {}
+    for k in plugin_kinds():
+        value = getattr(plugins, k.slot)
+        out[k.name] = list(value) if k.many else [value]
+    return out
+
+
+__all__ = ["Kind", "KINDS", "kind", "names", "plugin_kinds", "hooks", "selected"]

@@ -5,7 +5,8 @@
     >>> gemzoo.registry.names("attention", "j*")    # fnmatch filter
     >>> kernel = gemzoo.registry.get("attention", "reference")
 
-Plugin names are unique across kinds, so ``find("jfa")`` tells which kind ``jfa`` belongs to. The one
+The kinds, and the hook that fills each, are ``gemzoo.kinds``'s table. Plugin names are unique across
+kinds, so ``find("jfa")`` tells which kind ``jfa`` belongs to. The one
 exception is a name one distribution gives to several kinds (gemzoo's own ``none`` for memory and
 batching); ``find`` then needs ``kind:name``.
 """
@@ -17,19 +18,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from gemzoo import kinds as kinds_table
 from gemzoo.errors import PluginError
 from gemzoo.plugins import PluginHost
-
-KINDS: dict[str, str] = {
-    "attention": "gemzoo_register_attention",
-    "precision": "gemzoo_register_precision",
-    "planner": "gemzoo_register_planners",
-    "comms": "gemzoo_register_comms",
-    "memory": "gemzoo_register_memory",
-    "batching": "gemzoo_register_batching",
-    "model": "gemzoo_register_models",
-    "dataset": "gemzoo_register_datasets",
-}
 
 
 @dataclass(frozen=True)
@@ -74,9 +65,10 @@ class Registry:
 
     def _collect(self) -> dict[str, dict[str, Entry]]:
         host = self.host
-        entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+        hooks = kinds_table.hooks()
+        entries: dict[str, dict[str, Entry]] = {k: {} for k in hooks}
         by_name: dict[str, Entry] = {}  # first entry of each name, for clash detection
-        for kind, hook_name in KINDS.items():
+        for kind, hook_name in hooks.items():
             hook = getattr(host.pm.hook, hook_name)
             for impl in hook.get_hookimpls():
                 info = host.infos.get(impl.plugin_name)
@@ -135,8 +127,8 @@ class Registry:
 
     # -- lookup ------------------------------------------------------------------------------
     def _check_kind(self, kind: str) -> None:
-        if kind not in KINDS:
-            raise PluginError(f"unknown registry kind {kind!r}; the kinds are: {', '.join(KINDS)}")
+        if kind not in kinds_table.names():
+            raise PluginError(f"unknown registry kind {kind!r}; the kinds are: {', '.join(kinds_table.names())}")
 
     def names(self, kind: str, pattern: str | None = None) -> list[str]:
         self._check_kind(kind)
@@ -168,9 +160,11 @@ class Registry:
         return hits[0] if hits else None
 
     def entries(self, kind: str | None = None) -> list[Entry]:
+        if kind:
+            self._check_kind(kind)
         loaded = self._load()
-        kinds = [kind] if kind else list(KINDS)
-        return [e for k in kinds for _, e in sorted(loaded[k].items())]
+        wanted = [kind] if kind else kinds_table.names()
+        return [e for k in wanted for _, e in sorted(loaded[k].items())]
 
     def _unknown_message(self, kind: str, name: str) -> str:
         import difflib

@@ -119,6 +119,38 @@ def test_plugin_list_with_empty_memory_list(toy):
     assert cfg.plugins.memory == [] and cfg.plugins.precision == "bf16"
 
 
+@pytest.mark.parametrize("plugins", [None, "full-ac", "no:nothing"])
+def test_one_memory_name_is_a_list(toy, plugins):
+    """memory = "NAME" (a list kind given one name) is [NAME], with or without --plugins."""
+    cfg = load_config(raw=raw(plugins={"memory": "full-ac"}), plugins=plugins)
+    assert cfg.plugins.memory == ["full-ac"]
+
+
+def test_plugin_list_appends_to_memory_and_drops_none(toy):
+    toy.register("memory", "second-ac", toy.get("memory", "full-ac"))
+    cfg = load_config(raw=raw(plugins={"memory": ["none"]}), plugins="full-ac,second-ac")
+    assert cfg.plugins.memory == ["full-ac", "second-ac"]
+
+
+def test_plugin_list_refuses_two_of_a_one_entry_kind(toy):
+    with pytest.raises(PluginError, match="names two attention plugins, 'reference' and 'sdpa-padded'"):
+        load_config(raw=raw(), plugins="reference,sdpa-padded")
+
+
+def test_plugin_list_refuses_a_model_family(toy):
+    family = raw()["model"]["family"]
+    with pytest.raises(PluginError, match=rf"'{family}' is a model, which a config names in model.family"):
+        load_config(raw=raw(), plugins=family)
+
+
+def test_blocking_the_default_a_config_relies_on(toy):
+    """[plugins] without attention takes the table's default, reference; --plugins no:reference blocks it."""
+    r = raw()
+    r.get("plugins", {}).pop("attention", None)
+    with pytest.raises(PluginError, match="no:reference blocks the attention the config selects"):
+        load_config(raw=r, plugins="no:reference")
+
+
 @pytest.mark.parametrize("section,key,value,message", [
     ("run", "steps", -5, "run.steps must be >= 1, got -5"),
     ("run", "steps", 0, "run.steps must be >= 1"),
