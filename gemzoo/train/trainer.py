@@ -28,6 +28,7 @@ from gemzoo.data.exchange import load_shard, rebalance
 from gemzoo.distributed import (World, all_reduce_gradients, build_mesh, clip_grad_norm, init_distributed,
                                 is_fsdp_shard, pick_device, shard_dense_blocks, whole_parameters)
 from gemzoo.distributed import state as dstate
+from gemzoo.distributed.comms_groups import comms_summary
 from gemzoo.embedding import use_sparse_gradients
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
 from gemzoo.interfaces.attention import kernels_that_serve
@@ -529,6 +530,7 @@ class Trainer:
                                                           "dims": list(mesh.mesh_dim_names or ())},
                        "peak_flops": self.peak, "mfu_peak": peak_source, "attention": cfg.plugins.attention,
                        "precision": cfg.plugins.precision, "memory": cfg.plugins.memory,
+                       "comms": comms_summary(cfg.plugins.comms, self.comms, mesh),
                        **({"changed": {k: [o, n] for k, o, n in self.resume_changes}} if self.resume_changes else {})})
         if self.start_step >= cfg.run.steps:
             return self._already_done(log, metrics_path)

@@ -8,6 +8,7 @@ import torch
 
 import gemzoo
 from gemzoo.errors import PluginError
+from gemzoo.interfaces.comms import CommsCapabilities
 from gemzoo.interfaces.planner import Topology
 
 
@@ -103,6 +104,38 @@ class ReplicatePlanner:
             else:
                 missing.append(f"{name}/sum")
         return missing
+
+
+def _toy_gloo(store, rank, size, timeout):
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, size, timeout)
+
+
+class ToyGlooComms:
+    """A comms backend under its own c10d name, ``toygloo`` (gloo underneath), whose ``shard`` mesh dimension gets
+    plain ``gloo`` groups (``backend_for_dim``): the conformance suite and a 2-rank training run check that every
+    group is the one declared and that the trainer reaches collectives only through process groups. It claims
+    all_reduce and all_to_all_single, so the suite checks those as claimed collectives too."""
+
+    capabilities = CommsCapabilities(sm_free=False, implements=frozenset({"all_reduce", "all_to_all_single"}))
+
+    def backend_for(self, device_type: str) -> str:
+        return "toygloo"
+
+    def backend_for_dim(self, dim: str, device_type: str) -> str | None:
+        return "gloo" if dim == "shard" else None
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        if "toygloo" not in dist.Backend.backend_list:
+            dist.Backend.register_backend("toygloo", _toy_gloo, devices=["cpu"])
+
+
+@gemzoo.hookimpl
+def gemzoo_register_comms(register):
+    register("toy-gloo", ToyGlooComms())
 
 
 @gemzoo.hookimpl
