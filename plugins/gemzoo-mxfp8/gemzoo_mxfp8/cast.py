@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import gemzoo.mx as mx_ref
-from gemzoo_mxfp8.rht import hadamard_transform
+from gemzoo import ops
 
 ELEMS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -30,24 +30,6 @@ def _use_triton(x: torch.Tensor, block: int) -> bool:
     return x.is_cuda and block == 32
 
 
-def _cpu_quantize(x, axis, block, elem):
-    import gemzoo.ops as ops
-
-    fn = getattr(ops, "quantize_mx", None)
-    if fn is not None:
-        return fn(x, axis=axis, block=block, elem=elem)
-    return mx_ref.quantize_mx_torch(x, axis=axis, block=block, elem=elem)
-
-
-def _cpu_dequantize(data, scale, axis, block, dtype):
-    import gemzoo.ops as ops
-
-    fn = getattr(ops, "dequantize_mx", None)
-    if fn is not None:
-        return fn(data, scale, axis=axis, block=block, dtype=dtype)
-    return mx_ref.dequantize_mx_torch(data, scale, axis=axis, block=block, dtype=dtype)
-
-
 def quantize_mx(x: torch.Tensor, axis: int = -1, block: int = 32, elem: torch.dtype = torch.float8_e4m3fn):
     """(data [x's shape, elem], scale [ceil(n/block) along axis, float8_e8m0fnu]); OCP MX with RCEIL scales."""
     _check_elem(elem)
@@ -57,7 +39,7 @@ def quantize_mx(x: torch.Tensor, axis: int = -1, block: int = 32, elem: torch.dt
         raise ValueError("quantize_mx needs at least one dimension")
     axis = axis % x.dim()
     if not _use_triton(x, block):
-        return _cpu_quantize(x, axis, block, elem) if not x.is_cuda else \
+        return ops.quantize_mx(x, axis, block, elem) if not x.is_cuda else \
             mx_ref.quantize_mx_torch(x, axis=axis, block=block, elem=elem)
     from gemzoo_mxfp8.ops import cast_op
 
@@ -82,7 +64,7 @@ def dequantize_mx(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, block
     if not _use_triton(data, block):
         if data.is_cuda:
             return mx_ref.dequantize_mx_torch(data, scale, axis=axis, block=block, dtype=dtype)
-        return _cpu_dequantize(data, scale, axis, block, dtype)
+        return ops.dequantize_mx(data, scale, axis, block, dtype)
     from gemzoo_mxfp8.ops import dequant_op
 
     last = axis == data.dim() - 1
@@ -113,22 +95,22 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
     out = {}
     R, C = x.shape
     if row_q or row_dq:
-        d, s = _cpu_quantize(x, 1, 32, elem)
+        d, s = ops.quantize_mx(x, 1, 32, elem)
         if row_q:
             out["row"] = (d, s.view(torch.uint8))
         if row_dq:
-            out["row_dq"] = _cpu_dequantize(d, s, 1, 32, dq_dtype)
+            out["row_dq"] = ops.dequantize_mx(d, s, 1, 32, dq_dtype)
     if col_q or col_dq:
         rp = -(-R // 32) * 32
         xt = F.pad(x.float(), (0, 0, 0, rp - R)).t()  # [C, RP]
         if rht is not None:
-            xt = hadamard_transform(xt.contiguous(), block=rht[1], signs=rht[0])
-        d, s = _cpu_quantize(xt, 1, 32, elem)
+            xt = ops.hadamard_transform(xt.contiguous(), block=rht[1], signs=rht[0])
+        d, s = ops.quantize_mx(xt, 1, 32, elem)
         nat = (lambda t: t.t().contiguous()) if col_layout == "n" else (lambda t: t)
         if col_q:
             out["col"] = (nat(d), nat(s.view(torch.uint8)))
         if col_dq:
-            out["col_dq"] = nat(_cpu_dequantize(d, s, 1, 32, dq_dtype))
+            out["col_dq"] = nat(ops.dequantize_mx(d, s, 1, 32, dq_dtype))
     return out
 
 
@@ -138,4 +120,4 @@ def dequant2d(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.bfloat16, 
         from gemzoo_mxfp8.ops import dequant_op
 
         return dequant_op(data, scale_u8, dtype, axis=axis)
-    return _cpu_dequantize(data, scale_u8.view(torch.float8_e8m0fnu), axis % 2, 32, dtype)
+    return ops.dequantize_mx(data, scale_u8.view(torch.float8_e8m0fnu), axis % 2, 32, dtype)

@@ -15,7 +15,6 @@ Options (``[plugins.options.mxfp8]``, validated by ``MXFP8Options``)::
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
 
@@ -159,10 +158,6 @@ class FP8RowwisePolicy:
     def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
         self.last_plan = _swap(model, list(cfg.keep), self.make_linear)
         return model
-
-
-def policy_options(policy: MXFP8Policy) -> dict:
-    return dataclasses.asdict(policy.options)
 
 
 @hookimpl

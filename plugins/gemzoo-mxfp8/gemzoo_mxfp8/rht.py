@@ -1,7 +1,8 @@
 """Random Hadamard transform (RHT) helpers: H diag(signs) per block of 16 or 32 along the last dim.
 
-The CPU path uses ``gemzoo.ops.hadamard_transform`` (C++) when the core provides it, else the plain-torch
-version below; the GPU path fuses the transform into the Triton columnwise cast.
+The CPU path is ``gemzoo.ops.hadamard_transform`` (C++ when built); the GPU path fuses the transform into the
+Triton columnwise cast. ``hadamard_transform_torch`` below is the plain-torch form the GPU tests and the bench
+compare that cast against.
 """
 
 from __future__ import annotations
@@ -51,13 +52,3 @@ def hadamard_transform_torch(x: torch.Tensor, block: int = 32, signs: torch.Tens
     m = m.t() if inverse else m  # (H diag(s))^-1 = diag(s) H^T
     xb = x.float().reshape(*x.shape[:-1], n // block, block)
     return (xb @ m.t()).reshape(x.shape).to(x.dtype)
-
-
-def hadamard_transform(x: torch.Tensor, block: int = 32, signs: torch.Tensor | None = None,
-                       inverse: bool = False) -> torch.Tensor:
-    import gemzoo.ops as ops
-
-    fn = getattr(ops, "hadamard_transform", None)
-    if fn is not None:
-        return fn(x, block=block, signs=signs, inverse=inverse)
-    return hadamard_transform_torch(x, block, signs, inverse)

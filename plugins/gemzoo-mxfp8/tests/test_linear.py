@@ -66,7 +66,8 @@ def test_mx_linear_is_exactly_mx():
 
 def test_wgrad_rht_cancels_exactly_without_quantization():
     """(H D dY)^T (H D X) == dY^T X: checked on the transform itself, which the wgrad operands use."""
-    from gemzoo_mxfp8.rht import hadamard_transform, rht_signs
+    from gemzoo.ops import hadamard_transform
+    from gemzoo_mxfp8.rht import rht_signs
 
     s = rht_signs(32, 5)
     dy, x = torch.randn(64, 24, dtype=torch.float64), torch.randn(64, 40, dtype=torch.float64)
