@@ -167,7 +167,7 @@ def _act_scale(activation: int, scale: float) -> float:
 def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest, block=-1):
     """Schedule of a query-block kernel (forward, dq): (items, block_m, key splits or 0, target). With a
     split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32)."""
-    from gemzoo_jfa.schedule import build_schedule, split_items
+    from gemzoo_jfa.schedule import build_schedule, memo, split_items
 
     win = None if window < 0 else window
     plan = None if block > 0 else split_plan(q, k, q_offsets.numel() - 1, activation, c.block_m, c.block_n)
@@ -176,8 +176,9 @@ def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activa
                                order=_order, block_size=block if block > 0 else None)
         return items, c.block_m, 0, dest
     n_splits, bm = plan
-    items = split_items(build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal, window=win,
-                                       order=_order), n_splits)
+    items = memo(q_offsets, k_offsets, ("split", q.shape[0], bm, causal, win, _order, n_splits),
+                 lambda: split_items(build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal,
+                                                    window=win, order=_order), n_splits))
     target = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device,
                                                                   dtype=torch.float32)
     return items, bm, n_splits, target.zero_()

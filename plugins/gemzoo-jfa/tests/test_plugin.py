@@ -127,3 +127,23 @@ def test_schedule_long_sequence_int64():
     assert real[-1] == (2, 0)
     with pytest.raises(ValueError, match="order"):
         build_schedule(off, off, 70_003, 128, over="q", causal=True, window=None, order="random")
+
+
+def test_schedule_is_built_once_per_offsets_and_rebuilt_when_they_change():
+    """The attention layers of one batch share its offsets, so they share one schedule; an in-place change of
+    the offsets, or another tensor (even at a reused address), builds a new one with the right values."""
+    def sched(off):
+        return build_schedule(off, off, int(off[-1]), 16, over="q", causal=True, window=None)
+
+    off = lengths_to_offsets(torch.tensor([40, 0, 7]))
+    first = sched(off)
+    assert sched(off) is first  # cached
+    assert sched(off.clone()) is not first and torch.equal(sched(off.clone()), first)  # same values, new tensor
+    assert build_schedule(off, off, 47, 16, over="k", causal=True, window=None) is not first  # other arguments
+    off[1:] = torch.tensor([7, 7, 47])  # in place: lengths 7, 0, 40
+    changed = sched(off)
+    assert changed is not first
+    assert torch.equal(changed, sched(lengths_to_offsets(torch.tensor([7, 0, 40]))))
+    for _ in range(40):  # freed tensors whose ids are reused never match a stale entry
+        other = lengths_to_offsets(torch.tensor([3, 30]))
+        assert torch.equal(sched(other), sched(lengths_to_offsets(torch.tensor([3, 30])).clone()))
