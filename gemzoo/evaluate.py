@@ -65,6 +65,7 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
     import torch
 
     from gemzoo.config import load_config
+    from gemzoo.distributed.state import load_full_state
     from gemzoo.train import checkpoint as ckpt
     from gemzoo.train.trainer import Trainer
 
@@ -96,7 +97,7 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
             raise CheckpointError(f"{state['path']}: {name} is {saved_shape} in the checkpoint but {model_shape} "
                                   f"in the model of this config ({len(bad)} such tensors); evaluate with the "
                                   "config it was trained with (drop --config / --set)")
-        missing, unexpected = ckpt.load_full_state(trainer.model, state["model"])
+        missing, unexpected = load_full_state(trainer.model, state["model"])
         if missing or unexpected:
             raise CheckpointError(f"{state['path']} does not match this model: missing {missing[:5]}, unexpected "
                                   f"{unexpected[:5]}")

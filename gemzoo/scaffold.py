@@ -570,11 +570,13 @@ PLANNER = {
     "summary": "an embedding sharding planner",
     "list_kind": "planner",
     "hook": "gemzoo_register_planners",
-    "protocol": "`gemzoo.interfaces.Planner`, `Topology`",
+    "protocol": "`gemzoo.interfaces.Planner`, `Topology`, `WholeTables`",
     "use": "torchrun --nproc_per_node 2 -m gemzoo.cli train --config configs/gem-tiny.toml --plugins $name",
     "fill": "`plan` starts by returning None (every rank keeps whole tables, replicated and all-reduced like "
             "other dense parameters) and `shard` by returning the model; wrap torchrec's planner and "
-            "`DistributedModelParallel` to shard instead.",
+            "`DistributedModelParallel` to shard instead, and override what `WholeTables` gives for the rest "
+            "of the protocol (`mesh_dims`, `attach_optimizer`, `replicated_parameters`, `sync`, `state_dict`, "
+            "`load_state_dict`).",
     "tests": "plan on a one-rank topology, then a short training run with the planner whose loss is finite and "
              "whose checkpoint the trainer wrote.",
     "files": {
@@ -587,10 +589,13 @@ from typing import Any
 
 from torch import nn
 
-from gemzoo.interfaces import Topology
+from gemzoo.interfaces import Topology, WholeTables
 
 
-class ${cls}Planner:
+class ${cls}Planner(WholeTables):
+    """WholeTables gives the rest of the Planner protocol for tables kept whole on every rank (mesh_dims,
+    attach_optimizer, replicated_parameters, sync, state_dict, load_state_dict); override what you place."""
+
     description = "$summary"
 
     def plan(self, tables: list[Any], topology: Topology) -> Any:

@@ -1,12 +1,23 @@
-"""Distributed init through the chosen comms backend, the DeviceMesh, and dense data parallelism."""
+"""Distributed init through the chosen comms backend, the N-D DeviceMesh, and dense data parallelism.
+
+The mesh: the planner names the dims it places tables over (``Planner.mesh_dims``: ``{"dp": W}`` for 1D
+sharding, ``{"replica": R, "shard": G}`` for 2D); :func:`build_mesh` makes one DeviceMesh with exactly those
+dims and the dense data-parallel dim ``dp`` spanning all of them (flattened when there are several).
+``distributed/state.py`` turns sharded state into whole tensors for checkpoints and back.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from gemzoo.errors import ConfigError
+
+DENSE_DIMS = ("dp",)  # the dense dims the trainer can ask for today (tensor parallelism: issue #13)
 
 
 @dataclass
@@ -14,7 +25,8 @@ class World:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    mesh: object | None = None  # torch DeviceMesh when world_size > 1
+    mesh: object | None = None  # the N-D DeviceMesh with the planner's dims when world_size > 1
+    dp_mesh: object | None = None  # the 1-D "dp" mesh over every rank (dense data parallelism, FSDP2)
 
     @property
     def is_main(self) -> bool:
@@ -22,17 +34,60 @@ class World:
 
 
 def init_distributed(comms, device_type: str) -> World:
-    """Start the process group if launched with several ranks (torchrun sets WORLD_SIZE)."""
+    """Start the process group if launched with several ranks (torchrun sets WORLD_SIZE); no mesh yet."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return World()
     comms.install()
     if not dist.is_initialized():
         dist.init_process_group(backend=comms.backend_for(device_type))
-    from torch.distributed.device_mesh import init_device_mesh
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), mesh)
+
+def check_mesh_dims(dims: dict[str, int], world_size: int, who: str = "the planner") -> dict[str, int]:
+    """``dims`` as a clean ``{name: size}``; ConfigError naming the values when they do not fit the world."""
+    if not isinstance(dims, dict) or not dims:
+        raise ConfigError(f"{who} asks for mesh dims {dims!r}: give a non-empty {{name: size}}, e.g. "
+                          f"{{'dp': {world_size}}}")
+    for name, size in dims.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"{who} asks for a mesh dim named {name!r}: names are identifiers such as 'shard'")
+        if type(size) is not int or size < 1:
+            raise ConfigError(f"{who} asks for mesh dim {name}={size!r}: sizes are positive integers")
+    if math.prod(dims.values()) != world_size:
+        shape = " x ".join(f"{n}={s}" for n, s in dims.items())
+        raise ConfigError(f"{who} asks for the mesh {shape} = {math.prod(dims.values())} ranks, but the world has "
+                          f"{world_size}; launch {math.prod(dims.values())} ranks or change its options")
+    if any(n in DENSE_DIMS for n in dims) and len(dims) > 1:
+        raise ConfigError(f"{who} asks for mesh dims {list(dims)}: {', '.join(DENSE_DIMS)} is the dense dim that "
+                          "spans the planner's dims; rename the planner's own")
+    return dict(dims)
+
+
+def build_mesh(world: World, device_type: str, dims: dict[str, int], dense: dict[str, int] | None = None, *,
+               comms=None) -> World:
+    """Give ``world`` its DeviceMesh: dims ``dims`` (the planner's, outermost first) plus the dense dims of
+    ``dense`` (today ``{"dp": world_size}``, the default: data parallelism over every rank). ``comms``: the comms
+    backend, whose ``backend_for_dim`` may give dims their own groups (``comms_groups.init_mesh``). One process:
+    the dims are checked and no mesh is built (the planner's ``shard`` gets ``None``)."""
+    dims = check_mesh_dims(dims, world.world_size)
+    dense = {"dp": world.world_size} if dense is None else dict(dense)
+    unknown = [n for n in dense if n not in DENSE_DIMS]
+    if unknown or dense.get("dp", world.world_size) != world.world_size:
+        raise ConfigError(f"dense mesh dims {dense} are not supported: data parallelism spans the whole world "
+                          f"(dp={world.world_size}); tensor parallelism is not built yet (issue #13)")
+    if world.world_size <= 1:
+        return world
+    from gemzoo.distributed.comms_groups import init_mesh
+    from gemzoo.interfaces.comms import dim_backends
+
+    world.mesh = init_mesh(comms, device_type, tuple(dims.values()), tuple(dims))
+    if tuple(dims) == ("dp",):
+        world.dp_mesh = world.mesh
+    else:  # kept here rather than sliced from the root again (deprecated since torch 2.11)
+        backend = dim_backends(comms, ("dp",), device_type).get("dp")
+        world.dp_mesh = world.mesh[tuple(dims)]._flatten("dp", backend_override=backend)
+    return world
 
 
 def pick_device(name: str, world: World) -> torch.device:
@@ -50,8 +105,25 @@ def pick_device(name: str, world: World) -> torch.device:
     return device
 
 
+def is_local_tensor(p: torch.Tensor) -> bool:
+    """A plain tensor held whole by this rank (not a ShardedTensor/DTensor, nor one with a fused optimizer)."""
+    return type(p.data) is torch.Tensor and not hasattr(p, "_in_backward_optimizers")
+
+
+def is_fsdp_shard(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def whole_parameters(model) -> list:
+    """The trainable parameters this rank holds whole and updates itself (what ``Planner.replicated_parameters``
+    returns when a planner's tables are plain tensors or carry a fused optimizer)."""
+    return [p for p in model.parameters() if p.requires_grad and is_local_tensor(p)]
+
+
 def all_reduce_gradients(params, world: World) -> None:
-    """Average dense gradients across data-parallel ranks (one flat bucket)."""
+    """Average the gradients of replicated parameters over the ``dp`` ranks (one flat bucket)."""
     if world.world_size <= 1:
         return
     for p in params:
@@ -61,7 +133,7 @@ def all_reduce_gradients(params, world: World) -> None:
     if not grads:
         return
     flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=world.dp_mesh.get_group() if world.dp_mesh is not None else None)
     flat /= world.world_size
     offset = 0
     for g in grads:
@@ -72,8 +144,6 @@ def all_reduce_gradients(params, world: World) -> None:
 
 def shard_dense_blocks(model, world: World, mode: str):
     """FSDP2 (``fully_shard``) on every transformer block; other dense parameters stay replicated."""
-    from gemzoo.errors import ConfigError
-
     if mode not in ("fsdp", "ddp"):
         raise ConfigError(f"run.dense_parallel must be \"fsdp\" or \"ddp\", got {mode!r}")
     if world.world_size <= 1 or mode == "ddp":
@@ -83,7 +153,7 @@ def shard_dense_blocks(model, world: World, mode: str):
     from gemzoo.interfaces.models import transformer_blocks
 
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=world.mesh)
+        fully_shard(block, mesh=world.dp_mesh)
     return model
 
 

@@ -7,12 +7,13 @@ from gemzoo.interfaces.memory import MemoryPolicy
 from gemzoo.interfaces.models import (Batch, Dataset, DatasetSpec, Evaluator, ModelOutput, ModelSpec, RecModel,
                                       transformer_blocks)
 from gemzoo.interfaces.options import Configurable
-from gemzoo.interfaces.planner import Planner, Topology
+from gemzoo.interfaces.planner import Planner, SparseOptimizer, Topology, WholeTables
 from gemzoo.interfaces.precision import OptimizerStepHook, PrecisionCapabilities, PrecisionConfig, PrecisionPolicy
 
 __all__ = [
     "AttentionCapabilities", "AttentionKernel", "AttentionRequest", "FunctionKernel", "BatchingPolicy",
     "CommsBackend", "CommsCapabilities", "MemoryPolicy", "DatasetSpec", "Evaluator", "ModelOutput",
-    "ModelSpec", "RecModel", "Planner", "Topology", "PrecisionCapabilities", "PrecisionConfig", "PrecisionPolicy",
+    "ModelSpec", "RecModel", "Planner", "SparseOptimizer", "Topology", "WholeTables", "PrecisionCapabilities",
+    "PrecisionConfig", "PrecisionPolicy",
     "Batch", "Dataset", "transformer_blocks", "Configurable", "OptimizerStepHook",
 ]

@@ -4,6 +4,9 @@ Layout: ``<out_dir>/checkpoints/step-00000100/{model,optim,rng}.safetensors, man
 A checkpoint is written into a temporary folder, every file fsynced, then renamed into place, so a
 crash leaves either the old set or the new one. The manifest records each file's size and SHA-256;
 loading verifies them, so truncation or corruption raises CheckpointError instead of loading junk.
+
+This module is file IO only: it writes and reads whole tensors. Making sharded state whole (and putting it
+back into shards) is ``gemzoo.distributed.state``'s job, and the planner's for its own state.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from gemzoo.errors import CheckpointError
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-FUSED_FILE = "optim-fused-tables.safetensors"  # optimizers fused into sharded tables
+PLANNER_FILE = "planner.safetensors"  # the planner's own state (Planner.state_dict), e.g. its tables' fused Adagrad
+LEGACY_PLANNER_FILE = "optim-fused-tables.safetensors"  # the same, as checkpoints before 2026-12-01 name it
 
 
 def _sha256(path: Path) -> str:
@@ -83,10 +87,11 @@ def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
 
 def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch.Tensor],
                     optimizers: dict[str, dict], manifest: dict[str, Any], keep: int = 2,
-                    fused_optimizer: dict[str, torch.Tensor] | None = None) -> Path:
+                    planner_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Atomically write checkpoint ``step`` under ``root``; keep the newest ``keep`` ones.
 
-    ``fused_optimizer``: whole tensors of optimizers fused into sharded tables (fused_optimizer_state)."""
+    Every tensor is whole (``gemzoo.distributed.state`` gathers sharded ones first). ``planner_state``: the
+    planner's own state (``Planner.state_dict``), written to planner.safetensors when there is any."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -100,8 +105,8 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         tensors, meta = flatten_optimizer(state)
         files[f"optim-{name}.safetensors"] = tensors
         optim_meta[name] = meta
-    if fused_optimizer:
-        files[FUSED_FILE] = {k: v.detach().contiguous().cpu() for k, v in fused_optimizer.items()}
+    if planner_state:
+        files[PLANNER_FILE] = {k: v.detach().contiguous().cpu() for k, v in planner_state.items()}
     files["rng.safetensors"] = rng_state()
     entries = {}
     for fname, tensors in files.items():
@@ -250,7 +255,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{manifest_path} names optimizer state {exc} that its files do not hold; "
                               "resume from an earlier checkpoint") from None
     return {"manifest": manifest, "model": loaded["model.safetensors"], "optimizers": optimizers,
-            "fused_optimizer": loaded.get(FUSED_FILE, {}), "rng": loaded["rng.safetensors"], "path": path}
+            "planner": loaded.get(PLANNER_FILE, loaded.get(LEGACY_PLANNER_FILE, {})),
+            "rng": loaded["rng.safetensors"], "path": path}
 
 
 def load_latest(root: str | Path) -> dict[str, Any] | None:
@@ -284,153 +290,3 @@ def load_resume_path(path: str | Path) -> dict[str, Any]:
     if state is None:
         raise CheckpointError(f"--resume {path}: it holds no checkpoint (no {root}/step-* folder)")
     return state
-
-
-def shape_mismatches(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> list[tuple[str, tuple, tuple]]:
-    """(name, saved shape, model shape) for each saved tensor whose shape differs from the model's (whole) one."""
-    out = []
-    for name, value in model.state_dict().items():
-        if name in full and tuple(full[name].shape) != tuple(value.size()):
-            out.append((name, tuple(full[name].shape), tuple(value.size())))
-    return out
-
-
-def _is_sharded(t) -> bool:
-    return hasattr(t, "local_shards") and hasattr(t, "gather")
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def gather_optimizer_state(state: dict) -> dict:
-    """Optimizer state with FSDP2 DTensor entries made whole (collective on every rank)."""
-    out = {"param_groups": state["param_groups"], "state": {}}
-    for pid, pstate in state["state"].items():
-        out["state"][pid] = {k: (v.full_tensor() if _is_dtensor(v) else v) for k, v in pstate.items()}
-    return out
-
-
-def redistribute_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """After loading whole tensors, shard each state entry like its FSDP2 parameter again."""
-    from torch.distributed.tensor import distribute_tensor
-
-    for p, pstate in opt.state.items():
-        if not _is_dtensor(p):
-            continue
-        for k, v in pstate.items():
-            if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.shape == p.shape:
-                pstate[k] = distribute_tensor(v.to(p.dtype), p.device_mesh, p.placements)
-
-
-def gather_full_state(state: dict[str, Any], is_main: bool) -> dict[str, torch.Tensor]:
-    """Full tensors on the main rank for a state dict that may hold torchrec ShardedTensors.
-
-    Every rank must call it (each ShardedTensor is gathered collectively); other ranks get {}.
-    """
-    full = {}
-    for name, value in state.items():
-        if _is_sharded(value):
-            out = torch.empty(value.size(), dtype=value.dtype) if is_main else None
-            value.gather(dst=0, out=out)
-            value = out
-        elif _is_dtensor(value):
-            value = value.full_tensor()
-        if is_main:
-            full[name] = value
-    return full
-
-
-def _block(offsets, sizes) -> tuple[slice, ...]:
-    """The index of one shard inside the whole tensor."""
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-
-
-def _copy_into_shards(sharded, full: torch.Tensor) -> None:
-    """Copy this rank's pieces of the whole tensor ``full`` into a ShardedTensor's local shards."""
-    for shard in sharded.local_shards():
-        shard.tensor.copy_(full[_block(shard.metadata.shard_offsets, shard.metadata.shard_sizes)])
-
-
-def fused_optimizer_state(model: torch.nn.Module) -> dict[str, Any]:
-    """This rank's state of the optimizers fused into torchrec-sharded modules (the tables' Adagrad
-    accumulators), keyed ``module/param/state``: ShardedTensors for the tables this rank stores."""
-    out = {}
-    for name, module in model.named_modules():
-        fused = getattr(module, "fused_optimizer", None)  # torchrec's sharded collections
-        if fused is None:
-            continue
-        for param, pstate in fused.state_dict()["state"].items():
-            for key, value in pstate.items():
-                if isinstance(value, torch.Tensor) or _is_sharded(value):
-                    out[f"{name}/{param}/{key}"] = value
-    return out
-
-
-def gather_fused_optimizer_state(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
-    """Whole fused-optimizer tensors on the main rank, {} elsewhere; every rank must call it.
-
-    Each rank's fused optimizer lists only the tables it stores, so the key sets differ between ranks and a
-    per-key collective would not line up: local shards travel to rank 0 with their offsets instead."""
-    import torch.distributed as dist
-
-    pieces = []
-    for name, value in fused_optimizer_state(model).items():
-        if _is_sharded(value):
-            pieces += [(name, tuple(value.size()), tuple(s.metadata.shard_offsets), s.tensor.detach().cpu())
-                       for s in value.local_shards()]
-        else:
-            pieces.append((name, tuple(value.shape), (0,) * value.dim(), value.detach().cpu()))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size() if is_main else None
-        dist.gather_object(pieces, gathered, dst=0)
-        pieces = [p for rank_pieces in gathered for p in rank_pieces] if is_main else []
-    full = {}
-    for name, size, offsets, tensor in pieces:
-        whole = full.setdefault(name, torch.zeros(size, dtype=tensor.dtype))
-        whole[_block(offsets, tensor.shape)] = tensor
-    return full
-
-
-@torch.no_grad()
-def load_fused_optimizer_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> list[str]:
-    """Copy whole saved tensors into the fused optimizers' state; returns the names it had no value for."""
-    missing = []
-    for name, value in fused_optimizer_state(model).items():
-        if name not in full:
-            missing.append(name)
-        elif _is_sharded(value):
-            _copy_into_shards(value, full[name])
-        else:
-            value.copy_(full[name])
-    return missing
-
-
-@torch.no_grad()
-def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """Load full tensors into ``model``, copying into the local shards of sharded tables."""
-    mismatched = shape_mismatches(model, full)
-    if mismatched:
-        raise CheckpointError("the checkpoint does not fit this model: " + "; ".join(
-            f"{name} is {list(saved)} in the checkpoint but {list(own)} in the model" for name, saved, own in mismatched[:5]))
-    own = model.state_dict()
-    missing = [k for k in own if k not in full]
-    unexpected = [k for k in full if k not in own]
-    plain = {}
-    for name, value in own.items():
-        if name not in full:
-            continue
-        if _is_sharded(value):
-            _copy_into_shards(value, full[name])
-        elif _is_dtensor(value):
-            from torch.distributed.tensor import distribute_tensor
-
-            value.copy_(distribute_tensor(full[name].to(value.dtype), value.device_mesh, value.placements))
-        else:
-            plain[name] = full[name]
-    result = model.load_state_dict(plain, strict=False)
-    if result.unexpected_keys:  # a wrapper whose state_dict names differ from its load path
-        raise CheckpointError(f"these saved tensors did not load into the model: {result.unexpected_keys[:5]}")
-    return missing, unexpected

@@ -276,7 +276,7 @@ class Trainer:
             cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world: World = init_distributed(self.comms, device_type)
         self.topology = Topology(self.world.world_size, device_type)
-        build_mesh(self.world, device_type, self.planner.mesh_dims(self.topology))
+        build_mesh(self.world, device_type, self.planner.mesh_dims(self.topology), comms=self.comms)
         self.device = pick_device(cfg.run.device, self.world)
         if self.world.is_main:
             if self.overwrite and run_folder.clear_run_folder(self.out_dir):
