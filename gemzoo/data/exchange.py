@@ -142,7 +142,8 @@ def exchange(batch, send: list[torch.Tensor], dp: DataParallelGroup) -> list:
             raw = chunks[src * len(names) + j]
             row = math.prod(like.shape[1:])
             n = raw.numel() // like.element_size()
-            fields[f] = raw.clone().view(like.dtype)  # clone: a chunk's offset need not be aligned.reshape(n // row if row else 0, *like.shape[1:])
+            # clone: a chunk's byte offset need not be aligned for its dtype
+            fields[f] = raw.clone().view(like.dtype).reshape(n // row if row else 0, *like.shape[1:])
         received.append(dataclasses.replace(batch, **fields))
     return received
 

@@ -153,6 +153,51 @@ class _SeqStream:
         return self._rows(step, *shard_range(self.batch_size, rank, world_size))
 
 
+@dataclass
+class _FeatureBatch:
+    """A batch with a 2-D per-sample field (dense features [B, 3], float16) beside a jagged one: the exchange
+    must keep trailing dims and odd dtypes."""
+
+    feats: torch.Tensor
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return self.feats.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets.diff()
+
+    def select(self, index):
+        from gemzoo.data.batch import gather_jagged
+
+        index = torch.as_tensor(index, dtype=torch.int64)
+        offsets, ids = gather_jagged(self.offsets, index, self.ids)
+        return _FeatureBatch(self.feats[index], ids, offsets)
+
+    @classmethod
+    def cat(cls, parts):
+        from gemzoo.jagged import lengths_to_offsets
+
+        return cls(torch.cat([p.feats for p in parts]), torch.cat([p.ids for p in parts]),
+                   lengths_to_offsets(torch.cat([p.lengths for p in parts])))
+
+
+class _FeatureStream:
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+
+    def train_batch(self, step: int):
+        from gemzoo.jagged import lengths_to_offsets
+
+        n = self.batch_size
+        lengths = (torch.arange(n) * 5 + step) % 4
+        feats = (torch.arange(3 * n, dtype=torch.float16).reshape(n, 3) + step) / 4
+        return _FeatureBatch(feats, torch.arange(int(lengths.sum())) + 100 * step, lengths_to_offsets(lengths))
+
+
 def batches_equal(a, b) -> list[str]:
     """The fields in which two batches of one dataclass type differ (dtype, shape or any value)."""
     import dataclasses
@@ -187,10 +232,14 @@ def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: st
     model, _ = tiny_model(0, d_model=16, batch_size=13)
     model = model.double()
     data = registry.get("dataset", "synthetic-gem")
-    gem = data.build(data.config_cls(batch_size=13, max_len=48, median_len=16, min_len=0, max_candidates=4,
-                                     num_items=120, num_clusters=4, num_sparse_tables=2, sparse_table_size=30), 0)
-    streams = {"gem": (gem, lambda b: model.cost_model(b)), "seq-13": (_SeqStream(13), None),
-               "seq-1": (_SeqStream(1), None)}  # seq-1: one rank has no samples
+    def gem(batch_size):
+        return data.build(data.config_cls(batch_size=batch_size, max_len=48, median_len=16, min_len=0,
+                                          max_candidates=4, num_items=120, num_clusters=4, num_sparse_tables=2,
+                                          sparse_table_size=30), 0)
+
+    streams = {"gem": (gem(13), model.cost_model), "gem-1": (gem(1), model.cost_model),
+               "seq-13": (_SeqStream(13), None), "seq-1": (_SeqStream(1), None),  # *-1: a rank has no samples
+               "features": (_FeatureStream(13), None)}
     summary = {}
     for name, policy in policies.items():
         policy = registry.get("batching", name) if policy is None else policy
@@ -206,7 +255,7 @@ def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: st
                 assert not bad, (f"batching {name!r}, {label} step {step}, rank {rank}: the samples received differ "
                                  f"from the global batch's select of the partition in {bad}")
                 seen[f"{label}/{step}"] = int(got.num_samples)
-                if label == "gem":  # the ranks' losses, weighted by their candidates, sum to the global loss
+                if label.startswith("gem"):  # the ranks' losses, weighted by their candidates, sum to the global loss
                     with torch.no_grad():
                         part = (model(got).loss * (got.num_candidates / full.num_candidates) if got.num_samples
                                 else torch.zeros((), dtype=torch.float64))
@@ -235,6 +284,6 @@ def check_rebalance_on_gloo(policies, tmp_path, world: int = 2) -> list[dict]:
     for name in policies:
         for case in out[0][name]:
             total = sum(o[name][case] for o in out)
-            want = 13 if not case.startswith("seq-1/") else 1
+            want = 1 if case.split("/")[0].endswith("-1") else 13
             assert total == want, f"batching {name!r}, {case}: {total} samples trained across ranks, want {want}"
     return out
