@@ -129,7 +129,8 @@ def test_gem_with_sharded_tables_trains_checkpoints_and_resumes(tmp_path, shardi
     assert [p.name for p in saved] == ["step-00000002", "step-00000004"]
     state = ckpt.load_checkpoint(saved[-1])
     assert any(k.endswith("weight") and v.shape[0] == 1000 for k, v in state["model"].items())  # full tables
-    fused = {k: v for k, v in state["fused_optimizer"].items() if k.endswith("momentum1")}
+    assert (saved[-1] / ckpt.PLANNER_FILE).is_file()  # the planner's own state, beside the model's
+    fused = {k: v for k, v in state["planner"].items() if k.endswith("momentum1")}
     assert fused and all(v.abs().sum() > 0 for v in fused.values())  # the tables' Adagrad accumulators
     _spawn(_gem_rank, 2, str(tmp_path), 6, True, "fsdp", sharding)
     _spawn(_gem_rank, 2, str(tmp_path / "straight"), 6, False, "fsdp", sharding)
@@ -203,3 +204,65 @@ def test_two_ranks_log_the_global_loss_and_throughput(tmp_path):
     assert start["event"] == "start" and start["world_size"] == 2 and start["mesh"] == {"shape": [2], "dims": ["dp"]}
     assert [r["loss"] for r in rows if "loss" in r] == [s["loss"] for s in ranks[0]["steps"]]
     assert [r["is_main"] for r in ranks] == [True, False]  # rank 0 prints the summary
+
+
+def _mesh_rank(rank: int, world: int, port: int, tmp: str) -> None:
+    import json
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from gemzoo.distributed import World, all_reduce_gradients, build_mesh
+
+    dist.init_process_group("gloo")
+    world_ = build_mesh(World(rank, world), "cpu", {"replica": 2, "shard": 2})
+    mesh = world_.mesh
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.full((3,), float(rank))
+    all_reduce_gradients([p], world_)  # over dp: every rank
+    shard = torch.tensor([float(rank)])
+    dist.all_reduce(shard, group=mesh.get_group("shard"))
+    with open(os.path.join(tmp, f"mesh{rank}.json"), "w") as f:
+        json.dump({"dims": list(mesh.mesh_dim_names), "shape": list(mesh.mesh.shape), "dp": world_.dp_mesh.size(),
+                   "dp_name": list(world_.dp_mesh.mesh_dim_names), "grad": p.grad.tolist(), "shard_sum": shard.item()},
+                  f)
+    dist.destroy_process_group()
+
+
+def test_planner_mesh_dims_build_one_nd_mesh_with_dp_across_them(tmp_path):
+    """4 gloo ranks, a planner's {"replica": 2, "shard": 2}: one 2-D mesh; dense dp flattened over both dims."""
+    import json
+
+    _spawn(_mesh_rank, 4, str(tmp_path))
+    for rank in range(4):
+        out = json.loads((tmp_path / f"mesh{rank}.json").read_text())
+        assert out["dims"] == ["replica", "shard"] and out["shape"] == [2, 2]
+        assert out["dp"] == 4 and out["dp_name"] == ["dp"] and out["grad"] == [1.5] * 3  # mean of ranks 0..3
+        assert out["shard_sum"] == (1.0 if rank < 2 else 5.0)  # shard groups {0, 1} and {2, 3}
+
+
+@pytest.mark.parametrize("dims,problem", [
+    ({"replica": 3, "shard": 2}, "= 6 ranks, but the world has 4"),
+    ({}, "non-empty"),
+    ({"shard": 0}, "positive integers"),
+    ({"dp": 2, "shard": 2}, "rename the planner's own"),
+    ({"two words": 4}, "identifiers"),
+])
+def test_mesh_dims_that_do_not_fit_the_world_are_config_errors(dims, problem):
+    from gemzoo.distributed import check_mesh_dims
+    from gemzoo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=problem):
+        check_mesh_dims(dims, 4)
+
+
+def test_one_rank_checks_the_dims_and_builds_no_mesh():
+    from gemzoo.distributed import World, build_mesh
+    from gemzoo.errors import ConfigError
+
+    assert build_mesh(World(), "cpu", {"dp": 1}).mesh is None
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        build_mesh(World(), "cpu", {"dp": 1}, dense={"dp": 1, "tp": 2})
+    with pytest.raises(ConfigError, match="= 2 ranks, but the world has 1"):
+        build_mesh(World(), "cpu", {"replica": 2, "shard": 1})

@@ -13,14 +13,15 @@ from gemzoo.testing.batching import BatchingCase, batching_cases, check_assignme
 from gemzoo.testing.comms import check_comms_on_gloo
 from gemzoo.testing.memory import check_memory_policy
 from gemzoo.testing.models import check_dataset, check_model
-from gemzoo.testing.planner import check_planner_local, check_planner_on_gloo
+from gemzoo.testing.planner import check_planner_local, check_planner_on_gloo, check_planner_protocol_on_gloo
 from gemzoo.testing.precision import check_precision_apply, check_precision_linear, precision_linear_cases
 
 __all__ = ["AttentionCase", "attention_cases", "check_attention", "random_jagged_lengths", "check_precision_linear",
            "skip_unless_torchrec",
            # one suite per kind (gemzoo.kinds lists which); gemzoo.testing.pytest_plugin parametrises over entries
            "check_precision_apply", "precision_linear_cases", "check_memory_policy", "check_planner_local",
-           "check_planner_on_gloo", "check_comms_on_gloo", "BatchingCase", "batching_cases", "check_assignment",
+           "check_planner_on_gloo", "check_planner_protocol_on_gloo", "check_comms_on_gloo", "BatchingCase",
+           "batching_cases", "check_assignment",
            "check_global_loss", "check_dataset", "check_model"]
 
 
