@@ -136,10 +136,6 @@ class PluginHost:
     def failed(self) -> dict[str, PluginInfo]:
         return {n: i for n, i in self.infos.items() if i.error}
 
-    def owner_of(self, plugin_obj) -> PluginInfo | None:
-        name = self.pm.get_name(plugin_obj)
-        return self.infos.get(name) if name else None
-
 
 # Registered names of the first-party plugin distributions (DESIGN.md), for install hints when gemzoo is
 # not run from its source tree; a source tree's plugins/*/ folders are read instead (see first_party_plugins).

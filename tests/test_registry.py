@@ -37,9 +37,12 @@ def test_unknown_name_lists_what_exists(fresh_registry):
     assert "reference" in str(exc.value) and "sdpa-padded" in str(exc.value)
 
 
-def test_unknown_kind(fresh_registry):
-    with pytest.raises(PluginError, match="kinds are"):
-        fresh_registry.names("widgets")
+@pytest.mark.parametrize("lookup", ["names", "entries", "get", "find"])
+def test_unknown_kind(fresh_registry, lookup):
+    call = {"names": lambda: fresh_registry.names("widgets"), "entries": lambda: fresh_registry.entries("widgets"),
+            "get": lambda: fresh_registry.get("widgets", "x"), "find": lambda: fresh_registry.find("widgets:x")}
+    with pytest.raises(PluginError, match="unknown registry kind 'widgets'; the kinds are: attention, precision"):
+        call[lookup]()
 
 
 def test_entry_point_plugin_loads(tmp_path, fresh_registry, monkeypatch):
