@@ -311,8 +311,8 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
             raise ConfigError(f"{source}: unknown section [{section}]. Valid sections: {', '.join(sorted(known))}.{hint}")
     built = {name: build_dataclass(cls, raw.get(name, {}), name, source) for name, cls in SECTIONS.items()}
 
-    model_cfg = _registered_section(raw, "model", "family", "model", registry, source)
-    data_cfg = _registered_section(raw, "data", "source", "dataset", registry, source)
+    model_cfg = _registered_section(raw, kinds.kind("model"), registry, source)
+    data_cfg = _registered_section(raw, kinds.kind("dataset"), registry, source)
 
     plugins_table = dict(raw.get("plugins", {}))
     options_raw = plugins_table.pop("options", {})
@@ -343,13 +343,15 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
     return Config(model=model_cfg, data=data_cfg, plugins=plugins_cfg, source=source, **built)
 
 
-def _registered_section(raw: dict, section: str, key: str, kind: str, registry, source: str):
-    """[model] / [data]: ``key`` names a registry entry whose ``config_cls`` defines the other keys."""
+def _registered_section(raw: dict, kind, registry, source: str):
+    """[model] / [data]: the kind's key (``family``, ``source``) names a registry entry whose ``config_cls``
+    defines the section's other keys."""
+    section, key = kind.config_key.split(".")
     table = dict(raw.get(section, {}))
     name = table.get(key)
     if not name:
-        raise ConfigError(f"{source}: [{section}] needs {key} = one of {', '.join(registry.names(kind))}")
-    spec = _lookup(registry, kind, name, source)
+        raise ConfigError(f"{source}: [{section}] needs {key} = one of {', '.join(registry.names(kind.name))}")
+    spec = _lookup(registry, kind.name, name, source)
     return build_dataclass(spec.config_cls, table, section, source)
 
 

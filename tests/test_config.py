@@ -143,6 +143,14 @@ def test_plugin_list_refuses_a_model_family(toy):
         load_config(raw=raw(), plugins=family)
 
 
+@pytest.mark.parametrize("section,key,name", [("model", "family", "toy"), ("data", "source", "toy-data")])
+def test_model_and_data_must_name_a_registered_entry(toy, section, key, name):
+    r = raw()
+    del r[section][key]
+    with pytest.raises(ConfigError, match=rf"\[{section}\] needs {key} = one of .*{name}"):
+        load_config(raw=r)
+
+
 def test_blocking_the_default_a_config_relies_on(toy):
     """[plugins] without attention takes the table's default, reference; --plugins no:reference blocks it."""
     r = raw()
