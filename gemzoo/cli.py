@@ -20,16 +20,13 @@ import sys
 from gemzoo.errors import GemzooError
 
 
-def _blocked_from(plugins: str | None) -> set[str]:
-    return {n.strip()[3:] for n in (plugins or "").split(",") if n.strip().startswith("no:")}
-
-
 def _prepare_registry(plugins: str | None) -> None:
     """Apply ``no:NAME`` blocks before any plugin is imported."""
     from gemzoo import registry
+    from gemzoo.config import blocked_plugins
     from gemzoo.plugins import PluginHost, blocked_names
 
-    blocked = _blocked_from(plugins)
+    blocked = blocked_plugins(plugins)
     if blocked:
         registry.reset(PluginHost(blocked=blocked | blocked_names()))
 

@@ -227,18 +227,27 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+def _plugin_names(plugin_list: str | list[str] | None) -> list[str]:
+    """``--plugins a,b,no:c`` (or its list) as stripped names, empty ones dropped."""
+    names = plugin_list.split(",") if isinstance(plugin_list, str) else list(plugin_list or [])
+    return [n.strip() for n in names if n.strip()]
+
+
+def blocked_plugins(plugin_list: str | list[str] | None) -> set[str]:
+    """The names ``--plugins`` blocks with ``no:NAME``."""
+    return {n[3:] for n in _plugin_names(plugin_list) if n.startswith("no:")}
+
+
 def apply_plugin_list(plugins_table: dict, plugin_list: str | list[str] | None, registry) -> tuple[dict, set[str]]:
     """Apply ``--plugins a,b,no:c``: each name sets its kind's slot (a kind that takes a list appends, dropping
     ``none``). Returns the blocked names."""
     if not plugin_list:
         return plugins_table, set()
-    names = plugin_list.split(",") if isinstance(plugin_list, str) else list(plugin_list)
-    blocked = {n.strip()[3:] for n in names if n.strip().startswith("no:")}
+    blocked = blocked_plugins(plugin_list)
     slots = {k.name: k for k in kinds.plugin_kinds()}
     chosen: dict[str, str] = {}  # kind -> the name --plugins gave it (one per kind; a list kind may take several)
-    for raw_name in names:
-        name = raw_name.strip()
-        if not name or name.startswith("no:"):
+    for name in _plugin_names(plugin_list):
+        if name.startswith("no:"):
             continue
         entry = registry.find(name)
         if entry is None or entry.kind not in slots:
