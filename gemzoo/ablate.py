@@ -174,14 +174,14 @@ def _train_and_summarise(spec: dict) -> dict:
     cfg = load_config(spec["config"], overrides=overrides, plugins=spec["plugins"])
     if cfg.eval.every > 0:  # evaluate once, after the last step: timings stay clean
         cfg.eval.every = steps
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available() and not cfg.run.device.startswith("cpu")
+    if cuda:  # not on a CPU run: that would start CUDA, and the row would report CUDA's peak, not the RSS
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     result = train(cfg, progress=False)
     wall = time.perf_counter() - t0
     history = result.history
     kept = history[warmup:] if len(history) > warmup else history
-    cuda = torch.cuda.is_available() and not cfg.run.device.startswith("cpu")
     out = {"status": "ok", "steps": len(history), "wall_s": wall, "final_loss": result.final_loss,
            "mfu_peak": history[-1]["mfu_peak"], "eval": dict(result.eval), "gemzoo": __version__,
            **{k: statistics.median(r[k] for r in kept) for k in MEDIAN_KEYS}}

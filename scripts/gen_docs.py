@@ -205,12 +205,13 @@ def in_this_repo(distribution: str) -> bool:
     import subprocess
 
     def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, timeout=30).returncode == 0
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
 
     try:
-        if not git("rev-parse", "--is-inside-work-tree"):
-            return True  # not a git checkout (an sdist, an archive): what is on disk is the repository
-        return git("ls-files", "--error-unmatch", str(pyproject.relative_to(ROOT)))
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode or Path(top.stdout.strip()).resolve() != ROOT.resolve():
+            return True  # not a git checkout of its own (an sdist, an archive, an export inside another repo)
+        return git("ls-files", "--error-unmatch", str(pyproject.relative_to(ROOT))).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return True
 

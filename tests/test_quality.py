@@ -240,7 +240,7 @@ def test_hstu_relative_bias_is_learned_per_block_and_refused_by_kernels_without_
     with torch.no_grad():
         torch.testing.assert_close(padded.encode(batch), biased.encode(batch), rtol=1e-4, atol=1e-5)
     cfg = load_config(ROOT / "configs" / "hstu-ml1m.toml", plugins="cpu",
-                      overrides=[f"data.path='{tmp_path / 'ratings.dat'}'"])
+                      overrides=[f"data.path='{tmp_path / 'ratings.dat'}'", "run.device=cpu"])
     from gemzoo.train.trainer import build_on_meta
 
     with pytest.raises(PluginError, match="lacks bias.*Kernels that can: .*sdpa-padded"):

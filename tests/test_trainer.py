@@ -106,6 +106,7 @@ def test_gem_on_the_plain_torch_engine_trains_sparse_and_resumes_bit_exact(tmp_p
 
     def cfg(out, steps):
         return load_config(config, overrides=[f"run.steps={steps}", "eval.every=0", "checkpoint.every=2",
+                                              "run.device=cpu",
                                               f"run.out_dir='{tmp_path / out}'", "data.batch_size=8"])
 
     trainer = Trainer(cfg("a", 4), progress=False).assemble()

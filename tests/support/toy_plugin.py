@@ -163,7 +163,8 @@ def install(registry) -> None:
 
 
 TOY_CONFIG = {
-    "run": {"name": "toy", "steps": 30, "seed": 0, "log_every": 5},
+    # cpu even on a GPU machine: these tests pin CPU semantics (bit-exact resume; CUDA's atomics are not)
+    "run": {"name": "toy", "steps": 30, "seed": 0, "log_every": 5, "device": "cpu"},
     "model": {"family": "toy"},
     "data": {"source": "toy-data"},
     "optim": {"lr": 1e-2},

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Where a short attention call spends its time: torch.profiler over fwd+bwd of block-attention (block 64,
+one sequence of L tokens) and of gdpa's cross path (64 candidates per user over gem_lognormal histories),
+GPU kernel time beside the host's wall time per call. A call whose wall time is well above its kernels'
+time is host-bound (launch overhead), not kernel-bound.
+
+    python3 plugins/gemzoo-block-attention/bench/profile_host.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
+from bench_jfa import gem_lognormal  # noqa: E402
+
+from gemzoo.jagged import lengths_to_offsets  # noqa: E402
+
+H, D = 4, 128
+
+
+def leaves(tq, tk, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda t: torch.randn(t, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()  # noqa: E731
+    return mk(tq), mk(tk), mk(tk), torch.randn(tq, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def cases():
+    from gemzoo_block_attention import block_attention_triton
+
+    L = 8192
+    off = lengths_to_offsets(torch.tensor([L])).cuda()
+    q, k, v, g = leaves(L, L)
+    yield "block64_L8192", lambda: block_attention_triton(q, k, v, off, block_size=64), (q, k, v), g
+    try:
+        from gemzoo_gdpa import gdpa_triton
+    except ImportError:
+        return
+    hist = gem_lognormal()
+    q_off = lengths_to_offsets(torch.full((hist.numel(),), 64)).cuda()
+    k_off = lengths_to_offsets(hist).cuda()
+    q2, k2, v2, g2 = leaves(int(q_off[-1]), int(k_off[-1]), 1)
+    norm = float(hist.max())
+    yield "gdpa_cross64", (lambda: gdpa_triton(q2, k2, v2, q_off, k_off, causal=False, activation="silu",
+                                                norm=norm)), (q2, k2, v2), g2
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    report = {}
+    for name, fn, ls, grad in cases():
+        def step():
+            fn().backward(grad)
+            for t in ls:
+                t.grad = None
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) / args.iters * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / args.iters
+        kernels = sorted(((e.key, e.self_device_time_total / 1e3 / args.iters, e.count // args.iters)
+                          for e in events if e.self_device_time_total > 0), key=lambda r: -r[1])
+        report[name] = {"wall_ms_per_fwd_bwd": wall_ms, "gpu_ms_per_fwd_bwd": gpu_ms,
+                        "kernels": [{"name": n[:90], "ms": round(ms, 4), "launches": c} for n, ms, c in kernels[:15]]}
+        print(f"== {name}: wall {wall_ms:.3f} ms per fwd+bwd, GPU busy {gpu_ms:.3f} ms "
+              f"({'host-bound' if wall_ms > 1.5 * gpu_ms else 'GPU-bound'})")
+        for n, ms, c in kernels[:15]:
+            print(f"   {ms:8.4f} ms  x{c:<3d} {n[:100]}")
+    if args.out:
+        with open(os.path.join(args.out, "profile_host.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
