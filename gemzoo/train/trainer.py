@@ -410,9 +410,11 @@ class Trainer:
         cfg = self.cfg
         # This rank loads its own part of the global batch; the batching policy, given the model's per-sample
         # costs and the data-parallel group, returns the samples this rank trains.
-        batch = load_shard(self.dataset, step, self.world.rank, self.world.world_size).to(self.device)
-        if self.world.world_size > 1:
-            dp = DataParallelGroup(self.world.rank, self.world.world_size)
+        dp_mesh = self.world.dp_mesh
+        dp = DataParallelGroup() if dp_mesh is None else DataParallelGroup(
+            dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group())
+        batch = load_shard(self.dataset, step, dp.rank, dp.size).to(self.device)
+        if dp.size > 1:
             batch = rebalance(self.batching, batch, self.model.cost_model(batch), dp, name=cfg.plugins.batching)
         for opt in self.optimizers.values():
             for group in opt.param_groups:
