@@ -3,8 +3,11 @@ for the torchrec planner (the only planner a clean install has): the protocol ca
 round trip, with torchrec and on its no-torchrec path (the GPU image's), and the trainer resuming bit-exact."""
 
 import pytest
+from toy_kinds import ReplicatePlanner
 
 from gemzoo import registry
+from gemzoo.errors import ConfigError
+from gemzoo.interfaces import WholeTables
 from gemzoo.testing import skip_unless_torchrec
 from gemzoo.testing.planner import check_planner_local, check_planner_on_gloo, check_planner_protocol_on_gloo
 
@@ -41,7 +44,32 @@ def test_torchrec_planner_on_gloo_resumes_bit_exact(tmp_path):
 @pytest.mark.distributed
 def test_a_third_party_planner_with_replica_groups_on_gloo(tmp_path):
     """tests/support/toy_kinds.py's planner: a 2-D mesh (replica x shard), its own table optimizer and sync."""
-    from toy_kinds import ReplicatePlanner
-
     reports = check_planner_protocol_on_gloo(ReplicatePlanner(), tmp_path)
     assert all(r["planner_keys"] > 0 for r in reports)  # the tables' Adagrad accumulators went through the file
+
+
+class ForgetsTables(WholeTables):
+    """Keeps the tables whole but lists only the dense parameters as replicated: nothing trains the tables."""
+
+    def replicated_parameters(self, model):
+        tables = {id(p) for p in model.sparse_arch.parameters()}
+        return [p for p in super().replicated_parameters(model) if id(p) not in tables]
+
+
+class LosesItsState(ReplicatePlanner):
+    """The toy planner whose state_dict drops one accumulator: a resume would restart it from zero."""
+
+    def state_dict(self, model):
+        return dict(list(super().state_dict(model).items())[1:])
+
+
+class BadMesh(WholeTables):
+    def mesh_dims(self, topology):
+        return {"replica": 2, "shard": topology.world_size}
+
+
+@pytest.mark.parametrize("planner,problem", [(ForgetsTables(), "unchanged"), (LosesItsState(), "lacks"),
+                                             (BadMesh(), "but the world has 1")], ids=lambda x: type(x).__name__)
+def test_the_suite_fails_broken_planners(planner, problem):
+    with pytest.raises((AssertionError, ConfigError), match=problem):
+        check_planner_local(planner)
