@@ -18,9 +18,9 @@ import re
 from pathlib import Path
 from string import Template
 
+from gemzoo import kinds
 from gemzoo.errors import ConfigError, PluginError
 
-KINDS = ("attention", "precision", "planner", "comms", "memory", "batching", "model", "dataset")
 NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 # ------------------------------------------------------------------------------------------------ shared
@@ -918,7 +918,11 @@ def test_gem_trains_on_it(tmp_path):
 
 TEMPLATES = {"attention": ATTENTION, "precision": PRECISION, "planner": PLANNER, "comms": COMMS,
              "memory": MEMORY, "batching": BATCHING, "model": MODEL, "dataset": DATASET}
-assert tuple(TEMPLATES) == KINDS
+_stale = set(TEMPLATES) - set(kinds.names())
+assert not _stale, f"scaffold templates for kinds that gemzoo.kinds does not have: {sorted(_stale)}"
+# The kinds `new-plugin --kind` offers: those of the kinds table (in its order) that have a template. A kind added
+# to the table without one is simply not offered yet.
+KINDS = tuple(name for name in kinds.names() if name in TEMPLATES)
 
 
 def module_name(name: str) -> str:
