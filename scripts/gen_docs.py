@@ -31,7 +31,8 @@ EXAMPLE_NAME = "my{kind}"
 
 
 # ------------------------------------------------------------------------------------------------ config
-# One line for keys whose dataclass field carries no comment (a comment in the code wins over these).
+# One line for keys whose dataclass field carries no comment (a comment in the code wins over these). The keys that
+# name a kind's entry ([plugins] attention ..., [model] family, [data] source) come from gemzoo.kinds: kind_meanings().
 MEANINGS = {
     "run": {
         "name": "the run's name (progress bar, logs)",
@@ -50,16 +51,7 @@ MEANINGS = {
     },
     "precision": {"keep": "fnmatch patterns of module names the precision policy leaves in bf16, e.g. [\"head.*\"]"},
     "eval": {"batches": "held-out batches per evaluation"},
-    "plugins": {
-        "attention": "attention kernel for every attention site (docs/kinds/attention.md)",
-        "precision": "precision policy (docs/kinds/precision.md)",
-        "planner": "embedding sharding planner (docs/kinds/planner.md)",
-        "comms": "communication backend (docs/kinds/comms.md)",
-        "memory": "memory policies, applied in order (docs/kinds/memory.md)",
-        "batching": "batching policy across data-parallel ranks (docs/kinds/batching.md)",
-    },
     "model": {
-        "family": "the model family (registered name)",
         "d_model": "transformer width",
         "num_layers": "transformer blocks",
         "num_heads": "attention heads",
@@ -75,7 +67,6 @@ MEANINGS = {
         "init_std": "standard deviation of the weight init",
     },
     "data": {
-        "source": "the dataset (registered name)",
         "path": "the MovieLens ratings.dat to read (UserID::MovieID::Rating::Timestamp)",
         "batch_size": "users (samples) per training batch",
         "max_len": "longest history kept per user (longer ones keep their latest events)",
@@ -99,6 +90,19 @@ MEANINGS = {
         "set": "--set overrides applied to every run",
     },
 }
+
+
+def kind_meanings() -> dict[str, dict[str, str]]:
+    """Config section -> {key naming a kind's entry: its meaning}, from the kinds table's descriptions."""
+    from gemzoo import kinds
+
+    out: dict[str, dict[str, str]] = {}
+    for k in kinds.KINDS:
+        section, _, key = k.config_key.rpartition(".")
+        which = f"a list of the {k.description}" if k.many else f"one of the {k.description}"
+        page = f"docs/kinds/{k.name}.md" if (DOCS / "kinds" / f"{k.name}.md").is_file() else None
+        out.setdefault(section, {})[key] = f"{which}: `gemzoo list {k.name}`{', ' + page if page else ''}"
+    return out
 
 
 def field_comments(cls) -> dict[str, str]:
@@ -180,7 +184,7 @@ def _allowed(f: dataclasses.Field) -> str:
 
 
 def section_table(cls, scope: str, skip: tuple[str, ...] = ()) -> list[str]:
-    notes = {**MEANINGS.get(scope, {}), **field_comments(cls)}
+    notes = {**MEANINGS.get(scope, {}), **kind_meanings().get(scope, {}), **field_comments(cls)}
     rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -217,7 +221,7 @@ def in_this_repo(distribution: str) -> bool:
 
 
 def config_reference() -> str:
-    from gemzoo import config, registry
+    from gemzoo import config, kinds, registry
 
     out = [
         "# Config reference",
@@ -235,28 +239,29 @@ def config_reference() -> str:
               "selective precision", "eval": "held-out evaluation", "checkpoint": "atomic checkpoints"}
     for name, cls in config.SECTIONS.items():
         out += [f"## [{name}]: {titles.get(name, name)}", "", *section_table(cls, name), ""]
-    out += ["## [plugins]: one plugin per slot (memory takes a list)", "",
+    lists = [k.slot for k in kinds.plugin_kinds() if k.many]
+    out += [f"## [plugins]: one plugin per slot ({', '.join(lists)} {'takes' if len(lists) == 1 else 'take'} a list)",
+            "",
             "Each value is a registered name (`gemzoo list KIND`); see the kind pages in `docs/kinds/`.", "",
             *section_table(config.PluginsConfig, "plugins", skip=("options",)), "",
             "`[plugins.options.NAME]` configures plugin NAME with the keys of its own options dataclass "
             "(below); `[plugins.attention_sites]`-style per-site choices are described in the model's docs.", ""]
 
-    out += ["## [model]: per family", "", "`family` picks the model; the other keys are the family's own.", ""]
-    for fam in registry.names("model"):
-        spec = registry.get("model", fam)
-        entry = registry.find(fam)
-        if entry is not None and not in_this_repo(entry.distribution):
+    # The kinds named outside [plugins] ([model] family, [data] source): one section each, one table per entry.
+    for k in kinds.KINDS:
+        if k.in_plugins:
             continue
-        out += [f"### family = \"{fam}\"", "", spec.description or _doc_line(spec.config_cls), "",
-                *section_table(spec.config_cls, "model"), ""]
-    out += ["## [data]: per dataset", "", "`source` picks the dataset; the other keys are the dataset's own.", ""]
-    for src in registry.names("dataset"):
-        spec = registry.get("dataset", src)
-        entry = registry.find(src)
-        if entry is not None and not in_this_repo(entry.distribution):
-            continue
-        out += [f"### source = \"{src}\"", "", spec.description or _doc_line(spec.config_cls), "",
-                *section_table(spec.config_cls, "data"), ""]
+        section = k.config_key.rpartition(".")[0]
+        out += [f"## [{section}]: per {k.slot}", "",
+                f"`{k.slot}` picks one of the {k.description} (`gemzoo list {k.name}`); the other keys are its own.",
+                ""]
+        for name in registry.names(k.name):
+            spec = registry.get(k.name, name)
+            entry = registry.find(name)
+            if entry is not None and not in_this_repo(entry.distribution):
+                continue
+            out += [f"### {k.slot} = \"{name}\"", "", spec.description or _doc_line(spec.config_cls), "",
+                    *section_table(spec.config_cls, section), ""]
     options = []
     for entry in sorted(registry.entries(), key=lambda e: (e.kind, e.name)):
         cls = getattr(entry.obj, "options_cls", None)
