@@ -15,3 +15,13 @@ def fresh_registry():
     registry.reset()
     yield registry
     registry.reset()
+
+
+@pytest.fixture
+def toy(fresh_registry):
+    """A fresh registry with the toy plugin of ``tests/support/toy_plugin.py`` installed (a model and a dataset;
+    ``toy_plugin.TOY_CONFIG`` trains them)."""
+    from toy_plugin import install
+
+    install(fresh_registry)
+    return fresh_registry

@@ -5,13 +5,7 @@ import pytest
 
 from gemzoo.config import load_config, parse_override
 from gemzoo.errors import ConfigError, PluginError
-from toy_plugin import TOY_CONFIG, install
-
-
-@pytest.fixture
-def toy(fresh_registry):
-    install(fresh_registry)
-    return fresh_registry
+from toy_plugin import TOY_CONFIG
 
 
 def raw(**sections):

@@ -8,13 +8,7 @@ from gemzoo.config import load_config
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train.trainer import Trainer, train
-from toy_plugin import TOY_CONFIG, install
-
-
-@pytest.fixture
-def toy(fresh_registry):
-    install(fresh_registry)
-    return fresh_registry
+from toy_plugin import TOY_CONFIG
 
 
 def _cfg(tmp_path, **sections):
