@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
 import gemzoo
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, FunctionKernel, check_inputs
+from gemzoo.interfaces.attention import ACTIVATIONS, FunctionKernel, check_inputs
+from gemzoo_jfa.plugin import FAMILY_CAPABILITIES
 
 
 def _block_attention(q, k, v, q_offsets, k_offsets=None, **kw):
@@ -31,19 +32,8 @@ def _block_attention(q, k, v, q_offsets, k_offsets=None, **kw):
 
 KERNEL = FunctionKernel(
     _block_attention,
-    AttentionCapabilities(
-        activations=frozenset(ACTIVATIONS),  # softmax and every pointwise activation: jfa's shared tile loop
-        causal=True,
-        non_causal=True,
-        asymmetric=True,
-        window=True,
-        block=True,
-        rotary=True,
-        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
-        devices=frozenset({"cpu", "cuda"}),
-        backward_devices=frozenset({"cpu", "cuda"}),
-        head_dims=tuple(range(1, 257)),
-    ),
+    # jfa's family plus blocks and RoPE; softmax and every pointwise activation (jfa's shared tile loop)
+    dataclasses.replace(FAMILY_CAPABILITIES, activations=frozenset(ACTIVATIONS), block=True, rotary=True),
     "Block-sparse jagged attention (GEM BlockAttention): block_size blocks from each sequence's start, "
     "optional sliding window, fused RoPE (rope_theta), softmax or pointwise activations; Triton fwd+bwd on "
     "jfa's kernel family, grid over allowed tiles only; CPU tensors go to the 'cpu' kernel or 'reference'",

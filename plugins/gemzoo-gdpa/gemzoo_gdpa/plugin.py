@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
 import gemzoo
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, FunctionKernel
+from gemzoo.interfaces.attention import ACTIVATIONS, FunctionKernel
+from gemzoo_jfa.plugin import FAMILY_CAPABILITIES
 
 POINTWISE = frozenset(a for a in ACTIVATIONS if a != "softmax")
 
@@ -25,18 +26,7 @@ def gdpa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
 
 KERNEL = FunctionKernel(
     _gdpa_cuda,
-    AttentionCapabilities(
-        activations=POINTWISE,
-        causal=True,
-        non_causal=True,
-        asymmetric=True,
-        window=True,
-        block=False,
-        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
-        devices=frozenset({"cpu", "cuda"}),
-        backward_devices=frozenset({"cpu", "cuda"}),
-        head_dims=tuple(range(1, 257)),
-    ),
+    dataclasses.replace(FAMILY_CAPABILITIES, activations=POINTWISE),  # jfa's family, pointwise instead of softmax
     "Generalized dot-product attention: pointwise activations (" + ", ".join(sorted(POINTWISE)) + ") with "
     "norm, causal/full/window, Lq != Lk (split-K path for short-Q/long-K cross attention); Triton fwd+bwd on "
     "jagged q/k/v sharing jfa's kernels; CPU tensors go to the 'cpu' kernel or 'reference'",

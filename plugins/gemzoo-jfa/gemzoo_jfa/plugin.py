@@ -8,6 +8,22 @@ import torch
 import gemzoo
 from gemzoo.interfaces.attention import AttentionCapabilities, FunctionKernel
 
+# What every kernel of jfa's Triton family serves (jfa itself; gdpa and block-attention widen it with
+# dataclasses.replace): causal, full and sliding-window masks, Lq != Lk, fp32/bf16/fp16, forward and backward
+# on CUDA (Triton) and CPU (the fallback), head dims up to 256.
+FAMILY_CAPABILITIES = AttentionCapabilities(
+    activations=frozenset({"softmax"}),
+    causal=True,
+    non_causal=True,
+    asymmetric=True,
+    window=True,
+    block=False,
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+    devices=frozenset({"cpu", "cuda"}),
+    backward_devices=frozenset({"cpu", "cuda"}),
+    head_dims=tuple(range(1, 257)),
+)
+
 
 def _jfa_cuda(q, k, v, q_offsets, k_offsets=None, **kw):
     from gemzoo_jfa.ops import jfa_triton
@@ -23,18 +39,7 @@ def jfa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
 
 KERNEL = FunctionKernel(
     _jfa_cuda,
-    AttentionCapabilities(
-        activations=frozenset({"softmax"}),
-        causal=True,
-        non_causal=True,
-        asymmetric=True,
-        window=True,
-        block=False,
-        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
-        devices=frozenset({"cpu", "cuda"}),
-        backward_devices=frozenset({"cpu", "cuda"}),
-        head_dims=tuple(range(1, 257)),
-    ),
+    FAMILY_CAPABILITIES,
     "Jagged flash attention (Triton, fwd+bwd on jagged q/k/v, longest-first work schedule); CPU tensors "
     "go to the 'cpu' kernel or 'reference'",
     cpu_fallback="cpu",
