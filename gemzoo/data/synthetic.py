@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from gemzoo.data.batch import GemBatch
-from gemzoo.embedding import TableConfig
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import DatasetSpec
 from gemzoo.jagged import lengths_to_offsets, seq_ids
@@ -190,10 +189,6 @@ class SyntheticGemDataset:
 
     def eval_batches(self, n: int) -> list[GemBatch]:
         return [self._batch(stream_generator(self.seed + self.cfg.eval_seed_offset, _EVAL, i)) for i in range(n)]
-
-    def table_configs(self, embedding_dim: int) -> list[TableConfig]:
-        return [TableConfig(t["name"], t["num_embeddings"], embedding_dim, list(t["feature_names"]))
-                for t in self.info["sparse_tables"]]
 
 
 def build(cfg: SyntheticGemConfig, seed: int = 0) -> SyntheticGemDataset:
