@@ -3,11 +3,13 @@
 TRITON_INTERPRET=1 must be set before Triton is first imported, and never in the pytest process (on a GPU
 machine every later launch would run in the interpreter), so each plugin keeps a script that sets it,
 runs a group of cases and prints one ``RESULT {json}`` line; its tests read that line through
-:func:`interpreter_results` (one subprocess per group, cached for the session)::
+:func:`interpreter_results` (one subprocess per group, cached for the session, with :func:`fix_interpreter`
+applied first)::
 
     _results = lambda group: interpreter_results(Path(__file__).with_name("my_interp_cases.py"), group)
 
-and the script may run the shared conformance suite on its Triton path with :func:`conformance_results`.
+and the script may run the shared conformance suite on its Triton path with :func:`conformance_results`, and
+check that ``torch.compile`` traces its custom op with :func:`compiled_matches_eager`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,43 @@ from pathlib import Path
 
 _cache: dict[tuple[str, str], dict] = {}
 
+# The subprocess: the interpreter fix below, then the case script as __main__ (its folder on sys.path, as
+# for ``python script.py``).
+_BOOT = ("import os, runpy, sys; from gemzoo.testing.interpreter import fix_interpreter; fix_interpreter(); "
+         "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0]))); "
+         "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def fix_interpreter() -> None:
+    """Make Triton 3.6's interpreter take shape-[1] scalars as loop bounds and indices.
+
+    Its tensors' ``__index__`` is ``int(handle.data)``, and numpy >= 2.4 refuses that for an array of shape
+    [1] (triton-lang/triton#9171, fixed in Triton 3.7 by squeezing first). Every kernel whose ``range()``
+    bounds come from loads then fails under TRITON_INTERPRET=1 with "only 0-dimensional arrays can be
+    converted to Python scalars". This wraps the interpreter's tensor patch to squeeze, as 3.7 does; it is
+    idempotent and changes nothing where Triton already squeezes or the interpreter is missing."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "gemzoo_squeezes", False):
+        return
+
+    def index(self):
+        return int(self.handle.data.squeeze())
+
+    def patch_lang_tensor(tensor, *args, **kwargs):
+        original(tensor, *args, **kwargs)
+        scope = args[0] if args else kwargs.get("scope")
+        if scope is not None and hasattr(scope, "set_attr"):
+            scope.set_attr(tensor, "__index__", index)  # restored with the interpreter's own patches
+        else:
+            tensor.__index__ = index
+
+    patch_lang_tensor.gemzoo_squeezes = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
 
 def interpreter_results(script: str | Path, group: str, timeout: float = 900) -> dict:
     """The JSON a case script prints (``RESULT {...}``) for ``group``, run under TRITON_INTERPRET=1 in a
@@ -27,8 +66,8 @@ def interpreter_results(script: str | Path, group: str, timeout: float = 900) ->
     key = (str(script), group)
     if key not in _cache:
         env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, str(script), group], capture_output=True, text=True, env=env,
-                              timeout=timeout)
+        proc = subprocess.run([sys.executable, "-c", _BOOT, str(script), group], capture_output=True, text=True,
+                              env=env, timeout=timeout)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             raise AssertionError(f"interpreter run of {script} {group} failed (exit {proc.returncode}):\n"
@@ -51,3 +90,20 @@ def conformance_results(fn, capabilities, **case_kw) -> dict[str, dict]:
         except AssertionError as exc:
             results[str(case)] = {"ok": False, "error": str(exc)}
     return results
+
+
+def compiled_matches_eager(loss_fn, *inputs, atol: float = 1e-5) -> bool:
+    """Whether ``torch.compile(loss_fn, backend="aot_eager", fullgraph=True)`` traces (a graph break is an
+    error) and gives eager's scalar loss and the same gradients of every input (leaf tensors that require
+    grad; their ``.grad`` is left as the compiled run set it)."""
+    import torch
+
+    eager = loss_fn(*inputs)
+    eager.backward()
+    grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)(*inputs)
+    compiled.backward()
+    return bool(torch.allclose(eager, compiled, atol=atol)
+                and all(torch.allclose(g, t.grad, atol=atol) for g, t in zip(grads, inputs)))

@@ -143,23 +143,16 @@ def strided_offsets():
 
 def conformance():
     """The shared gemzoo conformance suite, run on the Triton path itself (CPU tensors, interpreter)."""
-    from gemzoo.interfaces.attention import FunctionKernel
-    from gemzoo.testing import attention_cases, check_attention
+    from gemzoo.testing.interpreter import conformance_results
     from gemzoo_gdpa import gdpa_triton
     from gemzoo_gdpa.plugin import KERNEL
 
-    kernel = FunctionKernel(gdpa_triton, KERNEL.capabilities)
-    results = {}
-    for case in attention_cases(KERNEL.capabilities):
-        try:
-            results[str(case)] = {"ok": True, **check_attention(kernel, case, device="cpu")}
-        except AssertionError as exc:
-            results[str(case)] = {"ok": False, "error": str(exc)}
-    return results
+    return conformance_results(gdpa_triton, KERNEL.capabilities)
 
 
 def compile_check():
     """torch.compile(fullgraph=True) traces the custom op (fake impl + autograd), then runs it; opcheck."""
+    from gemzoo.testing.interpreter import compiled_matches_eager
     from gemzoo_gdpa import gdpa_triton
     from gemzoo_gdpa.ops import gdpa_fwd
 
@@ -169,18 +162,10 @@ def compile_check():
     def f(q, k, v):
         return gdpa_triton(q, k, v, off, causal=True, activation="silu", norm=19.0).square().sum()
 
-    eager = f(q, k, v)
-    eager.backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
-    compiled.backward()
-    same = torch.allclose(eager, compiled, atol=1e-5) and all(
-        torch.allclose(g, t.grad, atol=1e-5) for g, t in zip(grads, (q, k, v)))
+    same = compiled_matches_eager(f, q, k, v)
     torch.library.opcheck(gdpa_fwd, (q, k, v, off, off, True, 1, 0.25, 0.5, -1),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    return {"compile": bool(same), "opcheck": True}
+    return {"compile": same, "opcheck": True}
 
 
 def main(which: str) -> None:

@@ -66,23 +66,16 @@ def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=Fals
 
 def conformance():
     """The shared gemzoo conformance suite, run on the Triton path itself (CPU tensors, interpreter)."""
-    from gemzoo.interfaces.attention import FunctionKernel
-    from gemzoo.testing import attention_cases, check_attention
+    from gemzoo.testing.interpreter import conformance_results
     from gemzoo_jfa import jfa_triton
     from gemzoo_jfa.plugin import KERNEL
 
-    triton_kernel = FunctionKernel(jfa_triton, KERNEL.capabilities)
-    results = {}
-    for case in attention_cases(KERNEL.capabilities):
-        try:
-            results[str(case)] = {"ok": True, **check_attention(triton_kernel, case, device="cpu")}
-        except AssertionError as exc:
-            results[str(case)] = {"ok": False, "error": str(exc)}
-    return results
+    return conformance_results(jfa_triton, KERNEL.capabilities)
 
 
 def compile_check():
     """torch.compile(fullgraph=True) traces the custom op (fake impl + autograd), then runs it."""
+    from gemzoo.testing.interpreter import compiled_matches_eager
     from gemzoo_jfa import jfa_triton
 
     lens = torch.tensor([7, 0, 19])
@@ -92,16 +85,7 @@ def compile_check():
     def f(q, k, v):
         return jfa_triton(q, k, v, off, causal=True).square().sum()
 
-    eager = f(q, k, v)
-    eager.backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
-    compiled.backward()
-    same = torch.allclose(eager, compiled, atol=1e-5) and all(
-        torch.allclose(g, t.grad, atol=1e-5) for g, t in zip(grads, (q, k, v)))
-    return {"ok": bool(same)}
+    return {"ok": compiled_matches_eager(f, q, k, v)}
 
 
 def opcheck():
