@@ -20,3 +20,6 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from gemzoo.testing.interpreter import fix_interpreter  # noqa: E402
+
+    fix_interpreter()  # Triton 3.6 with numpy >= 2.4 (triton-lang/triton#9171)
