@@ -266,3 +266,14 @@ def test_one_rank_checks_the_dims_and_builds_no_mesh():
         build_mesh(World(), "cpu", {"dp": 1}, dense={"dp": 1, "tp": 2})
     with pytest.raises(ConfigError, match="= 2 ranks, but the world has 1"):
         build_mesh(World(), "cpu", {"replica": 2, "shard": 1})
+
+
+def test_more_ranks_than_gpus_names_the_fix(monkeypatch):
+    """Two ranks on a one-GPU node: rank 1 would ask for cuda:1 and fail deep inside CUDA (or hang rank 0)."""
+    from gemzoo.distributed import World, pick_device
+    from gemzoo.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK 1 .* 1 GPU\(s\).*nproc-per-node 1.*run.device"):
+        pick_device("auto", World(rank=1, world_size=2, local_rank=1))

@@ -100,6 +100,13 @@ def pick_device(name: str, world: World) -> torch.device:
 
             raise ConfigError("run.device asks for cuda but no GPU is visible; set run.device = \"cpu\" or \"auto\"")
         if device.index is None:
+            visible = torch.cuda.device_count()
+            if world.local_rank >= visible:
+                from gemzoo.errors import ConfigError
+
+                raise ConfigError(f"rank {world.rank} has LOCAL_RANK {world.local_rank} but this node shows {visible} "
+                                  f"GPU(s); start at most {visible} processes per node (torchrun --nproc-per-node "
+                                  f"{visible}) or train on CPU with run.device = \"cpu\"")
             device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
     return device
