@@ -63,7 +63,7 @@ $summary: a gemzoo `$kind` plugin, registered as `$name` through the `gemzoo` en
 
 ```bash
 pip install -e .            # add --no-build-isolation --no-deps inside a ready gemzoo environment
-gemzoo list $list_kind      # shows $name
+gemzoo list $kind      # shows $name
 pytest tests                # the $kind conformance checks, against the installed entry point
 ```
 
@@ -81,6 +81,21 @@ $use
 
 The interface is documented in gemzoo's `docs/kinds/$kind.md` ($protocol).
 """
+
+# Every kind's plugin.py: its kind's hook (from gemzoo.kinds) registers the entry the template's "plugin" fields
+# name (what it is, the gemzoo.interfaces name it needs if any, what it imports from the implementation module).
+PLUGIN = '''\
+"""Registers the $$name $what with gemzoo."""
+
+import gemzoo
+$core
+from $$mod.$$impl import $imports
+
+
+@gemzoo.hookimpl
+def $hook(register):
+    register("$$name", $entry)
+'''
 
 # Used by the kinds whose conformance includes a short training run (planner, model, dataset).
 TINY_RUN = '''
@@ -106,8 +121,6 @@ def tiny_run(tmp_path, *, plugins=None, model=None, data=None, steps=3):
 ATTENTION = {
     "impl": "kernel",
     "summary": "a jagged attention kernel",
-    "list_kind": "attention",
-    "hook": "gemzoo_register_attention",
     "protocol": "`gemzoo.interfaces.AttentionKernel`, `AttentionCapabilities`; semantics in `docs/attention.md`",
     "use": "gemzoo train --config configs/gem-tiny.toml --plugins $name",
     "fill": "It starts by calling the `reference` kernel, so the conformance suite passes before you change "
@@ -115,6 +128,8 @@ ATTENTION = {
             "learns more (the suite tests every combination it declares).",
     "tests": "`gemzoo.testing.attention_cases` / `check_attention` over every declared capability, forward and "
              "backward against the float64 reference.",
+    "plugin": {"what": "attention kernel", "core": "FunctionKernel", "imports": "CAPABILITIES, ${func}_attention",
+               "entry": 'FunctionKernel(${func}_attention, CAPABILITIES, description="$summary")'},
     "files": {
         "kernel.py": '''\
 """The $name attention kernel: q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv] jagged by int64 offsets [B+1].
@@ -148,19 +163,6 @@ def ${func}_attention(
     # The starting point: the reference kernel (per-sequence torch, the oracle). Replace with your own.
     reference = gemzoo.registry.get("attention", "reference")
     return reference(q, k, v, q_offsets, k_offsets, **options)
-''',
-        "plugin.py": '''\
-"""Registers the $name attention kernel with gemzoo."""
-
-import gemzoo
-from gemzoo.interfaces import FunctionKernel
-
-from $mod.kernel import CAPABILITIES, ${func}_attention
-
-
-@gemzoo.hookimpl
-def gemzoo_register_attention(register):
-    register("$name", FunctionKernel(${func}_attention, CAPABILITIES, description="$summary"))
 ''',
         "test": '''\
 """The attention conformance suite, run on the installed $name kernel."""
@@ -199,14 +201,13 @@ def test_capabilities_say_what_is_missing():
 PRECISION = {
     "impl": "policy",
     "summary": "a precision policy",
-    "list_kind": "precision",
-    "hook": "gemzoo_register_precision",
     "protocol": "`gemzoo.interfaces.PrecisionPolicy`, `PrecisionCapabilities`",
     "use": "gemzoo train --config configs/gem-tiny.toml --plugins $name   # precision.keep lists modules kept in bf16",
     "fill": "`${cls}Linear.forward` starts as a plain fp32 matmul; replace it with your low-precision one "
             "(quantize input and weight, GEMM, dequantize) and set `linear_rtol` to the error it promises.",
     "tests": "`gemzoo.testing.check_precision_linear` (the policy's linear against fp32, forward and backward, "
              "within the declared `linear_rtol`), and `apply` swaps every linear that `precision.keep` does not match.",
+    "plugin": {"what": "precision policy", "imports": "${cls}Policy", "entry": '${cls}Policy()'},
     "files": {
         "policy.py": '''\
 """The $name precision policy: every nn.Linear not matched by ``precision.keep`` becomes a ``${cls}Linear``."""
@@ -242,18 +243,6 @@ class ${cls}Policy:
     def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
         swap_linears(model, cfg, self.make_linear)
         return model
-''',
-        "plugin.py": '''\
-"""Registers the $name precision policy with gemzoo."""
-
-import gemzoo
-
-from $mod.policy import ${cls}Policy
-
-
-@gemzoo.hookimpl
-def gemzoo_register_precision(register):
-    register("$name", ${cls}Policy())
 ''',
         "test": '''\
 """Precision conformance, run on the installed $name policy."""
@@ -293,14 +282,13 @@ def test_apply_swaps_all_but_kept_linears():
 MEMORY = {
     "impl": "policy",
     "summary": "a memory policy",
-    "list_kind": "memory",
-    "hook": "gemzoo_register_memory",
     "protocol": "`gemzoo.interfaces.MemoryPolicy`",
     "use": "gemzoo train --config configs/gem-tiny.toml --plugins $name",
     "fill": "`apply` starts by returning the model unchanged and `step_context` by doing nothing; wrap blocks in "
             "activation checkpointing, or compress saved tensors with `torch.autograd.graph.saved_tensors_hooks`.",
     "tests": "loss and every gradient with the policy equal those without it (within `TOLERANCE`), on a small "
              "model, and the policy satisfies the protocol.",
+    "plugin": {"what": "memory policy", "imports": "${cls}Memory", "entry": '${cls}Memory()'},
     "files": {
         "policy.py": '''\
 """The $name memory policy: trade compute (or precision) for activation memory."""
@@ -322,18 +310,6 @@ class ${cls}Memory:
     def step_context(self):
         """Entered around each forward+backward, e.g. ``torch.autograd.graph.saved_tensors_hooks(pack, unpack)``."""
         return contextlib.nullcontext()
-''',
-        "plugin.py": '''\
-"""Registers the $name memory policy with gemzoo."""
-
-import gemzoo
-
-from $mod.policy import ${cls}Memory
-
-
-@gemzoo.hookimpl
-def gemzoo_register_memory(register):
-    register("$name", ${cls}Memory())
 ''',
         "test": '''\
 """Memory-policy conformance, run on the installed $name policy: loss and gradients unchanged."""
@@ -394,14 +370,13 @@ def test_loss_and_gradients_unchanged():
 BATCHING = {
     "impl": "policy",
     "summary": "a batching policy",
-    "list_kind": "batching",
-    "hook": "gemzoo_register_batching",
     "protocol": "`gemzoo.interfaces.BatchingPolicy`",
     "use": "torchrun --nproc_per_node 2 -m gemzoo.cli train --config configs/gem-tiny.toml --plugins $name",
     "fill": "`assign` starts as greedy longest-processing-time balancing of the per-sample costs; replace it "
             "(Karmarkar-Karp, ...) keeping its contract: every sample on exactly one rank, deterministically.",
     "tests": "every sample assigned exactly once, deterministic, loads within one sample's cost of each other's "
              "mean, and the one-rank and empty cases.",
+    "plugin": {"what": "batching policy", "imports": "${cls}Batching", "entry": '${cls}Batching()'},
     "files": {
         "policy.py": '''\
 """The $name batching policy: split a global batch's samples across data-parallel ranks by cost."""
@@ -428,18 +403,6 @@ class ${cls}Batching:
             groups[rank].append(i)
             loads[rank] += values[i]
         return [torch.tensor(sorted(g), dtype=torch.long) for g in groups]
-''',
-        "plugin.py": '''\
-"""Registers the $name batching policy with gemzoo."""
-
-import gemzoo
-
-from $mod.policy import ${cls}Batching
-
-
-@gemzoo.hookimpl
-def gemzoo_register_batching(register):
-    register("$name", ${cls}Batching())
 ''',
         "test": '''\
 """Batching conformance, run on the installed $name policy."""
@@ -483,14 +446,13 @@ def test_no_samples():
 COMMS = {
     "impl": "backend",
     "summary": "a communication backend",
-    "list_kind": "comms",
-    "hook": "gemzoo_register_comms",
     "protocol": "`gemzoo.interfaces.CommsBackend`, `CommsCapabilities`",
     "use": "torchrun --nproc_per_node 2 -m gemzoo.cli train --config configs/gem-tiny.toml --plugins $name",
     "fill": "`backend_for` starts by naming c10d's own backends (gloo on CPU, nccl on GPU) and `install` does "
             "nothing; register your own with `torch.distributed.Backend.register_backend` in `install`, return "
             "its name, and list the collectives it runs itself in `capabilities.implements`.",
     "tests": "a one-process group through the backend; all_reduce, all_gather and broadcast give c10d's answers.",
+    "plugin": {"what": "communication backend", "imports": "${cls}Comms", "entry": '${cls}Comms()'},
     "files": {
         "backend.py": '''\
 """The $name communication backend: makes a c10d backend available by name."""
@@ -511,18 +473,6 @@ class ${cls}Comms:
 
     def install(self) -> None:
         """Register the backend, e.g. ``torch.distributed.Backend.register_backend("$name", create, devices=[...])``."""
-''',
-        "plugin.py": '''\
-"""Registers the $name communication backend with gemzoo."""
-
-import gemzoo
-
-from $mod.backend import ${cls}Comms
-
-
-@gemzoo.hookimpl
-def gemzoo_register_comms(register):
-    register("$name", ${cls}Comms())
 ''',
         "test": '''\
 """Comms conformance, run on the installed $name backend: collectives give c10d's answers."""
@@ -568,8 +518,6 @@ def test_collectives_on_one_rank(group):
 PLANNER = {
     "impl": "planner",
     "summary": "an embedding sharding planner",
-    "list_kind": "planner",
-    "hook": "gemzoo_register_planners",
     "protocol": "`gemzoo.interfaces.Planner`, `Topology`, `WholeTables`",
     "use": "torchrun --nproc_per_node 2 -m gemzoo.cli train --config configs/gem-tiny.toml --plugins $name",
     "fill": "`plan` starts by returning None (every rank keeps whole tables, replicated and all-reduced like "
@@ -579,6 +527,7 @@ PLANNER = {
             "`load_state_dict`).",
     "tests": "plan on a one-rank topology, then a short training run with the planner whose loss is finite and "
              "whose checkpoint the trainer wrote.",
+    "plugin": {"what": "planner", "imports": "${cls}Planner", "entry": '${cls}Planner()'},
     "files": {
         "planner.py": '''\
 """The $name planner: decides where embedding tables live and shards the model accordingly."""
@@ -605,18 +554,6 @@ class ${cls}Planner(WholeTables):
     def shard(self, model: nn.Module, plan: Any, mesh: Any) -> nn.Module:
         """``model`` with its tables placed by ``plan`` (e.g. torchrec DistributedModelParallel)."""
         return model
-''',
-        "plugin.py": '''\
-"""Registers the $name planner with gemzoo."""
-
-import gemzoo
-
-from $mod.planner import ${cls}Planner
-
-
-@gemzoo.hookimpl
-def gemzoo_register_planners(register):
-    register("$name", ${cls}Planner())
 ''',
         "test": '''\
 """Planner conformance, run on the installed $name planner: plan, shard, train, checkpoint."""
@@ -646,8 +583,6 @@ def test_plan_and_train(tmp_path):
 MODEL = {
     "impl": "model",
     "summary": "a model family",
-    "list_kind": "model",
-    "hook": "gemzoo_register_models",
     "protocol": "`gemzoo.interfaces.RecModel`, `ModelSpec`, `ModelOutput`, `Evaluator`",
     "use": "gemzoo train --config my.toml   # with [model] family = \"$name\" and [data] source = \"synthetic-gem\"",
     "fill": "The starting point ranks GEM-like candidates (the `synthetic-gem` batches) against an attention "
@@ -655,6 +590,8 @@ MODEL = {
             "plugin serves it. Keep `forward`, `flops`, `evaluator`, `init_weights` and `embedding_tables`.",
     "tests": "built on `meta` as the trainer does, forward and backward, FLOPs, the evaluator, and a short "
              "training run on `synthetic-gem` with two attention kernels.",
+    "plugin": {"what": "model family", "core": "ModelSpec", "imports": "${cls}Config, ${cls}Model",
+               "entry": 'ModelSpec(${cls}Config, ${cls}Model, "$summary")'},
     "files": {
         "model.py": '''\
 """The $name model family: scores each user's candidates against attention over the user's history."""
@@ -750,19 +687,6 @@ class ClickAUC:
         wins = (pos[:, None] > neg[None, :]).double().sum() + 0.5 * (pos[:, None] == neg[None, :]).double().sum()
         return {"auc_click": float(wins / (pos.numel() * neg.numel()))}
 ''',
-        "plugin.py": '''\
-"""Registers the $name model family with gemzoo."""
-
-import gemzoo
-from gemzoo.interfaces import ModelSpec
-
-from $mod.model import ${cls}Config, ${cls}Model
-
-
-@gemzoo.hookimpl
-def gemzoo_register_models(register):
-    register("$name", ModelSpec(${cls}Config, ${cls}Model, "$summary"))
-''',
         "test": '''\
 """Model conformance, run on the installed $name family: build on meta, step, FLOPs, evaluator, train."""
 
@@ -814,8 +738,6 @@ def test_trains_with_attention_plugins(tmp_path, attention):
 DATASET = {
     "impl": "dataset",
     "summary": "a dataset",
-    "list_kind": "dataset",
-    "hook": "gemzoo_register_datasets",
     "protocol": "`gemzoo.interfaces.DatasetSpec`; batches as `gemzoo.data.batch.GemBatch` for the gem family",
     "use": "gemzoo train --config my.toml   # with [data] source = \"$name\" and [model] family = \"gem\"",
     "fill": "The starting point draws its batches from the built-in `synthetic-gem` stream, so the `gem` model "
@@ -823,6 +745,8 @@ DATASET = {
             "same batch type, and describe your data in `info` (item count, sparse tables).",
     "tests": "seeded and deterministic batches, held-out batches distinct from training ones, and a short `gem` "
              "training run on the dataset.",
+    "plugin": {"what": "dataset", "core": "DatasetSpec", "imports": "${cls}Config, build",
+               "entry": 'DatasetSpec(${cls}Config, build, "$summary")'},
     "files": {
         "dataset.py": '''\
 """The $name dataset: training batches by step, fixed held-out batches, and ``info`` for the model."""
@@ -867,19 +791,6 @@ class ${cls}Dataset:
 
 def build(cfg: ${cls}Config, seed: int = 0) -> ${cls}Dataset:
     return ${cls}Dataset(cfg, seed)
-''',
-        "plugin.py": '''\
-"""Registers the $name dataset with gemzoo."""
-
-import gemzoo
-from gemzoo.interfaces import DatasetSpec
-
-from $mod.dataset import ${cls}Config, build
-
-
-@gemzoo.hookimpl
-def gemzoo_register_datasets(register):
-    register("$name", DatasetSpec(${cls}Config, build, "$summary"))
 ''',
         "test": '''\
 """Dataset conformance, run on the installed $name dataset."""
@@ -956,12 +867,16 @@ def render(name: str, kind: str) -> dict[str, str]:
     def sub(text: str) -> str:
         return Template(text).substitute(values)
 
+    hook = kinds.kind(kind).hook
+    plugin = t["plugin"]
+    core = f"from gemzoo.interfaces import {plugin['core']}\n" if plugin.get("core") else ""
     # Fields of the README refer to $name etc. themselves: substitute them first.
-    readme_values = {k: sub(t[k]) for k in ("list_kind", "hook", "protocol", "use", "fill", "tests")}
+    readme_values = {k: sub(t[k]) for k in ("protocol", "use", "fill", "tests")}
+    readme_values["hook"] = hook
     files = {
         "pyproject.toml": sub(PYPROJECT),
         f"{mod}/__init__.py": sub(INIT),
-        f"{mod}/plugin.py": sub(t["files"]["plugin.py"]),
+        f"{mod}/plugin.py": sub(Template(PLUGIN).substitute(plugin, core=core, hook=hook)),
         f"{mod}/{t['impl']}.py": sub(t["files"][f"{t['impl']}.py"]),
         f"tests/test_{mod}.py": sub(t["files"]["test"]),
         "README.md": Template(README).substitute({**values, **readme_values}),
