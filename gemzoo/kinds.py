@@ -11,9 +11,10 @@ one entry or a list, where a config names it and what it defaults to, and which 
 
 Everything that lists kinds derives from this table: the registry (which hook fills which kind),
 ``config.PluginsConfig`` (one field per [plugins] kind, a list where ``many``) and ``--plugins``, the CLI's
-``list`` choices, and the plugins a run records as selected (:func:`selected`). Adding a kind touches
-``hookspecs.py``, this table and ``interfaces/`` only; ``tests/test_kinds.py`` adds one in a subprocess to
-show it.
+``list`` choices and ``new-plugin --kind`` (the kinds it has a template for), the plugins a run records as
+selected (:func:`selected`), and the kind keys of the config reference (``scripts/gen_docs.py``). Adding a kind
+touches ``hookspecs.py``, this table and ``interfaces/`` only; ``tests/test_kinds.py`` adds one in a subprocess
+to show it.
 """
 
 from __future__ import annotations

@@ -146,6 +146,7 @@ NEW_KIND = textwrap.dedent('''
         out["error"] = str(exc)
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     out["cli"] = next(a for a in sub.choices["list"]._actions if a.dest == "kind").choices
+    out["new_plugin"] = list(next(a for a in sub.choices["new-plugin"]._actions if a.dest == "kind").choices)
     print(json.dumps(out))
 ''')
 
@@ -165,3 +166,5 @@ def test_a_new_kind_needs_only_its_hookspec_and_table_row():
     assert {"ball", "kite", "reference"} <= set(out["selected"])
     assert "unknown toys 'kyte'" in out["error"] and "kite" in out["error"]
     assert out["cli"][-1] == "toys"
+    # new-plugin offers the table's kinds that have a scaffold template: not yet the new one, and nothing breaks
+    assert out["new_plugin"] == [k for k in kinds.names() if k != "toys"]
