@@ -168,6 +168,9 @@ class TorchEmbeddingBagCollection(nn.Module):
         })
         self._feature_table = {f: t.name for t in tables for f in t.feature_names}
 
+    # Never traced: its per-feature split is a host sync (a graph break anyway), and Inductor cannot take the
+    # sparse table gradients on CUDA ("Cannot access storage of SparseTensorImpl", H200 with run.compile).
+    @torch.compiler.disable
     def forward(self, keys, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         batch = lengths.numel() // len(keys)
         per_key = lengths.view(len(keys), batch)
