@@ -192,6 +192,7 @@ def test_checkpoint_files_get_the_manifest_mode(toy, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_gem_with_sparse_table_gradients_trains_on_cuda(tmp_path, monkeypatch):
     """run.compile on the plain-torch tables (sparse gradients): Inductor on CUDA cannot take sparse tensors,
     so the lookup stays eager and the dense rest compiles."""
