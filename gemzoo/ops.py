@@ -269,14 +269,12 @@ def hadamard_transform(x: torch.Tensor, block: int = 32, signs: torch.Tensor | N
 def jagged_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
                      norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None):
     """Jagged attention (DESIGN.md semantics) with the C++ CPU kernel; other devices use ``reference``."""
-    from gemzoo.interfaces.attention import check_inputs
+    from gemzoo.interfaces.attention import check_inputs, reference_attention
 
     q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation, causal=causal, scale=scale,
                                         norm=norm, max_q_len=max_q_len, max_k_len=max_k_len,
                                         block_size=block_size, window=window)
     if not _use_extension("jagged_attention_fwd", q) or q.dtype == torch.float64:
-        from gemzoo.builtin.attention import reference_attention
-
         return reference_attention(q, k, v, q_offsets, k_offsets, causal=causal, activation=activation,
                                    scale=scale, norm=norm, block_size=block_size, window=window,
                                    max_q_len=max_q_len, max_k_len=max_k_len)

@@ -155,7 +155,7 @@ def test_rows_without_keys_are_zero_even_with_nan(name):
 @pytest.mark.parametrize("name", ["cpu", "sdpa-padded"])
 def test_bf16_backward_uses_the_fp32_output(name):
     """rowsum(dO * O) from the bf16-rounded O put dk off by 1.7-2.5e-2 against about 2e-3 with fp32 O."""
-    from gemzoo.builtin.attention import reference_attention
+    from gemzoo.interfaces.attention import reference_attention
 
     kernel = gemzoo.registry.get("attention", name)
     errs = []

@@ -23,14 +23,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # file -> the forbidden modules it imports today (issue #9 item 9; item 5 gives them public homes)
-KNOWN_CORE_BUILTIN = {
-    "gemzoo/ops.py": {"gemzoo.builtin.attention"},  # reference_attention: to gemzoo/attention/ (#9 item 5)
-    "gemzoo/testing/attention.py": {"gemzoo.builtin.attention"},  # the same reference (#9 item 5)
-}
+KNOWN_CORE_BUILTIN: dict[str, set[str]] = {}
 KNOWN_PLUGIN_INTERNALS = {
     "plugins/gemzoo-mxfp8/gemzoo_mxfp8/plugin.py": {"gemzoo.builtin.precision", "gemzoo.models.common"},  # #9 item 9
     "plugins/gemzoo-act-quant/gemzoo_act_quant/plugin.py": {"gemzoo.models.common"},  # attention_sites (#9 item 9)
-    "plugins/gemzoo-jfa/bench/bench_jfa.py": {"gemzoo.builtin.attention"},  # reference_attention (#9 item 5)
 }
 
 

@@ -1,4 +1,7 @@
-"""Built-in attention kernels: ``reference`` (the oracle), ``sdpa-padded`` (naive baseline), ``flex``."""
+"""Built-in attention kernels: ``reference`` (the oracle), ``sdpa-padded`` (naive baseline), ``flex``.
+
+The reference itself lives in the public :mod:`gemzoo.interfaces.attention` next to the mask rule; it is
+re-exported here for code that imported it from this module."""
 
 from __future__ import annotations
 
@@ -8,65 +11,16 @@ import torch.nn.functional as F
 from gemzoo.interfaces.attention import (
     ACTIVATIONS,
     AttentionCapabilities,
+    REFERENCE_CAPABILITIES,
     FunctionKernel,
-    allowed_mask,
     pair_allowed,
     apply_activation,
-    apply_rope,
     check_inputs,
+    reference_attention,
 )
 from gemzoo.plugins import hookimpl
 
 ALL = frozenset(ACTIVATIONS)
-
-
-def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                        norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
-                        bias=None):
-    """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct.
-    ``bias`` [B, 1 or H, >= Lq, >= Lk] is added to the scaled scores before the mask and the activation."""
-    q_offsets, k_offsets = check_inputs(
-        q, k, v, q_offsets, k_offsets, activation, capabilities=REFERENCE.capabilities, kernel=REFERENCE,
-        causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
-        window=window, rope_theta=rope_theta, bias=bias)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
-    qo, ko = q_offsets.tolist(), k_offsets.tolist()
-    pieces = []
-    for b in range(len(qo) - 1):
-        qs, qe, ks, ke = qo[b], qo[b + 1], ko[b], ko[b + 1]
-        lq, lk = qe - qs, ke - ks
-        if lq == 0:
-            continue
-        if lk == 0:
-            pieces.append(out[qs:qe])
-            continue
-        qb, kb = q[qs:qe].to(compute), k[ks:ke].to(compute)
-        if rope_theta is not None:  # query i at position i + Lk - Lq, key j at j
-            qb = apply_rope(qb, torch.arange(lk - lq, lk, device=q.device), rope_theta)
-            kb = apply_rope(kb, torch.arange(lk, device=q.device), rope_theta)
-        qb, kb = qb.transpose(0, 1), kb.transpose(0, 1)  # [H, Lq, D], [H, Lk, D]
-        vb = v[ks:ke].to(compute).transpose(0, 1)
-        s = scale * qb @ kb.transpose(1, 2)  # [H, Lq, Lk]
-        if bias is not None:
-            s = s + bias[b, :, :lq, :lk].to(compute)
-        mask = allowed_mask(lq, lk, causal=causal, window=window, block_size=block_size, device=q.device)
-        has_key = mask.any(-1, keepdim=True)  # [Lq, 1]
-        if activation == "softmax":
-            # masked keys get -inf (a NaN score there is dropped); rows with no allowed key get finite
-            # dummy scores and are zeroed below, so NaN from the inputs is the only NaN left
-            s = s.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
-            p = torch.softmax(s, dim=-1)
-        else:
-            p = torch.where(mask, apply_activation(s, activation), 0.0)
-            if norm is not None:
-                p = p / norm
-        o = torch.where(has_key, p @ vb, 0.0)  # no allowed key -> exactly 0
-        pieces.append(o.transpose(0, 1))
-    if not pieces:
-        return out.to(q.dtype)
-    return torch.cat(pieces, dim=0).to(q.dtype)  # non-empty sequences, in order, tile [0, Tq)
 
 
 def _padded_mask(q_lens, k_lens, lq_max, lk_max, causal, window, block_size, device):
@@ -234,8 +188,7 @@ def _flex(q, k, v, block_mask, scale):
 
 REFERENCE = FunctionKernel(
     reference_attention,
-    AttentionCapabilities(activations=ALL, window=True, block=True, rotary=True, bias=True,
-                          dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})),
+    REFERENCE_CAPABILITIES,
     "per-sequence torch oracle (rope_theta and bias included)",
 )
 SDPA_PADDED = FunctionKernel(

@@ -9,6 +9,10 @@ shift s = Lk - Lq, key j is allowed for query i iff (not causal or j <= i + s) a
 softmax: a row with no allowed key outputs 0. Other activations: P = act(S) on allowed keys, / norm.
 NaN stays in its own sequence. docs/attention.md has the whole contract; :func:`check_inputs` is the one
 input check every kernel runs (shapes, dtypes, offsets, option values, hints and declared capabilities).
+
+This module is the public home of the semantics: the mask rule (:func:`pair_allowed`, :func:`allowed_mask`),
+RoPE and the pointwise activations, and :func:`reference_attention`, the per-sequence oracle that the
+``reference`` kernel registers and every kernel's tests and benchmarks compare against.
 """
 
 from __future__ import annotations
@@ -359,3 +363,61 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
     q_offsets = q_offsets if q_offsets.is_contiguous() else q_offsets.contiguous()
     k_offsets = q_offsets if same else (k_offsets if k_offsets.is_contiguous() else k_offsets.contiguous())
     return q_offsets, k_offsets
+
+
+# ------------------------------------------------------------------------------------------ the reference
+# The executable definition of the semantics above: the ``reference`` kernel (registered by
+# gemzoo.builtin.attention) and the oracle every kernel's tests compare against.
+
+REFERENCE_CAPABILITIES = AttentionCapabilities(
+    activations=frozenset(ACTIVATIONS), window=True, block=True, rotary=True, bias=True,
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}))
+
+
+def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
+                        norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
+                        bias=None):
+    """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct.
+    ``bias`` [B, 1 or H, >= Lq, >= Lk] is added to the scaled scores before the mask and the activation."""
+    q_offsets, k_offsets = check_inputs(
+        q, k, v, q_offsets, k_offsets, activation, capabilities=REFERENCE_CAPABILITIES, kernel="reference",
+        causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
+        window=window, rope_theta=rope_theta, bias=bias)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
+    qo, ko = q_offsets.tolist(), k_offsets.tolist()
+    pieces = []
+    for b in range(len(qo) - 1):
+        qs, qe, ks, ke = qo[b], qo[b + 1], ko[b], ko[b + 1]
+        lq, lk = qe - qs, ke - ks
+        if lq == 0:
+            continue
+        if lk == 0:
+            pieces.append(out[qs:qe])
+            continue
+        qb, kb = q[qs:qe].to(compute), k[ks:ke].to(compute)
+        if rope_theta is not None:  # query i at position i + Lk - Lq, key j at j
+            qb = apply_rope(qb, torch.arange(lk - lq, lk, device=q.device), rope_theta)
+            kb = apply_rope(kb, torch.arange(lk, device=q.device), rope_theta)
+        qb, kb = qb.transpose(0, 1), kb.transpose(0, 1)  # [H, Lq, D], [H, Lk, D]
+        vb = v[ks:ke].to(compute).transpose(0, 1)
+        s = scale * qb @ kb.transpose(1, 2)  # [H, Lq, Lk]
+        if bias is not None:
+            s = s + bias[b, :, :lq, :lk].to(compute)
+        mask = allowed_mask(lq, lk, causal=causal, window=window, block_size=block_size, device=q.device)
+        has_key = mask.any(-1, keepdim=True)  # [Lq, 1]
+        if activation == "softmax":
+            # masked keys get -inf (a NaN score there is dropped); rows with no allowed key get finite
+            # dummy scores and are zeroed below, so NaN from the inputs is the only NaN left
+            s = s.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
+            p = torch.softmax(s, dim=-1)
+        else:
+            p = torch.where(mask, apply_activation(s, activation), 0.0)
+            if norm is not None:
+                p = p / norm
+        o = torch.where(has_key, p @ vb, 0.0)  # no allowed key -> exactly 0
+        pieces.append(o.transpose(0, 1))
+    if not pieces:
+        return out.to(q.dtype)
+    return torch.cat(pieces, dim=0).to(q.dtype)  # non-empty sequences, in order, tile [0, Tq)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest
+from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest, reference_attention
 from gemzoo.jagged import lengths_to_offsets
 
 # bf16/fp16 kernels land under 1e-2 (BENCHMARKS.md); fp32 kernels may use tf32 dots on GPU.
@@ -179,8 +179,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_attention(kernel, case: AttentionCase, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                     backward: bool = True, reference=None, tol: float | None = None) -> dict[str, float]:
     """Forward and dq/dk/dv of ``kernel`` against ``reference`` (fp64 on CPU). Returns the errors."""
-    from gemzoo.builtin.attention import reference_attention
-
     reference = reference or reference_attention
     tol = TOLERANCE[dtype] if tol is None else tol
     if case.check == "hints":

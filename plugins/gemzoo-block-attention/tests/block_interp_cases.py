@@ -16,7 +16,7 @@ if __name__ == "__main__":  # a script run: switch the interpreter on before tri
 
 import torch  # noqa: E402
 
-from gemzoo.builtin.attention import reference_attention  # noqa: E402
+from gemzoo.interfaces.attention import reference_attention  # noqa: E402
 from gemzoo.jagged import lengths_to_offsets  # noqa: E402
 
 Q4, K4 = [5, 0, 37, 16], [9, 4, 20, 40]

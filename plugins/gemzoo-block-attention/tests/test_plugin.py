@@ -91,7 +91,7 @@ def test_rotary_needs_a_rotary_kernel():
 
 def test_rope_jagged_matches_reference_rule():
     """The torch rotation (CPU dispatch, bench baseline): reference(rope(q), rope(k)) == reference(q, k, rope)."""
-    from gemzoo.builtin.attention import reference_attention
+    from gemzoo.interfaces.attention import reference_attention
     from gemzoo_block_attention.ops import rope_jagged
 
     gen = torch.Generator().manual_seed(0)

@@ -16,8 +16,7 @@ if __name__ == "__main__":  # a script run: switch the interpreter on before tri
 
 import torch  # noqa: E402
 
-from gemzoo.builtin.attention import reference_attention  # noqa: E402
-from gemzoo.interfaces.attention import ACTIVATIONS  # noqa: E402
+from gemzoo.interfaces.attention import ACTIVATIONS, reference_attention  # noqa: E402
 from gemzoo.jagged import lengths_to_offsets  # noqa: E402
 
 POINTWISE = [a for a in ACTIVATIONS if a != "softmax"]

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gemzoo.builtin.attention import reference_attention
+from gemzoo.interfaces.attention import reference_attention
 from gemzoo.jagged import lengths_to_offsets
 from gemzoo_jfa import ops as jfa_ops
 from gemzoo_jfa.ops import Configs, KernelConfig, _launch_bwd, _launch_fwd, default_configs, jfa_triton, using

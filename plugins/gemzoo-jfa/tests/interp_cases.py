@@ -14,7 +14,7 @@ if __name__ == "__main__":  # a script run: switch the interpreter on before tri
 
 import torch  # noqa: E402
 
-from gemzoo.builtin.attention import reference_attention  # noqa: E402
+from gemzoo.interfaces.attention import reference_attention  # noqa: E402
 from gemzoo.jagged import lengths_to_offsets  # noqa: E402
 
 # (name, q lengths, k lengths or None, causal, window, head dim, value head dim, dtype)

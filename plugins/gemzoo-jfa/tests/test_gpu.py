@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemzoo.builtin.attention import reference_attention
+from gemzoo.interfaces.attention import reference_attention
 from gemzoo.jagged import lengths_to_offsets
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
