@@ -46,12 +46,9 @@ def _tiles(q: torch.Tensor, block: int):
         yield
 
 
-# -- custom ops --------------------------------------------------------------------------------------
+# -- bodies (run by the custom ops, and in eager by gemzoo_jfa.ops.run_attention) ----------------------
 
-@torch.library.custom_op("gemzoo_block_attention::fwd", mutates_args=())
-def block_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
-              causal: bool, activation: int, scale: float, inv_norm: float, window: int, block: int,
-              rope_theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_body(q, k, v, q_offsets, k_offsets, causal, activation, scale, inv_norm, window, block, rope_theta):
     tq, h, _ = q.shape
     out = torch.empty(tq, h, v.shape[2], device=q.device, dtype=q.dtype)
     lse = torch.empty(h, tq if activation == 0 else 0, device=q.device, dtype=torch.float32)
@@ -65,6 +62,23 @@ def block_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torc
     return out, lse
 
 
+def _bwd_body(do, q, k, v, out, lse, q_offsets, k_offsets, causal, activation, scale, inv_norm, window, block,
+              rope_theta):
+    with _tiles(q, block):
+        return _jfa_ops().backward(do, q, k, v, out if activation == 0 else None, lse if activation == 0 else None,
+                                   q_offsets, k_offsets, causal, scale, window, activation, inv_norm, block,
+                                   rope_theta)
+
+
+# -- custom ops --------------------------------------------------------------------------------------
+
+@torch.library.custom_op("gemzoo_block_attention::fwd", mutates_args=())
+def block_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+              causal: bool, activation: int, scale: float, inv_norm: float, window: int, block: int,
+              rope_theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_body(q, k, v, q_offsets, k_offsets, causal, activation, scale, inv_norm, window, block, rope_theta)
+
+
 @block_fwd.register_fake
 def _block_fwd_fake(q, k, v, q_offsets, k_offsets, causal, activation, scale, inv_norm, window, block, rope_theta):
     return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
@@ -76,10 +90,8 @@ def block_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               lse: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor, causal: bool, activation: int,
               scale: float, inv_norm: float, window: int, block: int,
               rope_theta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with _tiles(q, block):
-        return _jfa_ops().backward(do, q, k, v, out if activation == 0 else None, lse if activation == 0 else None,
-                                   q_offsets, k_offsets, causal, scale, window, activation, inv_norm, block,
-                                   rope_theta)
+    return _bwd_body(do, q, k, v, out, lse, q_offsets, k_offsets, causal, activation, scale, inv_norm, window, block,
+                     rope_theta)
 
 
 @block_bwd.register_fake
@@ -151,10 +163,11 @@ def block_attention_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, a
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     inv_norm = 1.0 if norm is None else 1.0 / float(norm)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    out, _ = block_fwd(q, k, v, q_offsets, k_offsets, bool(causal), ACTIVATION_CODES[activation], scale, inv_norm,
-                       -1 if window is None else int(window), -1 if block_size is None else int(block_size),
-                       0.0 if rope_theta is None else float(rope_theta))
-    return out
+    return _jfa_ops().run_attention(lambda *a: block_fwd(*a)[0], _fwd_body, _bwd_body, q, k, v, q_offsets,
+                                    k_offsets, bool(causal), ACTIVATION_CODES[activation], scale, inv_norm,
+                                    -1 if window is None else int(window),
+                                    -1 if block_size is None else int(block_size),
+                                    0.0 if rope_theta is None else float(rope_theta))
 
 
 __all__ = ["block_attention_triton", "block_fwd", "block_bwd", "block_configs", "rope_jagged"]

@@ -24,19 +24,31 @@ def _codes() -> dict[str, int]:
 
 # -- custom ops --------------------------------------------------------------------------------------
 
-@torch.library.custom_op("gemzoo_gdpa::fwd", mutates_args=())
-def gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
-             causal: bool, activation: int, scale: float, inv_norm: float, window: int) -> torch.Tensor:
+def _fwd_body(q, k, v, q_offsets, k_offsets, causal, activation, scale, inv_norm, window):
+    """(out, None): pointwise attention saves no logsumexp."""
     from gemzoo_jfa.ops import _launch_fwd
 
     tq, h, _ = q.shape
     out = torch.empty(tq, h, v.shape[2], device=q.device, dtype=q.dtype)
     if tq == 0 or h == 0:
-        return out
+        return out, None
     if k.shape[0] == 0:
-        return out.zero_()
+        return out.zero_(), None
     _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, None, activation, inv_norm)
-    return out
+    return out, None
+
+
+def _bwd_body(do, q, k, v, out, lse, q_offsets, k_offsets, causal, activation, scale, inv_norm, window):
+    """(dq, dk, dv); ``out`` and ``lse`` are not read (pointwise needs neither)."""
+    from gemzoo_jfa.ops import backward
+
+    return backward(do, q, k, v, None, None, q_offsets, k_offsets, causal, scale, window, activation, inv_norm)
+
+
+@torch.library.custom_op("gemzoo_gdpa::fwd", mutates_args=())
+def gdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+             causal: bool, activation: int, scale: float, inv_norm: float, window: int) -> torch.Tensor:
+    return _fwd_body(q, k, v, q_offsets, k_offsets, causal, activation, scale, inv_norm, window)[0]
 
 
 @gdpa_fwd.register_fake
@@ -48,9 +60,7 @@ def _gdpa_fwd_fake(q, k, v, q_offsets, k_offsets, causal, activation, scale, inv
 def gdpa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
              k_offsets: torch.Tensor, causal: bool, activation: int, scale: float, inv_norm: float,
              window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from gemzoo_jfa.ops import backward
-
-    return backward(do, q, k, v, None, None, q_offsets, k_offsets, causal, scale, window, activation, inv_norm)
+    return _bwd_body(do, q, k, v, None, None, q_offsets, k_offsets, causal, activation, scale, inv_norm, window)
 
 
 @gdpa_bwd.register_fake
@@ -97,8 +107,10 @@ def gdpa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     inv_norm = 1.0 if norm is None else 1.0 / float(norm)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    return gdpa_fwd(q, k, v, q_offsets, k_offsets, bool(causal), _codes()[activation], scale, inv_norm,
-                    -1 if window is None else int(window))
+    from gemzoo_jfa.ops import run_attention
+
+    return run_attention(gdpa_fwd, _fwd_body, _bwd_body, q, k, v, q_offsets, k_offsets, bool(causal),
+                         _codes()[activation], scale, inv_norm, -1 if window is None else int(window))
 
 
 __all__ = ["gdpa_triton", "gdpa_fwd", "gdpa_bwd"]
