@@ -1,0 +1,229 @@
+"""Multi-way number partitioning of per-sample costs: which data-parallel rank trains which sample.
+
+``partition(costs, world_size, equal_count=..., method=...)`` returns ``world_size`` lists of sample indices,
+each sample in exactly one, as a pure function of its inputs (every rank computes it and all must agree):
+
+- ``kk``: Karmarkar–Karp's largest differencing method for k-way partitioning. Every sample starts as a
+  partition of its own (``[c, 0, ..., 0]``); the two partitions with the largest spread (max - min subset
+  sum) are merged, the heaviest subset of one with the lightest of the other, until one is left. Free
+  counts; memory ``N x W``, so ``auto`` uses it only while ``N * W <= KK_LIMIT``.
+- ``bldm``: the balanced variant. The samples, sorted by decreasing cost, are cut into rounds of ``W``;
+  each round is a partition with one sample per subset, and rounds are merged as above. Every rank gets
+  ``floor(N / W)`` or ``ceil(N / W)`` samples and the cost is ``O(N log W)``, so it scales to 8192 ranks.
+- then a local search (``refine``): while it lowers the heaviest rank, move one sample from the heaviest to
+  the lightest rank (free counts only) or swap one pair between them, the exchange that best halves their gap.
+- finally (``keep_local``) subsets are matched to ranks so that as many samples as possible stay on the rank
+  that loaded them (rank r loaded the contiguous part ``shard_range(N, r, W)``): fewer bytes in the
+  all-to-all; when the loaded parts are already as balanced as the partition, nothing moves at all.
+
+Ties are broken by index everywhere (stable sorts, a counter in the heap), so the answer does not depend on
+anything but ``costs`` and ``world_size``.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+
+from gemzoo.errors import PluginError
+
+KK_LIMIT = 1 << 16  # N * W above which method "auto" uses the balanced variant (kk merges N partitions of W lists)
+METHODS = ("auto", "kk", "bldm")
+
+
+def check_costs(costs, world_size: int) -> np.ndarray:
+    """float64 numpy costs; a PluginError naming the bad samples (NaN, infinite, negative) or the bad world."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PluginError(f"base-batch-shuffle: world_size must be an int >= 1, got {world_size!r}")
+    c = torch.as_tensor(costs).detach().to("cpu", torch.float64)
+    if c.dim() != 1:
+        raise PluginError(f"base-batch-shuffle: costs must be 1-D (one number per sample), got shape "
+                          f"{tuple(c.shape)}")
+    c = c.numpy()
+    bad = np.flatnonzero(~np.isfinite(c) | (c < 0))
+    if bad.size:
+        raise PluginError(f"base-batch-shuffle: samples {bad[:5].tolist()} have costs {c[bad[:5]].tolist()}; "
+                          "per-sample costs must be finite and >= 0 (check the model's cost_model)")
+    return c
+
+
+def _merge(a, b):
+    """Merge two partitions (sums sorted descending, members aligned): a's heaviest with b's lightest."""
+    sums = a[0] + b[0][::-1]
+    members = [x + y for x, y in zip(a[1], reversed(b[1]))]
+    order = np.argsort(-sums, kind="stable")
+    return sums[order], [members[i] for i in order]
+
+
+def _differencing(parts) -> list[list[int]]:
+    """Largest differencing: merge the two partitions of largest spread until one is left."""
+    heap = [(-(s[0] - s[-1]), k, (s, m)) for k, (s, m) in enumerate(parts)]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        s, m = _merge(a, b)
+        heapq.heappush(heap, (-(s[0] - s[-1]), counter, (s, m)))
+        counter += 1
+    return heap[0][2][1]
+
+
+def _kk(c: np.ndarray, w: int) -> list[list[int]]:
+    parts = []
+    for i in np.argsort(-c, kind="stable").tolist():
+        s = np.zeros(w)
+        s[0] = c[i]
+        parts.append((s, [[i]] + [[] for _ in range(w - 1)]))
+    return _differencing(parts)
+
+
+def _bldm(c: np.ndarray, w: int) -> list[list[int]]:
+    order = np.argsort(-c, kind="stable")
+    n = order.size
+    rounds = -(-n // w)
+    idx = np.full(rounds * w, -1, dtype=np.int64)
+    idx[:n] = order
+    idx = idx.reshape(rounds, w)
+    cost = np.where(idx >= 0, c[np.maximum(idx, 0)], 0.0)
+    # the balanced merge on arrays: members[r] is a [W, k] block of indices (-1 = a padding sample of cost 0)
+    heap = [(-(cost[r, 0] - cost[r, -1]), r, cost[r].copy(), idx[r][:, None]) for r in range(rounds)]
+    heapq.heapify(heap)
+    counter = rounds
+    while len(heap) > 1:
+        _, _, sa, ma = heapq.heappop(heap)
+        _, _, sb, mb = heapq.heappop(heap)
+        s = sa + sb[::-1]
+        m = np.concatenate([ma, mb[::-1]], axis=1)
+        o = np.argsort(-s, kind="stable")
+        heapq.heappush(heap, (-(s[o[0]] - s[o[-1]]), counter, s[o], m[o]))
+        counter += 1
+    members = heap[0][3]
+    return [row[row >= 0].tolist() for row in members]
+
+
+def _refine(c: np.ndarray, groups: list[list[int]], equal_count: bool, max_steps: int) -> list[list[int]]:
+    """Move or swap one sample between the heaviest and the lightest rank while that lowers the heaviest."""
+    w = len(groups)
+    if w < 2:
+        return groups
+    arrs = [np.asarray(g, dtype=np.int64) for g in groups]
+    loads = np.array([c[a].sum() for a in arrs])
+    for _ in range(max_steps):
+        h, l = int(np.argmax(loads)), int(np.argmin(loads))
+        gap = loads[h] - loads[l]
+        if gap <= 0:
+            break
+        ch, cl = c[arrs[h]], c[arrs[l]]
+        best, best_move = loads[h], None  # (new max of the pair), (i in h or -1, j in l or -1)
+        if not equal_count and ch.size > 1:
+            i = int(np.argmin(np.abs(ch - gap / 2)))
+            new = max(loads[h] - ch[i], loads[l] + ch[i])
+            if 0 < ch[i] < gap and new < best:
+                best, best_move = new, (i, -1)
+        if ch.size and cl.size:
+            ol = np.argsort(cl, kind="stable")
+            sl = cl[ol]
+            want = ch - gap / 2  # the cost y that makes the swap halve the gap
+            pos = np.clip(np.searchsorted(sl, want), 0, sl.size - 1)
+            for cand in (pos, np.maximum(pos - 1, 0)):
+                d = ch - sl[cand]
+                new = np.maximum(loads[h] - d, loads[l] + d)
+                ok = (d > 0) & (d < gap)
+                if ok.any():
+                    i = int(np.argmin(np.where(ok, new, np.inf)))
+                    if new[i] < best:
+                        best, best_move = new[i], (i, int(ol[cand[i]]))
+        if best_move is None:
+            break
+        i, j = best_move
+        x = arrs[h][i]
+        moved_in = [x]
+        arrs[h] = np.delete(arrs[h], i)
+        delta = c[x]
+        if j >= 0:
+            y = arrs[l][j]
+            arrs[l] = np.delete(arrs[l], j)
+            arrs[h] = np.append(arrs[h], y)
+            delta -= c[y]
+        arrs[l] = np.append(arrs[l], moved_in)
+        loads[h] -= delta
+        loads[l] += delta
+    return [a.tolist() for a in arrs]
+
+
+def _fill_empty(c: np.ndarray, groups: list[list[int]]) -> list[list[int]]:
+    """Free counts with N >= W: no rank is left without samples (its loss would be a mean over nothing);
+    an empty rank takes the cheapest sample of the rank with the most samples."""
+    for r in range(len(groups)):
+        if not groups[r]:
+            donor = max(range(len(groups)), key=lambda k: (len(groups[k]), -k))
+            if len(groups[donor]) < 2:
+                break
+            j = min(range(len(groups[donor])), key=lambda t: (c[groups[donor][t]], groups[donor][t]))
+            groups[r] = [groups[donor].pop(j)]
+    return groups
+
+
+def _keep_local(groups: list[list[int]], n: int, w: int) -> list[list[int]]:
+    """Give each subset to a rank so that the most samples stay where they were loaded (greedy matching on
+    the overlap counts, largest first, ties by subset then rank)."""
+    base, extra = divmod(n, w)
+    starts = np.array([r * base + min(r, extra) for r in range(w)] + [n])
+    pairs = {}
+    for s, g in enumerate(groups):
+        if g:
+            owners = np.searchsorted(starts, np.asarray(g), side="right") - 1
+            for r, k in zip(*np.unique(owners, return_counts=True)):
+                pairs[(s, int(r))] = int(k)
+    ranked = sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+    rank_of, taken = {}, set()
+    for (s, r), _ in ranked:
+        if s not in rank_of and r not in taken:
+            rank_of[s] = r
+            taken.add(r)
+    free = iter(r for r in range(w) if r not in taken)
+    out = [None] * w
+    for s in range(w):
+        out[rank_of[s] if s in rank_of else next(free)] = groups[s]
+    return out
+
+
+def partition(costs, world_size: int, *, equal_count: bool = False, method: str = "auto", refine: bool = True,
+              keep_local: bool = True) -> list[torch.Tensor]:
+    """``world_size`` int64 tensors of sample indices (each in increasing order), every sample in one."""
+    if method not in METHODS:
+        raise PluginError(f"base-batch-shuffle: method must be one of {', '.join(METHODS)}, got {method!r}")
+    c = check_costs(costs, world_size)
+    n, w = c.size, world_size
+    if w == 1 or n == 0:
+        return [torch.arange(n, dtype=torch.int64)] + [torch.zeros(0, dtype=torch.int64)] * (w - 1)
+    use_kk = method == "kk" or (method == "auto" and not equal_count and n * w <= KK_LIMIT)
+    if use_kk and equal_count:
+        raise PluginError("base-batch-shuffle: method \"kk\" gives free counts; with equal_count = true use "
+                          "method \"bldm\" (or \"auto\")")
+    groups = _kk(c, w) if use_kk else _bldm(c, w)
+    if refine:
+        groups = _refine(c, groups, equal_count, max_steps=4 * w + 64)
+    if not equal_count and n >= w:
+        groups = _fill_empty(c, groups)
+    if keep_local:
+        loaded = [t.tolist() for t in torch.arange(n).tensor_split(w)]
+        if max(c[g].sum() for g in loaded) <= max(c[g].sum() if g else 0.0 for g in groups):
+            groups = loaded  # the parts the ranks loaded are already as balanced: nothing moves
+        else:
+            groups = _keep_local(groups, n, w)
+    return [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
+
+
+def imbalance(costs, groups) -> float:
+    """max / mean of the ranks' summed costs (1.0: perfectly balanced; the slowest rank sets the step)."""
+    c = torch.as_tensor(costs, dtype=torch.float64)
+    loads = torch.stack([c[g.long()].sum() if len(g) else torch.zeros((), dtype=torch.float64) for g in groups])
+    mean = float(loads.mean())
+    return float(loads.max()) / mean if mean > 0 else 1.0
+
+
+__all__ = ["KK_LIMIT", "METHODS", "check_costs", "imbalance", "partition"]

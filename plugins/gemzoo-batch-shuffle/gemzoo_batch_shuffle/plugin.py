@@ -1,0 +1,77 @@
+"""Registers the batching policy ``base-batch-shuffle``: GEM's base batch shuffling.
+
+With jagged histories a rank that draws a few 16K-event users does many times the attention work of one that
+draws short ones, and every other rank waits for it at the gradient sync. This policy balances the model's
+per-sample cost (``model.cost_model``: attention FLOPs over each sample's allowed pairs at every attention
+site plus linear FLOPs per token) across the data-parallel ranks. It only partitions: each rank loads its
+own part of the global batch, ``gemzoo.data.exchange.rebalance`` all-gathers the costs (one number per
+sample), calls ``assign`` (the same answer on every rank) and moves the samples with one all-to-all of the
+jagged batch. The trainer weights each rank's loss by its share of the global loss terms, so the update
+does not depend on the split (issue 16 item 2).
+
+Options (``[plugins.options.base-batch-shuffle]``, validated by ``BatchShuffleOptions``)::
+
+    equal_count = false   # true: every rank trains floor(N/W) or ceil(N/W) samples (balanced differencing)
+    method = "auto"       # "kk" (Karmarkar-Karp, free counts), "bldm" (balanced, O(N log W)), "auto":
+                          # kk while N * W <= 2**16 and counts are free, else bldm
+    refine = true         # local search after the partition: moves and swaps between heaviest and lightest
+    keep_local = true     # match subsets to ranks so that the most samples stay where they were loaded
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gemzoo.errors import ConfigError
+from gemzoo.plugins import hookimpl
+from gemzoo_batch_shuffle.partition import METHODS, partition
+
+
+@dataclass
+class BatchShuffleOptions:
+    equal_count: bool = False
+    method: str = "auto"
+    refine: bool = True
+    keep_local: bool = True
+
+    def __post_init__(self):
+        where = "plugins.options.base-batch-shuffle"
+        for name in ("equal_count", "refine", "keep_local"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{where}.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.method not in METHODS:
+            raise ConfigError(f"{where}.method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "kk" and self.equal_count:
+            raise ConfigError(f"{where}: method = \"kk\" gives free counts; with equal_count = true use "
+                              "method = \"bldm\" or \"auto\"")
+
+
+class BatchShuffle:
+    """Balance the cost model's work across data-parallel ranks (Karmarkar–Karp / balanced differencing,
+    then a local search); deterministic, every sample exactly once."""
+
+    options_cls = BatchShuffleOptions
+    description = "balance jagged work across dp ranks: Karmarkar-Karp on the model's per-sample cost"
+
+    def __init__(self, options: BatchShuffleOptions | None = None):
+        self.options = options or BatchShuffleOptions()
+
+    def configure(self, options: BatchShuffleOptions) -> "BatchShuffle":
+        if not isinstance(options, BatchShuffleOptions):
+            raise ConfigError(f"base-batch-shuffle options must be BatchShuffleOptions, got {type(options).__name__}")
+        return BatchShuffle(options)
+
+    def assign(self, costs: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+        o = self.options
+        return partition(costs, world_size, equal_count=o.equal_count, method=o.method, refine=o.refine,
+                         keep_local=o.keep_local)
+
+    def __repr__(self) -> str:
+        return f"BatchShuffle({self.options})"
+
+
+@hookimpl
+def gemzoo_register_batching(register):
+    register("base-batch-shuffle", BatchShuffle())

@@ -1,0 +1,154 @@
+"""base-batch-shuffle: registration, the shared batching conformance suite under every option set, balance,
+bad input, and on 2 gloo ranks the trainer's losses equal an unshuffled run's and resume is bit-exact."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import gemzoo
+from gemzoo.errors import ConfigError, PluginError
+from gemzoo.testing.batching import batching_cases, check_assignment, check_global_loss
+from gemzoo_batch_shuffle import BatchShuffle, BatchShuffleOptions, imbalance, partition
+
+import batch_shuffle_cases as cases
+
+VARIANTS = {
+    "default": BatchShuffleOptions(),
+    "equal-count": BatchShuffleOptions(equal_count=True),
+    "kk": BatchShuffleOptions(method="kk"),
+    "bldm-free": BatchShuffleOptions(method="bldm"),
+    "no-refine": BatchShuffleOptions(refine=False, keep_local=False),
+}
+
+
+def test_entry_point_registers_the_policy():
+    assert "base-batch-shuffle" in gemzoo.registry.names("batching")
+    entry = gemzoo.registry.entry("batching", "base-batch-shuffle")
+    assert isinstance(entry.obj, BatchShuffle) and entry.distribution == "gemzoo-batch-shuffle"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("case", batching_cases(), ids=str)
+def test_conformance_every_option_set(variant, case):
+    check_assignment(BatchShuffle(VARIANTS[variant]), case)
+
+
+@pytest.mark.parametrize("variant", ["equal-count", "kk"])
+def test_global_loss_does_not_depend_on_the_split(variant):
+    from gemzoo.testing.memory import tiny_model
+
+    model, batch = tiny_model(0, d_model=16, batch_size=11)
+    check_global_loss(BatchShuffle(VARIANTS[variant]), model.double(), batch, 3, weight=lambda b: b.num_candidates)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 64])
+def test_balances_gem_lognormal(world):
+    """64 samples per rank: max/mean <= 1.01 (the issue's bar is 1.05 at 64 ranks), far below the contiguous
+    split's; equal_count keeps every rank within one sample."""
+    lengths = cases.gem_lognormal(64 * world, seed=world).double()
+    costs = lengths**2 + 512 * lengths
+    plain = imbalance(costs, list(torch.arange(costs.numel()).tensor_split(world)))
+    for opts in (BatchShuffleOptions(), BatchShuffleOptions(equal_count=True)):
+        groups = BatchShuffle(opts).assign(costs, world)
+        assert imbalance(costs, groups) <= 1.01 < plain
+        if opts.equal_count:
+            assert {len(g) for g in groups} == {64}
+
+
+def test_refine_and_kk_beat_sorting_on_few_samples():
+    """4 samples per rank, heavy tail: the result is never worse than greedy longest-first (LPT)."""
+    lengths = cases.gem_lognormal(32, seed=7).double()
+    costs = lengths**2
+    order = sorted(range(32), key=lambda i: (-float(costs[i]), i))
+    loads = [0.0] * 8
+    for i in order:
+        loads[loads.index(min(loads))] += float(costs[i])
+    lpt = max(loads) / (sum(loads) / 8)
+    assert imbalance(costs, partition(costs, 8)) <= lpt + 1e-12
+
+
+def test_keep_local_moves_nothing_when_the_loaded_split_is_balanced():
+    costs = torch.ones(12, dtype=torch.float64)
+    groups = partition(costs, 3, equal_count=True)
+    assert [g.tolist() for g in groups] == [t.tolist() for t in torch.arange(12).tensor_split(3)]
+
+
+def test_every_rank_gets_a_sample_when_the_batch_allows():
+    costs = torch.tensor([1e6, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)  # zero-length samples too
+    for opts in VARIANTS.values():
+        groups = BatchShuffle(opts).assign(costs, 4)
+        assert all(len(g) for g in groups) and sorted(torch.cat(groups).tolist()) == list(range(8))
+
+
+def test_a_world_larger_than_the_batch_leaves_ranks_empty():
+    """Defined behaviour: N < W gives N ranks one sample each (the trainer then stops with a clear error)."""
+    groups = partition(torch.tensor([5.0, 1.0, 3.0], dtype=torch.float64), 5)
+    assert sorted(len(g) for g in groups) == [0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.tensor([1.0, float("nan"), 2.0]), r"samples \[1\].*finite"),
+    (torch.tensor([1.0, 2.0, -3.0]), r"samples \[2\].*>= 0"),
+    (torch.tensor([1.0, float("inf")]), r"samples \[1\]"),
+    (torch.ones(2, 2), "1-D"),
+])
+def test_bad_costs_are_named(bad, match):
+    with pytest.raises(PluginError, match=match):
+        BatchShuffle().assign(bad, 2)
+
+
+def test_bad_world_and_options_are_named():
+    with pytest.raises(PluginError, match="world_size must be an int >= 1"):
+        BatchShuffle().assign(torch.ones(3), 0)
+    with pytest.raises(ConfigError, match="method must be one of auto, kk, bldm"):
+        BatchShuffleOptions(method="greedy")
+    with pytest.raises(ConfigError, match="with equal_count = true use"):
+        BatchShuffleOptions(method="kk", equal_count=True)
+    with pytest.raises(ConfigError, match="equal_count must be true or false"):
+        BatchShuffleOptions(equal_count=1)
+
+
+def test_options_from_the_config(tmp_path):
+    from gemzoo.config import load_config
+    from gemzoo.train.trainer import configured
+
+    cfg = load_config(cases.ROOT + "/configs/gem-tiny.toml", overrides=[
+        "plugins.batching='base-batch-shuffle'", "plugins.options.base-batch-shuffle.equal_count=true"])
+    policy = configured("batching", "base-batch-shuffle", cfg)
+    assert policy.options.equal_count and policy.options.method == "auto"
+
+
+@pytest.mark.distributed
+def test_rebalance_on_gloo_every_option_set(tmp_path):
+    """The shared suite's 2-rank check (each rank loads its part; the samples received equal the global
+    batch's select of the partition, bit for bit; uneven parts, an empty rank; the global loss unchanged)."""
+    from gemzoo.testing.batching import check_rebalance_on_gloo
+
+    check_rebalance_on_gloo({n: BatchShuffle(o) for n, o in VARIANTS.items() if n in ("equal-count", "kk")}, tmp_path)
+
+
+@pytest.mark.distributed
+def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
+    """gem on 2 gloo ranks, 9 samples a step (uneven): base-batch-shuffle's 10 losses equal the unshuffled
+    run's within 1e-6 relative (the loss is the global batch's, however it is split), every step trains all 9
+    samples, and 5 steps + resume to 10 reproduce the straight run bit for bit."""
+    from gemzoo.testing.comms import spawn
+
+    runs = [("none", "none", 10, False, []),
+            ("shuffle", "base-batch-shuffle", 10, False, []),
+            ("half", "base-batch-shuffle", 5, False, []),
+            ("half@resumed", "base-batch-shuffle", 10, True, [])]
+    spawn(cases.train_rank, 2, str(tmp_path), runs)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1] or all(ranks[0][k]["losses"] == ranks[1][k]["losses"] for k in ranks[0])
+    got, want = ranks[0]["shuffle"]["losses"], ranks[0]["none"]["losses"]
+    assert len(got) == 10 and all(math.isfinite(x) for x in got)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+    assert ranks[0]["shuffle"]["samples"] == [9] * 10
+    resumed = ranks[0]["half@resumed"]
+    assert resumed["steps"][0] == 6 and resumed["losses"] == got[5:]
