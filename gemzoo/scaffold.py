@@ -604,8 +604,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo.interfaces import AttentionRequest, ModelOutput
-from gemzoo.models.common import JaggedAttention
+from gemzoo.interfaces import AttentionRequest, JaggedAttention, ModelOutput
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Protocols and capability dataclasses for every registry kind."""
 
-from gemzoo.interfaces.attention import AttentionCapabilities, AttentionKernel, AttentionRequest, FunctionKernel
+from gemzoo.interfaces.attention import (AttentionCapabilities, AttentionKernel, AttentionRequest, FunctionKernel,
+                                         JaggedAttention, attention_sites, reference_attention)
 from gemzoo.interfaces.batching import BatchingPolicy
 from gemzoo.interfaces.comms import CommsBackend, CommsCapabilities
 from gemzoo.interfaces.memory import MemoryPolicy
@@ -16,4 +17,5 @@ __all__ = [
     "ModelSpec", "RecModel", "Planner", "SparseOptimizer", "Topology", "WholeTables", "PrecisionCapabilities",
     "PrecisionConfig", "PrecisionPolicy",
     "Batch", "Dataset", "transformer_blocks", "Configurable", "OptimizerStepHook",
+    "JaggedAttention", "attention_sites", "reference_attention",
 ]

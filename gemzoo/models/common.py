@@ -1,4 +1,5 @@
-"""Pieces shared by model families: the attention call site, transformer blocks, init and metrics."""
+"""Pieces shared by model families: transformer blocks, init and metrics. The attention call site
+(``JaggedAttention``, ``attention_sites``) is public in :mod:`gemzoo.interfaces.attention`; re-exported here."""
 
 from __future__ import annotations
 
@@ -7,89 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import AttentionRequest
+from gemzoo.interfaces.attention import AttentionRequest, JaggedAttention, attention_sites  # noqa: F401 (re-exported)
 from gemzoo.jagged import positions, seq_ids
 from gemzoo.flops import attention_flops, attention_pairs, linear_flops, sample_pairs
-
-
-class JaggedAttention(nn.Module):
-    """The one place a model calls attention. The trainer picks the kernel for each site by name.
-
-    ``request`` says what the site needs (activation, causal, asymmetric...); the trainer checks it
-    against the chosen kernel's capabilities and fails at assembly time if the kernel lacks something.
-    """
-
-    def __init__(self, request: AttentionRequest, **options):
-        super().__init__()
-        self.request = request
-        self.options = options  # fixed keyword options: window, block_size, norm, scale...
-        self.kernel_name = "reference"
-        self._kernel = None
-        self._output_checked = False
-        self.add_options()
-
-    def add_options(self, **options) -> None:
-        """Add fixed options; the request then asks for what they need (window, block, rotary), so the
-        assembly check requires a kernel that declares them."""
-        self.options.update(options)
-        o = self.options
-        self.request = self.request.replace(window=self.request.window or o.get("window") is not None,
-                                            block=self.request.block or o.get("block_size") is not None,
-                                            rotary=self.request.rotary or o.get("rope_theta") is not None)
-
-    def mask_options(self) -> dict:
-        """The options that change which pairs are allowed (for FLOP counts)."""
-        return {k: self.options.get(k) for k in ("block_size", "window")}
-
-    @property
-    def kernel(self):
-        if self._kernel is None:
-            from gemzoo import registry
-
-            self._kernel = registry.get("attention", self.kernel_name)
-        return self._kernel
-
-    def set_kernel(self, name: str, kernel) -> None:
-        self.kernel_name, self._kernel = name, kernel
-        self._output_checked = False
-
-    def forward(self, q, k, v, q_offsets, k_offsets=None, **overrides) -> torch.Tensor:
-        kw = {"causal": self.request.causal, "activation": self.request.activation, **self.options, **overrides}
-        out = self.kernel(q, k, v, q_offsets, k_offsets, **kw)
-        if not self._output_checked:  # a plugin's kernel returning the wrong thing fails here, by name
-            check_kernel_output(out, q, v, self.kernel_name)
-            self._output_checked = True
-        return out
-
-    def extra_repr(self) -> str:
-        return f"kernel={self.kernel_name}, request={self.request}"
-
-
-def check_kernel_output(out, q: torch.Tensor, v: torch.Tensor, kernel_name: str) -> None:
-    """The first call's output of an attention kernel must be a [Tq, H, Dv] tensor of q's dtype and device;
-    otherwise a PluginError names the kernel and the plugin distribution that registered it."""
-    want = (q.shape[0], q.shape[1], v.shape[2])
-    if isinstance(out, torch.Tensor) and tuple(out.shape) == want and out.dtype == q.dtype \
-            and out.device == q.device:
-        return
-    from gemzoo import registry
-    from gemzoo.errors import PluginError
-
-    try:
-        entry = registry.entry("attention", kernel_name)
-        origin = f"plugin {entry.plugin!r} of distribution {entry.distribution!r}"
-    except Exception:  # noqa: BLE001 - set by hand, not registered: name the kernel only
-        origin = "a kernel that is not registered"
-    got = (f"a {type(out).__name__}" if not isinstance(out, torch.Tensor)
-           else f"shape {tuple(out.shape)}, {out.dtype} on {out.device}")
-    raise PluginError(
-        f"attention kernel {kernel_name!r} ({origin}) returned {got}; it must return a tensor of shape "
-        f"[Tq, H, Dv] = {want}, {q.dtype} on {q.device}. Fix the kernel, or choose another with --plugins."
-    )
-
-
-def attention_sites(model: nn.Module) -> dict[str, JaggedAttention]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, JaggedAttention)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemzoo
-from gemzoo.interfaces import AttentionRequest, DatasetSpec, ModelOutput, ModelSpec
+from gemzoo.interfaces import AttentionRequest, DatasetSpec, JaggedAttention, ModelOutput, ModelSpec
 from gemzoo.jagged import lengths_to_offsets
-from gemzoo.models.common import JaggedAttention
 from gemzoo.flops import attention_flops, attention_pairs, linear_flops, sample_pairs
 
 

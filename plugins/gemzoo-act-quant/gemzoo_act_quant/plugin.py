@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from gemzoo.errors import ConfigError
-from gemzoo.models.common import attention_sites
+from gemzoo.interfaces.attention import attention_sites
 from gemzoo.plugins import hookimpl
 from gemzoo_act_quant.quant import ELEMS, FP8_DTYPES, SCALES, Packed, dequantize, mx_api, quantize, resolve_scale
 

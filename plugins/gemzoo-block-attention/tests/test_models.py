@@ -11,7 +11,8 @@ import torch
 
 from gemzoo.config import load_config
 from gemzoo.errors import ConfigError, PluginError
-from gemzoo.models.common import attention_sites, self_attention_pairs
+from gemzoo.flops import attention_pairs
+from gemzoo.interfaces.attention import attention_sites
 from gemzoo.train.trainer import select_attention
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -83,8 +84,8 @@ def test_gem_forward_backward_and_flops_on_allowed_pairs():
     out = model(batch)
     out.loss.backward()
     assert torch.isfinite(out.loss)
-    dense = self_attention_pairs(batch.lengths, causal=True)
-    sparse = self_attention_pairs(batch.lengths, causal=True, block_size=8, window=5)
+    dense = attention_pairs(batch.lengths, causal=True)
+    sparse = attention_pairs(batch.lengths, causal=True, block_size=8, window=5)
     assert sparse < dense
     from gemzoo.flops import attention_flops
 

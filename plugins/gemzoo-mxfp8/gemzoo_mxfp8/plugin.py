@@ -23,6 +23,7 @@ from torch import nn
 
 from gemzoo.builtin.precision import BF16Linear
 from gemzoo.errors import ConfigError
+from gemzoo.interfaces.attention import attention_sites
 from gemzoo.interfaces.precision import PrecisionCapabilities, PrecisionConfig, is_kept
 from gemzoo.plugins import hookimpl
 from gemzoo_mxfp8.linear import BACKENDS, MXLinear, MXLinearConfig
@@ -131,7 +132,6 @@ class MXFP8Policy:
 
     def apply_attention(self, model: nn.Module) -> dict[str, str]:
         """Wrap the kernel of each JaggedAttention site matched by ``attention_layers`` with MXAttention."""
-        from gemzoo.models.common import attention_sites
         from gemzoo_mxfp8.attention import MXAttention
 
         done = {}

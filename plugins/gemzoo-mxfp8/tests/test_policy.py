@@ -6,9 +6,8 @@ from torch import nn
 
 import gemzoo
 from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import AttentionRequest
+from gemzoo.interfaces.attention import AttentionRequest, JaggedAttention
 from gemzoo.interfaces.precision import PrecisionConfig, precision_report
-from gemzoo.models.common import JaggedAttention
 from gemzoo_mxfp8.attention import MXAttention, fake_quant_mx_sequence
 from gemzoo_mxfp8.linear import MXLinear
 from gemzoo_mxfp8.plugin import MXFP8Options, MXFP8Policy
