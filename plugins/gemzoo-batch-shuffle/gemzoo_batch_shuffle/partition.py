@@ -3,13 +3,14 @@
 ``partition(costs, world_size, equal_count=..., method=...)`` returns ``world_size`` lists of sample indices,
 each sample in exactly one, as a pure function of its inputs (every rank computes it and all must agree):
 
+- ``lpt``: longest processing time first: by decreasing cost, each sample to the least-loaded rank (with
+  ``equal_count``, to the least-loaded rank that is not full). ``O(N log W)``: it scales to 8192 ranks.
 - ``kk``: Karmarkar–Karp's largest differencing method for k-way partitioning. Every sample starts as a
   partition of its own (``[c, 0, ..., 0]``); the two partitions with the largest spread (max - min subset
-  sum) are merged, the heaviest subset of one with the lightest of the other, until one is left. Free
-  counts; memory ``N x W``, so ``auto`` uses it only while ``N * W <= KK_LIMIT``.
-- ``bldm``: the balanced variant. The samples, sorted by decreasing cost, are cut into rounds of ``W``;
-  each round is a partition with one sample per subset, and rounds are merged as above. Every rank gets
-  ``floor(N / W)`` or ``ceil(N / W)`` samples and the cost is ``O(N log W)``, so it scales to 8192 ranks.
+  sum) are merged, the heaviest subset of one with the lightest of the other, until one is left. Free counts.
+- ``bldm``: the balanced variant: the samples, sorted by decreasing cost, are cut into rounds of ``W``, each
+  round a partition with one sample per subset, merged as above; every rank gets floor(N/W) or ceil(N/W).
+- ``auto``: LPT, and while ``N * W <= KK_LIMIT`` also kk (bldm with ``equal_count``); the better one is kept.
 - then a local search (``refine``): while it lowers the heaviest rank, move one sample from the heaviest to
   the lightest rank (free counts only) or swap one pair between them, the exchange that best halves their gap.
 - finally (``keep_local``) subsets are matched to ranks so that as many samples as possible stay on the rank
@@ -30,7 +31,8 @@ import torch
 from gemzoo.errors import PluginError
 
 KK_LIMIT = 1 << 16  # N * W above which method "auto" uses the balanced variant (kk merges N partitions of W lists)
-METHODS = ("auto", "kk", "bldm")
+REFINE_STEPS = 1024  # moves/swaps at most after the partition
+METHODS = ("auto", "kk", "bldm", "lpt")
 
 
 def check_costs(costs, world_size: int) -> np.ndarray:
@@ -104,6 +106,34 @@ def _bldm(c: np.ndarray, w: int) -> list[list[int]]:
     return [row[row >= 0].tolist() for row in members]
 
 
+def _lpt(c: np.ndarray, w: int, equal_count: bool) -> list[list[int]]:
+    """Longest processing time first: by decreasing cost (ties by index), each sample to the least-loaded rank
+    (ties to the lowest rank); with ``equal_count`` a rank that holds ceil(N/W) samples takes no more (and
+    once N % W ranks are full, the others stop at floor(N/W))."""
+    n = c.size
+    order = np.argsort(-c, kind="stable").tolist()
+    cost = c.tolist()
+    heap = [(0.0, r) for r in range(w)]
+    groups: list[list[int]] = [[] for _ in range(w)]
+    base, extra = divmod(n, w)
+    full_big = 0
+    for i in order:
+        load, r = heap[0]
+        g = groups[r]
+        g.append(i)
+        cap = base + 1 if full_big < extra else base
+        if equal_count and len(g) >= cap:
+            heapq.heappop(heap)
+            if cap == base + 1:
+                full_big += 1
+                if full_big == extra:  # the ranks still open now stop at floor(N/W): drop those already there
+                    heap = [(l, q) for l, q in heap if len(groups[q]) < base]
+                    heapq.heapify(heap)
+        else:
+            heapq.heapreplace(heap, (load + cost[i], r))
+    return groups
+
+
 def _refine(c: np.ndarray, groups: list[list[int]], equal_count: bool, max_steps: int) -> list[list[int]]:
     """Move or swap one sample between the heaviest and the lightest rank while that lowers the heaviest."""
     w = len(groups)
@@ -172,18 +202,18 @@ def _keep_local(groups: list[list[int]], n: int, w: int) -> list[list[int]]:
     the overlap counts, largest first, ties by subset then rank)."""
     base, extra = divmod(n, w)
     starts = np.array([r * base + min(r, extra) for r in range(w)] + [n])
-    pairs = {}
-    for s, g in enumerate(groups):
-        if g:
-            owners = np.searchsorted(starts, np.asarray(g), side="right") - 1
-            for r, k in zip(*np.unique(owners, return_counts=True)):
-                pairs[(s, int(r))] = int(k)
-    ranked = sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+    members = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])
+    subset = np.repeat(np.arange(w), [len(g) for g in groups])
+    owner = np.searchsorted(starts, members, side="right") - 1
+    keys, counts = np.unique(subset * w + owner, return_counts=True)
+    ranked = np.lexsort((keys, -counts))  # most shared samples first, ties by (subset, rank)
     rank_of, taken = {}, set()
-    for (s, r), _ in ranked:
+    for s, r in zip((keys[ranked] // w).tolist(), (keys[ranked] % w).tolist()):
         if s not in rank_of and r not in taken:
             rank_of[s] = r
             taken.add(r)
+            if len(taken) == w:
+                break
     free = iter(r for r in range(w) if r not in taken)
     out = [None] * w
     for s in range(w):
@@ -200,13 +230,17 @@ def partition(costs, world_size: int, *, equal_count: bool = False, method: str 
     n, w = c.size, world_size
     if w == 1 or n == 0:
         return [torch.arange(n, dtype=torch.int64)] + [torch.zeros(0, dtype=torch.int64)] * (w - 1)
-    use_kk = method == "kk" or (method == "auto" and not equal_count and n * w <= KK_LIMIT)
-    if use_kk and equal_count:
+    if method == "kk" and equal_count:
         raise PluginError("base-batch-shuffle: method \"kk\" gives free counts; with equal_count = true use "
-                          "method \"bldm\" (or \"auto\")")
-    groups = _kk(c, w) if use_kk else _bldm(c, w)
+                          "method \"bldm\", \"lpt\" or \"auto\"")
+    differencing = _bldm if equal_count else _kk
+    if method == "auto":  # the better of differencing and LPT while differencing is cheap, else LPT
+        tries = [_lpt(c, w, equal_count)] + ([differencing(c, w)] if n * w <= KK_LIMIT else [])
+    else:
+        tries = [{"kk": _kk, "bldm": _bldm}[method](c, w) if method != "lpt" else _lpt(c, w, equal_count)]
     if refine:
-        groups = _refine(c, groups, equal_count, max_steps=4 * w + 64)
+        tries = [_refine(c, g, equal_count, max_steps=REFINE_STEPS) for g in tries]
+    groups = min(tries, key=lambda g: max(c[x].sum() if x else 0.0 for x in g))  # first of the best on ties
     if not equal_count and n >= w:
         groups = _fill_empty(c, groups)
     if keep_local:
@@ -226,4 +260,4 @@ def imbalance(costs, groups) -> float:
     return float(loads.max()) / mean if mean > 0 else 1.0
 
 
-__all__ = ["KK_LIMIT", "METHODS", "check_costs", "imbalance", "partition"]
+__all__ = ["KK_LIMIT", "METHODS", "REFINE_STEPS", "check_costs", "imbalance", "partition"]

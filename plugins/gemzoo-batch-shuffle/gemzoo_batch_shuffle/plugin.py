@@ -11,9 +11,10 @@ does not depend on the split (issue 16 item 2).
 
 Options (``[plugins.options.base-batch-shuffle]``, validated by ``BatchShuffleOptions``)::
 
-    equal_count = false   # true: every rank trains floor(N/W) or ceil(N/W) samples (balanced differencing)
-    method = "auto"       # "kk" (Karmarkar-Karp, free counts), "bldm" (balanced, O(N log W)), "auto":
-                          # kk while N * W <= 2**16 and counts are free, else bldm
+    equal_count = false   # true: every rank trains floor(N/W) or ceil(N/W) samples
+    method = "auto"       # "lpt" (longest first, O(N log W)), "kk" (Karmarkar-Karp, free counts), "bldm"
+                          # (balanced Karmarkar-Karp), "auto": the better of lpt and kk/bldm while
+                          # N * W <= 2**16, else lpt
     refine = true         # local search after the partition: moves and swaps between heaviest and lightest
     keep_local = true     # match subsets to ranks so that the most samples stay where they were loaded
 """
@@ -45,12 +46,12 @@ class BatchShuffleOptions:
             raise ConfigError(f"{where}.method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.method == "kk" and self.equal_count:
             raise ConfigError(f"{where}: method = \"kk\" gives free counts; with equal_count = true use "
-                              "method = \"bldm\" or \"auto\"")
+                              "method = \"bldm\", \"lpt\" or \"auto\"")
 
 
 class BatchShuffle:
-    """Balance the cost model's work across data-parallel ranks (Karmarkar–Karp / balanced differencing,
-    then a local search); deterministic, every sample exactly once."""
+    """Balance the cost model's work across data-parallel ranks (LPT and Karmarkar–Karp, then a local
+    search); deterministic, every sample exactly once."""
 
     options_cls = BatchShuffleOptions
     description = "balance jagged work across dp ranks: Karmarkar-Karp on the model's per-sample cost"

@@ -21,6 +21,7 @@ VARIANTS = {
     "equal-count": BatchShuffleOptions(equal_count=True),
     "kk": BatchShuffleOptions(method="kk"),
     "bldm-free": BatchShuffleOptions(method="bldm"),
+    "lpt-equal": BatchShuffleOptions(method="lpt", equal_count=True),
     "no-refine": BatchShuffleOptions(refine=False, keep_local=False),
 }
 
@@ -104,7 +105,7 @@ def test_bad_costs_are_named(bad, match):
 def test_bad_world_and_options_are_named():
     with pytest.raises(PluginError, match="world_size must be an int >= 1"):
         BatchShuffle().assign(torch.ones(3), 0)
-    with pytest.raises(ConfigError, match="method must be one of auto, kk, bldm"):
+    with pytest.raises(ConfigError, match="method must be one of auto, kk, bldm, lpt"):
         BatchShuffleOptions(method="greedy")
     with pytest.raises(ConfigError, match="with equal_count = true use"):
         BatchShuffleOptions(method="kk", equal_count=True)
