@@ -241,7 +241,7 @@ class ${cls}Policy:
         return adopt_linear(${cls}Linear, linear)
 
     def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
-        swap_linears(model, cfg, self.make_linear)
+        swap_linears(model, self.make_linear, cfg.keep)
         return model
 ''',
         "test": '''\

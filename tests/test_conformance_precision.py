@@ -40,7 +40,7 @@ class _ToyPolicy:
     def apply(self, model, cfg):
         from gemzoo.interfaces.precision import swap_linears
 
-        swap_linears(model, cfg, self.make_linear)
+        swap_linears(model, self.make_linear, cfg.keep)
         return model
 
     def after_optimizer_step(self, model):
@@ -54,3 +54,20 @@ def test_the_suite_holds_a_policy_to_its_declared_tolerance():
     assert loose.steps == 1  # after_optimizer_step ran
     with pytest.raises(AssertionError, match="relative error over 0.01"):
         check_precision_linear(tight)
+
+
+def test_swap_linears_keeps_by_pattern_swaps_once_and_shares_parameters():
+    from gemzoo.interfaces.precision import BF16Linear, adopt_linear, swap_linears
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    weights = [model[0].weight, model[1][0].weight]
+    plan = swap_linears(model, lambda lin: adopt_linear(_Scaled, lin), ["1.*"])
+    assert plan == {"0": "swapped", "1.0": "kept"}
+    assert type(model[0]) is _Scaled and type(model[1][0]) is torch.nn.Linear  # kept=None: left as it is
+    assert model[0].weight is weights[0]
+    assert swap_linears(model, lambda lin: adopt_linear(_Scaled, lin), ["1.*"], kept=BF16Linear.from_linear) \
+        == {"1.0": "kept"}  # _Scaled is not a plain nn.Linear: never swapped twice
+    assert type(model[1][0]) is BF16Linear and model[1][0].weight is weights[1]
+    assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"list of fnmatch patterns, e.g. \['head\.\*'\]"):
+        swap_linears(model, lambda lin: lin, "head.*")

@@ -5,12 +5,12 @@ fails here by file and line:
 - no model family imports gemzoo.train (models count their FLOPs and costs with gemzoo.flops);
 - no plugin (its package, tests/ or bench/) imports gemzoo.builtin or the gemzoo.models.common internals
   (the public homes: gemzoo.interfaces.attention for the reference, the mask rule and the attention sites,
-  gemzoo.interfaces.precision for swap_linears/adopt_linear);
+  gemzoo.interfaces.precision for swap_linears/adopt_linear/BF16Linear);
 - ``import gemzoo.jagged`` (and ``gemzoo.interfaces``, the kinds table, the registry and config, which derive
   from it) loads no gemzoo.builtin module.
 
-Today's violations are listed below with their issue; each set must shrink to empty, and a fixed entry must
-be removed from its set (the test says so), so the lists stay true.
+A violation that must stay for a while is listed below with its issue (none are left); a fixed entry must be
+removed from its set (the test says so), so the lists stay true.
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# file -> the forbidden modules it imports today (issue #9 item 9; item 5 gives them public homes)
+# file -> the forbidden modules it imports, with its issue (issue #9 items 5 and 9 emptied both)
 KNOWN_CORE_BUILTIN: dict[str, set[str]] = {}
-KNOWN_PLUGIN_INTERNALS = {
-    "plugins/gemzoo-mxfp8/gemzoo_mxfp8/plugin.py": {"gemzoo.builtin.precision"},  # BF16Linear (#9 item 5)
-}
+KNOWN_PLUGIN_INTERNALS: dict[str, set[str]] = {}
 
 
 def imported_modules(path: Path) -> set[str]:

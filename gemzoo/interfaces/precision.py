@@ -1,12 +1,19 @@
-"""Precision policies: swap linears (and attention matmuls) for lower-precision modules."""
+"""Precision policies: swap linears (and attention matmuls) for lower-precision modules.
+
+The helpers every policy uses (the built-in ``bf16``, the plugins' ``mxfp8`` and ``fp8-rowwise``, a third
+party's): :func:`swap_linears` walks the model once and honours ``precision.keep``; :func:`adopt_linear` wraps
+a linear's own parameters in your ``nn.Linear`` subclass; :class:`BF16Linear` is the bf16 linear that kept
+modules run as under policies that keep them in bf16."""
 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -59,23 +66,47 @@ def adopt_linear(cls: type, linear: nn.Linear) -> nn.Module:
     return new
 
 
-def is_kept(name: str, cfg: PrecisionConfig) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in cfg.keep)
+def is_kept(name: str, keep: Iterable[str]) -> bool:
+    """Whether the module ``name`` matches one of the fnmatch patterns ``keep`` (``precision.keep``)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in keep)
 
 
-def swap_linears(model: nn.Module, cfg: PrecisionConfig, make) -> dict[str, str]:
-    """Replace every nn.Linear not matched by ``cfg.keep`` with ``make(linear)``; return name -> kind."""
+def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], keep: Iterable[str] = (), *,
+                 kept: Callable[[nn.Linear], nn.Module] | None = None) -> dict[str, str]:
+    """Replace every plain ``nn.Linear`` of ``model`` in place (its type exactly, so modules a policy made are
+    never swapped again): one whose name matches a pattern of ``keep`` becomes ``kept(linear)`` (stays as it is
+    when ``kept`` is None), every other one ``make(linear)``. Returns module name -> ``"kept"`` or ``"swapped"``."""
+    if isinstance(keep, str):
+        raise TypeError(f"keep must be a list of fnmatch patterns, e.g. [{keep!r}], not the string {keep!r}")
+    keep = list(keep)
     plan = {}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if type(child) is nn.Linear:
-                if is_kept(full, cfg):
+                if is_kept(full, keep):
                     plan[full] = "kept"
-                    continue
-                setattr(module, child_name, make(child))
-                plan[full] = "swapped"
+                    if kept is None:
+                        continue
+                    setattr(module, child_name, kept(child))
+                else:
+                    setattr(module, child_name, make(child))
+                    plan[full] = "swapped"
     return plan
+
+
+class BF16Linear(nn.Linear):
+    """nn.Linear whose matmul runs in bf16 with fp32 master weights; returns bf16."""
+
+    precision = "bf16"
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "BF16Linear":
+        return adopt_linear(cls, linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16), bias)
 
 
 def precision_report(model: nn.Module) -> dict[str, str]:

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gemzoo.builtin.precision import BF16Linear
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import attention_sites
-from gemzoo.interfaces.precision import PrecisionCapabilities, PrecisionConfig, is_kept
+from gemzoo.interfaces.precision import BF16Linear, PrecisionCapabilities, PrecisionConfig, swap_linears
 from gemzoo.plugins import hookimpl
 from gemzoo_mxfp8.linear import BACKENDS, MXLinear, MXLinearConfig
 from gemzoo_mxfp8.rht import RHT_BLOCKS
@@ -49,20 +48,6 @@ def expand_keep(model: nn.Module, patterns) -> list[str]:
         else:
             out.append(p)
     return out
-
-
-def _swap(model: nn.Module, keep: list[str], make) -> dict[str, str]:
-    """Swap every plain nn.Linear: kept ones -> BF16Linear, the others -> make(linear)."""
-    cfg = PrecisionConfig(keep=keep)
-    plan = {}
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if type(child) is nn.Linear:
-                kept = is_kept(full, cfg)
-                setattr(module, child_name, BF16Linear.from_linear(child) if kept else make(child))
-                plan[full] = "bf16 (kept)" if kept else "swapped"
-    return plan
 
 
 @dataclass
@@ -125,7 +110,9 @@ class MXFP8Policy:
         return MXLinear.from_linear(linear, self.linear_cfg)
 
     def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
-        self.last_plan = _swap(model, self.keep_patterns(model, cfg), self.make_linear)
+        # kept linears (precision.keep + DEFAULT_KEEP) run in bf16, the others as MXLinear
+        self.last_plan = swap_linears(model, self.make_linear, self.keep_patterns(model, cfg),
+                                      kept=BF16Linear.from_linear)
         if self.options.attention:
             self.apply_attention(model)
         return model
@@ -156,7 +143,7 @@ class FP8RowwisePolicy:
         return FP8RowwiseLinear.from_linear(linear, out_dtype=torch.bfloat16)
 
     def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
-        self.last_plan = _swap(model, list(cfg.keep), self.make_linear)
+        self.last_plan = swap_linears(model, self.make_linear, cfg.keep, kept=BF16Linear.from_linear)
         return model
 
 

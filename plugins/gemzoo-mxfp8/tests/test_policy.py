@@ -7,7 +7,7 @@ from torch import nn
 import gemzoo
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import AttentionRequest, JaggedAttention
-from gemzoo.interfaces.precision import PrecisionConfig, precision_report
+from gemzoo.interfaces.precision import BF16Linear, PrecisionConfig, precision_report
 from gemzoo_mxfp8.attention import MXAttention, fake_quant_mx_sequence
 from gemzoo_mxfp8.linear import MXLinear
 from gemzoo_mxfp8.plugin import MXFP8Options, MXFP8Policy
@@ -69,7 +69,8 @@ def test_user_keep_and_no_default():
     rep = precision_report(model)
     assert rep["tower.blocks.0.qkv"] == "mxfp8" and rep["head.click"] == "mxfp8"
     assert rep["tower.blocks.2.mlp.0"] == "bf16" and rep["tower.blocks.2.out"] == "mxfp8"
-    assert policy.last_plan["tower.blocks.2.mlp.2"] == "bf16 (kept)"
+    assert policy.last_plan["tower.blocks.2.mlp.2"] == "kept"
+    assert type(model.get_submodule("tower.blocks.2.mlp.2")) is BF16Linear
 
 
 def test_state_dict_names_unchanged():
