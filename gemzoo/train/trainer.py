@@ -119,6 +119,17 @@ class StopSignals:
         return int(flag.item()) or None
 
 
+def loss_terms(batch) -> int:
+    """How many terms the model's loss is the mean of on ``batch``: gem's candidates, retrieval's positions with
+    a target, else its samples. With several ranks each rank's loss is weighted by its share of the global count,
+    so the update is that of the global batch's loss whatever the split (issue 16)."""
+    n = getattr(batch, "num_candidates", None)
+    targets = getattr(batch, "targets", None)
+    if n is None and isinstance(targets, torch.Tensor):
+        n = int((targets >= 0).sum())
+    return int(batch.num_samples if n is None else n)
+
+
 def configured(kind: str, name: str, cfg: Config):
     """Registry entry ``name``, configured with its [plugins.options.NAME] table if it has one."""
     obj = registry.get(kind, name)
@@ -416,6 +427,19 @@ class Trainer:
         batch = load_shard(self.dataset, step, dp.rank, dp.size).to(self.device)
         if dp.size > 1:
             batch = rebalance(self.batching, batch, self.model.cost_model(batch), dp, name=cfg.plugins.batching)
+        # The loss is the global batch's: sum-then-divide by the global count of loss terms. Gradients are
+        # averaged over ranks, so rank r scales its mean loss by world * terms_r / terms (1.0 for even splits).
+        world = self.world.world_size
+        share = 1.0
+        if world > 1:
+            terms = loss_terms(batch)
+            got = reduce_across_ranks({"terms": terms, "empty": float(terms == 0)}, "sum", self.device)
+            total = got["terms"]
+            if got["empty"]:  # every rank raises, none waits in a collective
+                raise TrainingError(f"{int(got['empty'])} of {world} ranks have no loss terms to train at step "
+                                    f"{step} (the global batch has {int(total)}); raise data.batch_size to at least "
+                                    f"{world}, or use a batching policy that gives every rank samples")
+            share = world * terms / total
         for opt in self.optimizers.values():
             for group in opt.param_groups:
                 group.setdefault("base_lr", group["lr"])
@@ -436,7 +460,7 @@ class Trainer:
                     f"optim.grad_clip, or try precision = \"fp32\"; checkpoints in {self.out_dir / 'checkpoints'} "
                     "are untouched (resume with --resume)."
                 )
-            loss.backward()
+            (loss if share == 1.0 else loss * share).backward()
         finally:
             for c in reversed(contexts):
                 c.__exit__(None, None, None)
@@ -453,13 +477,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        # Several ranks: the loss (and the model's logs) is the mean over ranks, the objective the averaged
-        # gradients descend; throughput counts every rank's samples, tokens and FLOPs over the slowest
-        # rank's time; MFU is against the peak of all devices; memory is the largest rank's.
+        # Several ranks: the loss (and the model's logs) is the global batch's, each rank's weighted by its
+        # share of the loss terms, the objective the averaged gradients descend; throughput counts every
+        # rank's samples, tokens and FLOPs over the slowest rank's time; MFU is against the peak of all
+        # devices; memory is the largest rank's.
         means = {"loss": float(loss.detach()), **{f"train/{k}": float(v) for k, v in out.logs.items()}}
+        means = {k: v * share for k, v in means.items()}  # weighted by the rank's share of the loss terms
         sums = {"samples": batch.num_samples, "tokens": batch.num_tokens, "flops": self.model.flops(batch)}
         maxes = {"seconds": seconds, "peak_mem_bytes": peak_memory_bytes(self.device)}
-        world = self.world.world_size
         if world > 1:
             means = {k: v / world for k, v in reduce_across_ranks(means, "sum", self.device).items()}
             sums = reduce_across_ranks(sums, "sum", self.device)
