@@ -28,6 +28,7 @@ def train_rank(rank: int, world: int, port: int, tmp: str, runs: list) -> None:
     import gemzoo
     from gemzoo import registry
     from gemzoo.config import load_config
+    from gemzoo.errors import TrainingError
     from gemzoo.train.trainer import train
 
     seen = []
@@ -45,7 +46,11 @@ def train_rank(rank: int, world: int, port: int, tmp: str, runs: list) -> None:
             f"run.steps={steps}", "run.device='cpu'", "eval.every=0", "checkpoint.every=5",
             f"run.out_dir='{tmp}/{label.split('@')[0]}'", "data.batch_size=9", "model.d_model=16",
             "model.embedding_dim=8", f"plugins.batching='{policy}'", *options])
-        result = train(cfg, resume=resume, progress=False)
+        try:
+            result = train(cfg, resume=resume, progress=False)
+        except TrainingError as e:  # e.g. a world larger than the batch: every rank must raise, none hang
+            out[label] = {"error": str(e)}
+            continue
         out[label] = {"losses": [h["loss"] for h in result.history], "steps": [h["step"] for h in result.history],
                       "samples": list(seen)}
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
