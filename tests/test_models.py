@@ -21,6 +21,7 @@ from gemzoo.jagged import lengths_to_offsets
 from gemzoo.models.common import attention_sites, binary_auc
 from gemzoo.models.retrieval import RankingEvaluator
 from gemzoo.testing import skip_unless_torchrec
+from gemzoo.testing.pytest_plugin import registered
 
 ROOT = Path(__file__).resolve().parents[1]
 GEM_DATA = dict(batch_size=16, max_len=40, median_len=10, min_len=0, max_candidates=6, num_items=200,
@@ -66,13 +67,29 @@ def one_thread():
 
 
 def dataset_for(family, gem_dataset, ml_dataset):
-    return gem_dataset if family == "gem" else ml_dataset
+    """This module's dataset the family builds from: ranking (gem) or retrieval (hstu, sasrec); a family of
+    another plugin is tried on both, on meta, and fails here if it builds from neither."""
+    (spec, cfg), errors = _spec_and_cfg(family), []
+    for ds in (gem_dataset, ml_dataset):
+        try:
+            with torch.device("meta"):
+                spec.build(cfg, ds.info)
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
+        return ds
+    pytest.fail(f"model family {family!r} builds from neither synthetic-gem nor movielens: {'; '.join(errors)}")
+
+
+def _spec_and_cfg(family: str, **overrides):
+    """The family's spec and a small config: SMALL_MODEL for gemzoo's own, the config class's defaults else."""
+    spec = gemzoo.registry.get("model", family)
+    return spec, spec.config_cls(**{**SMALL_MODEL.get(family, {}), **overrides})
 
 
 def build(family: str, info: dict, seed: int = 0, **overrides):
     """The trainer's recipe: build on meta, to_empty, seed, init_weights."""
-    spec = gemzoo.registry.get("model", family)
-    cfg = spec.config_cls(**{**SMALL_MODEL[family], **overrides})
+    spec, cfg = _spec_and_cfg(family, **overrides)
     with torch.device("meta"):
         model = spec.build(cfg, info)
     model.to_empty(device="cpu")
@@ -81,14 +98,16 @@ def build(family: str, info: dict, seed: int = 0, **overrides):
     return model
 
 
-FAMILIES = ["gem", "hstu", "sasrec"]
+FAMILIES = registered("model")  # every registered family, gemzoo's and installed plugins' (timm style)
 
 
-def test_families_registered():
+def test_builtin_families_registered():
     assert {"gem", "hstu", "sasrec"} <= set(gemzoo.registry.names("model"))
-    for family in FAMILIES:
-        spec = gemzoo.registry.get("model", family)
-        assert spec.config_cls().family == family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_names_its_family(family):
+    assert gemzoo.registry.get("model", family).config_cls().family == family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -188,11 +207,15 @@ def _gem_batch_with_lengths(ds: SyntheticGemDataset, lengths: list[int]) -> GemB
 def test_flops_positive_and_grow_with_length(family, gem_dataset, ml_dataset):
     ds = dataset_for(family, gem_dataset, ml_dataset)
     model = build(family, ds.info)
-    if family == "gem":
+    kind = type(ds.train_batch(0))
+    if kind is GemBatch:
         short, long = _gem_batch_with_lengths(ds, [3, 5, 0]), _gem_batch_with_lengths(ds, [30, 5, 0])
-    else:
+    elif kind is SeqBatch:
         short = SeqBatch(torch.arange(8), lengths_to_offsets(torch.tensor([3, 5])), torch.arange(8))
         long = SeqBatch(torch.arange(16), lengths_to_offsets(torch.tensor([11, 5])), torch.arange(16))
+    else:
+        pytest.skip(f"this test builds GemBatch and SeqBatch batches, not {kind.__name__} "
+                    "(gemzoo.testing.models.check_model counts every family's FLOPs)")
     f_short, f_long = model.flops(short), model.flops(long)
     assert isinstance(f_short, int) and 0 < f_short < f_long
 
@@ -462,9 +485,9 @@ def test_self_attention_pairs_match_the_flops_helper():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_bf16_sdpa_padded_step(family, gem_dataset, ml_dataset):
     ds = dataset_for(family, gem_dataset, ml_dataset)
-    spec = gemzoo.registry.get("model", family)
+    spec, cfg = _spec_and_cfg(family)
     with torch.device("meta"):
-        model = spec.build(spec.config_cls(**SMALL_MODEL[family]), ds.info)
+        model = spec.build(cfg, ds.info)
     model.to_empty(device="cuda")
     torch.manual_seed(0)
     model.init_weights()
@@ -493,7 +516,7 @@ def test_backward_is_bitwise_repeatable(family, gem_dataset, ml_dataset):
                                                         "min_candidates": 24, "max_candidates": 32}))
         model = build(family, ds.info, d_model=64)
     else:
-        ds = ml_dataset
+        ds = dataset_for(family, gem_dataset, ml_dataset)
         model = build(family, ds.info)
     _use_kernel(model, "sdpa-padded")
     batch = ds.train_batch(4)
