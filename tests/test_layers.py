@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from gemzoo.scaffold import KINDS as TEMPLATE_KINDS
+from gemzoo.scaffold import render
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # file -> the forbidden modules it imports, with its issue (issue #9 items 5 and 9 emptied both)
@@ -42,13 +45,13 @@ def imported_modules(path: Path) -> set[str]:
     return out
 
 
-def _hits(paths, forbidden) -> dict[str, set[str]]:
+def _hits(paths, forbidden, root: Path = ROOT) -> dict[str, set[str]]:
     found = {}
     for path in paths:
         bad = {m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in forbidden)}
         bad = {m for m in bad if not any(b != m and m.startswith(b + ".") for b in bad)}  # a.b covers a.b.c
         if bad:
-            found[path.relative_to(ROOT).as_posix()] = bad
+            found[path.relative_to(root).as_posix()] = bad
     return found
 
 
@@ -76,6 +79,34 @@ def test_plugins_use_public_api_only():
     assert paths, "no plugin sources found"
     _compare(_hits(paths, {"gemzoo.builtin", "gemzoo.models.common"}), KNOWN_PLUGIN_INTERNALS,
              "plugins importing gemzoo internals")
+
+
+@pytest.mark.parametrize("kind", TEMPLATE_KINDS)
+def test_new_plugin_templates_use_public_api_only(kind, tmp_path):
+    """What ``gemzoo new-plugin --kind KIND`` writes (its package and tests) obeys the same rule."""
+    paths = []
+    for rel, text in render("layers-check", kind).items():
+        if rel.endswith(".py"):
+            paths.append(tmp_path / rel)
+            paths[-1].parent.mkdir(parents=True, exist_ok=True)
+            paths[-1].write_text(text)
+    assert paths, f"the {kind} template rendered no Python file"
+    found = _hits(paths, {"gemzoo.builtin", "gemzoo.models.common"}, root=tmp_path)
+    assert not found, f"the {kind} plugin template imports gemzoo internals: {found}"
+
+
+def test_old_homes_re_export_the_public_objects():
+    """Code that imported the reference, BF16Linear or the attention sites from their old modules still works."""
+    import gemzoo.builtin.attention as builtin_attention
+    import gemzoo.builtin.precision as builtin_precision
+    import gemzoo.interfaces.attention as attention
+    import gemzoo.interfaces.precision as precision
+    import gemzoo.models.common as common
+
+    assert builtin_attention.reference_attention is attention.reference_attention
+    assert builtin_attention.REFERENCE.capabilities is attention.REFERENCE_CAPABILITIES
+    assert builtin_precision.BF16Linear is precision.BF16Linear
+    assert common.JaggedAttention is attention.JaggedAttention and common.attention_sites is attention.attention_sites
 
 
 def test_the_scanner_sees_every_import_form(tmp_path):
