@@ -31,12 +31,11 @@ from gemzoo.distributed import state as dstate
 from gemzoo.distributed.comms_groups import comms_summary
 from gemzoo.embedding import use_sparse_gradients
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
-from gemzoo.interfaces.attention import kernels_that_serve
+from gemzoo.interfaces.attention import attention_sites, kernels_that_serve
 from gemzoo.interfaces.batching import DataParallelGroup
 from gemzoo.interfaces.memory import needs_compile, policy_report
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.interfaces.precision import PrecisionConfig
-from gemzoo.models.common import attention_sites
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train import run_folder
 from gemzoo.train.flops import peak_flops
