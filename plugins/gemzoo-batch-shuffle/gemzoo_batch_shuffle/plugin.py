@@ -54,7 +54,7 @@ class BatchShuffle:
     search); deterministic, every sample exactly once."""
 
     options_cls = BatchShuffleOptions
-    description = "balance jagged work across dp ranks: Karmarkar-Karp on the model's per-sample cost"
+    description = "balance jagged work across dp ranks: LPT / Karmarkar-Karp on the model's per-sample cost"
 
     def __init__(self, options: BatchShuffleOptions | None = None):
         self.options = options or BatchShuffleOptions()
