@@ -157,3 +157,22 @@ def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
     assert resumed["steps"][0] == 6 and resumed["losses"] == got[5:]
     for r in ranks:  # a world larger than the batch: a clear error on every rank, no hang
         assert "1 of 2 ranks have no loss terms" in r["tiny"]["error"] and "data.batch_size" in r["tiny"]["error"]
+
+
+@pytest.mark.distributed
+def test_four_ranks_rebalance_and_train_like_the_unshuffled_run(tmp_path):
+    """The issue's 4-process case: the shared rebalance check on 4 gloo ranks, then gem on 4 ranks with 9
+    samples a step (3 ranks of 2, one of 3 when loaded): the shuffled run's 10 losses equal the unshuffled run's
+    within 1e-6 relative and every step trains all 9 samples."""
+    from gemzoo.testing.batching import check_rebalance_on_gloo
+    from gemzoo.testing.comms import spawn
+
+    check_rebalance_on_gloo({"kk": BatchShuffle(VARIANTS["kk"])}, tmp_path, world=4)
+    runs = [("none", "none", 10, False, []), ("shuffle", "base-batch-shuffle", 10, False, [])]
+    spawn(cases.train_rank, 4, str(tmp_path), runs)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["shuffle"]["losses"] == ranks[0]["shuffle"]["losses"] for r in ranks)  # one global loss
+    got, want = ranks[0]["shuffle"]["losses"], ranks[0]["none"]["losses"]
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+    assert ranks[0]["shuffle"]["samples"] == [9] * 10
