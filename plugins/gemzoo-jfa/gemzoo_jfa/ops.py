@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from gemzoo.errors import JaggedShapeError
 
@@ -361,8 +362,6 @@ def run_attention(op, fwd, bwd, q, k, v, q_offsets, k_offsets, *args) -> torch.T
     Under torch.compile (and on fake or meta tensors) ``op(q, k, v, q_offsets, k_offsets, *args) -> out``, the
     custom op, which has a fake implementation; in eager with gradients the bodies through _EagerAttention;
     without gradients the forward body alone."""
-    from torch._subclasses.fake_tensor import is_fake
-
     if torch.compiler.is_compiling() or q.device.type == "meta" or is_fake(q):
         return op(q, k, v, q_offsets, k_offsets, *args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
