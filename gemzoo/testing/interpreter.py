@@ -76,6 +76,20 @@ def interpreter_results(script: str | Path, group: str, timeout: float = 900) ->
     return _cache[key]
 
 
+def print_group(groups: dict, which: str) -> None:
+    """A case script's main: run ``groups[which]()`` and print its ``RESULT {json}`` line."""
+    if which not in groups:
+        raise SystemExit(f"unknown group {which!r}; choose one of {', '.join(groups)}")
+    print("RESULT " + json.dumps(groups[which]()))
+
+
+def assert_conformance(results: dict[str, dict], at_least: int) -> None:
+    """In a plugin's test: every case of :func:`conformance_results` passed, and at least ``at_least`` ran."""
+    assert len(results) >= at_least, f"too few conformance cases ran: {sorted(results)}"
+    bad = {k: v for k, v in results.items() if not v["ok"]}
+    assert not bad, bad
+
+
 def conformance_results(fn, capabilities, **case_kw) -> dict[str, dict]:
     """The attention conformance suite (gemzoo.testing.attention) on ``fn`` with ``capabilities``, on CPU
     tensors: {case: {"ok": bool, errors... or "error": message}} (for a script's RESULT line)."""

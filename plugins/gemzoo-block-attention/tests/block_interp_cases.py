@@ -7,7 +7,6 @@ forward and dq/dk/dv against the fp64 reference (which applies the same RoPE rul
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -152,15 +151,11 @@ def compile_check():
 
 
 def main(which: str) -> None:
-    if which == "cases":
-        res = {name: run_case(*args) for name, args in CASES.items()}
-    elif which == "misc":
-        res = {"nan": nan_stays_in_block(), "compile": compile_check()}
-    elif which == "conformance":
-        res = conformance()
-    else:
-        raise SystemExit(f"unknown group {which!r}")
-    print("RESULT " + json.dumps(res))
+    from gemzoo.testing.interpreter import print_group
+
+    print_group({"cases": lambda: {name: run_case(*args) for name, args in CASES.items()},
+                 "conformance": conformance,
+                 "misc": lambda: {"nan": nan_stays_in_block(), "compile": compile_check()}}, which)
 
 
 if __name__ == "__main__":

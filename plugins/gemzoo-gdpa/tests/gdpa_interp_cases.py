@@ -7,7 +7,6 @@ forward and dq/dk/dv against the fp64 reference.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -167,22 +166,20 @@ def compile_check():
     return {"compile": same, "opcheck": True}
 
 
-def main(which: str) -> None:
-    from gemzoo_jfa import interp_compat  # triton 3.6's interpreter needs it (see the module)
+def all_cases() -> dict:
+    res = {name: run_case(*args) for name, args in CASES.items()}
+    res["tma-silu-asym-window"] = run_case("silu", Q4, K4, True, 5, 4.0, 16, 16, "float32", 0, tma=True)
+    res["tma-gelu-full-bf16"] = run_case("gelu", [21, 0, 40], [33, 7, 18], False, None, None, 16, 16,
+                                         "bfloat16", 0, tma=True)
+    return res
 
-    interp_compat.apply()
-    if which == "cases":
-        res = {name: run_case(*args) for name, args in CASES.items()}
-        res["tma-silu-asym-window"] = run_case("silu", Q4, K4, True, 5, 4.0, 16, 16, "float32", 0, tma=True)
-        res["tma-gelu-full-bf16"] = run_case("gelu", [21, 0, 40], [33, 7, 18], False, None, None, 16, 16,
-                                             "bfloat16", 0, tma=True)
-    elif which == "misc":
-        res = {"nan": nan_confined(), "strided": strided_offsets(), "compile": compile_check()}
-    elif which == "conformance":
-        res = conformance()
-    else:
-        raise SystemExit(f"unknown group {which!r}")
-    print("RESULT " + json.dumps(res))
+
+def main(which: str) -> None:
+    from gemzoo.testing.interpreter import print_group
+
+    print_group({"cases": all_cases, "conformance": conformance,
+                 "misc": lambda: {"nan": nan_confined(), "strided": strided_offsets(), "compile": compile_check()}},
+                which)
 
 
 if __name__ == "__main__":

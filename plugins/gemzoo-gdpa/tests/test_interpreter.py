@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gemzoo.testing.interpreter import interpreter_results
+from gemzoo.testing.interpreter import assert_conformance, interpreter_results
 
 pytest.importorskip("triton")
 
@@ -55,7 +55,4 @@ def test_torch_compile_traces_custom_op_and_opcheck():
 
 
 def test_shared_conformance_suite_on_triton_path():
-    results = _results("conformance")
-    assert len(results) >= 16, f"too few conformance cases ran: {sorted(results)}"
-    bad = {k: v for k, v in results.items() if not v["ok"]}
-    assert not bad, bad
+    assert_conformance(_results("conformance"), at_least=16)

@@ -5,7 +5,6 @@ Run as a subprocess by test_interpreter.py, so the variable is set before Triton
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -98,22 +97,19 @@ def opcheck():
     return {"ok": True}
 
 
-def main(which: str) -> None:
-    from gemzoo_jfa import interp_compat  # triton 3.6's interpreter needs it (see the module)
+def all_cases() -> dict:
+    res = {name: run_case(*args) for name, *args in CASES}
+    res["natural-order"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", order="natural")
+    res["tma-asym-window"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", tma=True)
+    res["tma-full"] = run_case([21, 0, 40], [33, 7, 18], False, None, 16, 16, "bfloat16", tma=True)
+    return res
 
-    interp_compat.apply()
-    if which == "cases":
-        res = {name: run_case(*args) for name, *args in CASES}
-        res["natural-order"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", order="natural")
-        res["tma-asym-window"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", tma=True)
-        res["tma-full"] = run_case([21, 0, 40], [33, 7, 18], False, None, 16, 16, "bfloat16", tma=True)
-    elif which == "conformance":
-        res = conformance()
-    elif which == "compile":
-        res = {"compile": compile_check(), "opcheck": opcheck()}
-    else:
-        raise SystemExit(f"unknown group {which!r}")
-    print("RESULT " + json.dumps(res))
+
+def main(which: str) -> None:
+    from gemzoo.testing.interpreter import print_group
+
+    print_group({"cases": all_cases, "conformance": conformance,
+                 "compile": lambda: {"compile": compile_check(), "opcheck": opcheck()}}, which)
 
 
 if __name__ == "__main__":
