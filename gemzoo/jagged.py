@@ -10,9 +10,44 @@ Rules checked by :func:`validate_offsets`:
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
+
 import torch
 
 from gemzoo.errors import JaggedShapeError
+
+
+class TensorCache:
+    """Values computed from tensors (offsets, mostly), kept by the tensors' identity and version counters.
+
+    ``get(tensors, key, build)`` returns ``build()``, or its value from an earlier call with the same tensor
+    objects, unchanged since (an in-place change bumps ``_version``), and the same ``key``. Entries hold weak
+    references, so a freed tensor whose id is reused never matches; the oldest entries go past ``size``.
+    Inference tensors (no version counter) and traced calls are never cached. Shared values must not be
+    modified by their users."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self.entries: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, tensors: tuple, key: tuple, build):
+        try:
+            versions = tuple(t._version for t in tensors)
+        except RuntimeError:  # inference tensors keep no version counter
+            return build()
+        if torch.compiler.is_compiling():
+            return build()
+        full = (*map(id, tensors), *versions, *key)
+        hit = self.entries.get(full)
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
+            self.entries.move_to_end(full)
+            return hit[1]
+        value = build()
+        self.entries[full] = (tuple(weakref.ref(t) for t in tensors), value)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
 
 __all__ = [
     "validate_offsets",

@@ -41,3 +41,26 @@ def test_padded_round_trip_and_gradient():
     assert torch.equal(back, x)
     back.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_tensor_cache_keys_on_identity_version_and_key():
+    from gemzoo.jagged import TensorCache
+
+    cache, calls = TensorCache(size=2), []
+
+    def build(v):
+        calls.append(v)
+        return v
+
+    a = torch.tensor([0, 3])
+    assert cache.get((a,), ("x",), lambda: build(1)) == 1
+    assert cache.get((a,), ("x",), lambda: build(2)) == 1  # cached
+    assert cache.get((a,), ("y",), lambda: build(3)) == 3  # another key
+    a.add_(1)
+    assert cache.get((a,), ("x",), lambda: build(4)) == 4  # changed in place: built again
+    assert cache.get((a.clone(),), ("x",), lambda: build(5)) == 5  # another tensor, same values
+    assert len(cache.entries) == 2  # the oldest went
+    with torch.inference_mode():
+        b = torch.tensor([0, 1])
+    assert cache.get((b,), (), lambda: build(6)) == 6 and cache.get((b,), (), lambda: build(7)) == 7  # never cached
+    assert calls == [1, 3, 4, 5, 6, 7]

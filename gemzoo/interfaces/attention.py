@@ -213,26 +213,22 @@ def _kernel_name(kernel) -> str:
 
 
 class _OffsetsCache:
-    """Offsets tensors validated already (validation syncs with the device): id -> (weakref, version, total,
-    longest). A tensor modified in place has a new ``_version`` and is validated again."""
+    """Offsets tensors validated already (validation syncs with the device), with their longest sequence; a
+    tensor modified in place is validated again (gemzoo.jagged.TensorCache)."""
 
     def __init__(self, size: int = 64):
-        self.size, self.seen = size, {}
+        from gemzoo.jagged import TensorCache
+
+        self.cache = TensorCache(size)
 
     def longest(self, offsets: torch.Tensor, total: int, device, name: str) -> int:
-        import weakref
-
         from gemzoo.jagged import max_length, validate_offsets
 
-        hit = self.seen.get(id(offsets))
-        if hit is not None and hit[0]() is offsets and hit[1] == offsets._version and hit[2] == total:
-            return hit[3]
-        validate_offsets(offsets, total, device=device, name=name)
-        longest = max_length(offsets)
-        if len(self.seen) >= self.size:
-            self.seen.clear()
-        self.seen[id(offsets)] = (weakref.ref(offsets), offsets._version, total, longest)
-        return longest
+        def validate() -> int:
+            validate_offsets(offsets, total, device=device, name=name)
+            return max_length(offsets)
+
+        return self.cache.get((offsets,), (total,), validate)
 
 
 _offsets_cache = _OffsetsCache()

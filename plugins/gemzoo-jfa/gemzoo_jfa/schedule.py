@@ -20,10 +20,9 @@ each query block: short query blocks over long key ranges then spread over many 
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
-
 import torch
+
+from gemzoo.jagged import TensorCache
 
 ORDERS = ("lpt", "item", "natural")
 
@@ -33,46 +32,15 @@ def capacity(total: int, batch: int, block: int) -> int:
     return (total + block - 1) // block + batch
 
 
-class _ScheduleCache:
-    """Schedules by the identity of their offsets tensors (weak references, so a freed tensor whose id is
-    reused never matches) and their version counters (an in-place change rebuilds). A model's attention
-    layers share one batch's offsets, so the ~40 small launches of a schedule run once per batch and
-    direction instead of once per layer and kernel: with short sequences those launches, not the kernels,
-    were the time (the host could not keep the GPU busy)."""
-
-    def __init__(self, size: int = 32):
-        self.size = size
-        self.entries: OrderedDict[tuple, tuple] = OrderedDict()
-
-    @staticmethod
-    def _version(t: torch.Tensor) -> int | None:
-        try:
-            return t._version
-        except RuntimeError:  # inference tensors keep no version counter: never cached
-            return None
-
-    def get(self, q_offsets, k_offsets, args: tuple, build):
-        qv, kv = self._version(q_offsets), self._version(k_offsets)
-        if qv is None or kv is None or torch.compiler.is_compiling():
-            return build()
-        key = (id(q_offsets), id(k_offsets), qv, kv, *args)
-        hit = self.entries.get(key)
-        if hit is not None and hit[0]() is q_offsets and hit[1]() is k_offsets:
-            self.entries.move_to_end(key)
-            return hit[2]
-        items = build()
-        self.entries[key] = (weakref.ref(q_offsets), weakref.ref(k_offsets), items)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-        return items
-
-
-_cache = _ScheduleCache()
+# A model's attention layers share one batch's offsets, so the ~40 small launches of a schedule run once per
+# batch and direction instead of once per layer and kernel: with short sequences those launches, not the
+# kernels, were the time (the host could not keep the GPU busy).
+_cache = TensorCache(32)
 
 
 def memo(q_offsets: torch.Tensor, k_offsets: torch.Tensor, key: tuple, build):
     """``build()``, or its result from an earlier call with the same offsets tensors (unchanged) and ``key``."""
-    return _cache.get(q_offsets, k_offsets, key, build)
+    return _cache.get((q_offsets, k_offsets), key, build)
 
 
 def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int, block: int, *, over: str,
@@ -82,11 +50,11 @@ def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int,
     ``over="q"`` makes one item per block of ``block`` queries (forward and dq kernels); ``over="k"``
     one per block of keys (dk/dv kernel). ``total`` is Tq or Tk accordingly. ``block_size`` (block
     attention) narrows each item's range, and so its cost, to the attention blocks it touches. Built once
-    per offsets tensors and arguments (see ``_ScheduleCache``); the result is shared, so do not modify it.
+    per offsets tensors and arguments (gemzoo.jagged.TensorCache); the result is shared, so do not modify it.
     """
     if order not in ORDERS:
         raise ValueError(f"unknown schedule order {order!r}; choose one of {', '.join(ORDERS)}")
-    return _cache.get(q_offsets, k_offsets, (total, block, over, causal, window, order, block_size),
+    return _cache.get((q_offsets, k_offsets), (total, block, over, causal, window, order, block_size),
                       lambda: _build(q_offsets, k_offsets, total, block, over, causal, window, order, block_size))
 
 
