@@ -6,7 +6,13 @@ runs a group of cases and prints one ``RESULT {json}`` line; its tests read that
 :func:`interpreter_results` (one subprocess per group, cached for the session, with :func:`fix_interpreter`
 applied first)::
 
-    _results = lambda group: interpreter_results(Path(__file__).with_name("my_interp_cases.py"), group)
+    SCRIPT = Path(__file__).with_name("my_interp_cases.py")
+    INTERPRETER_GROUPS = ("cases", "conformance")  # started in the background once collection selects a test here
+    _results = lambda group: interpreter_results(SCRIPT, group)
+
+Groups run concurrently (up to one subprocess per spare core): gemzoo's pytest plugin starts every group a test
+module names in ``INTERPRETER_GROUPS`` when collection ends, so they run while other tests do, and
+:func:`interpreter_results` waits for the one asked for.
 
 and the script may run the shared conformance suite on its Triton path with :func:`conformance_results`, and
 check that ``torch.compile`` traces its custom op with :func:`compiled_matches_eager`.
@@ -14,19 +20,74 @@ check that ``torch.compile`` traces its custom op with :func:`compiled_matches_e
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
-_cache: dict[tuple[str, str], dict] = {}
+_runs: dict[tuple[str, str], "_GroupRun"] = {}
+_live: set[subprocess.Popen] = set()
+_slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
 
 # The subprocess: the interpreter fix below, then the case script as __main__ (its folder on sys.path, as
 # for ``python script.py``).
 _BOOT = ("import os, runpy, sys; from gemzoo.testing.interpreter import fix_interpreter; fix_interpreter(); "
          "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0]))); "
          "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+class _GroupRun:
+    """One case script's group in a subprocess, on a daemon thread that waits for a free slot first."""
+
+    def __init__(self, script: str, group: str, timeout: float):
+        self.script, self.group, self.timeout = script, group, timeout
+        self.done = threading.Event()
+        self.result: dict | None = None
+        self.error: str | None = None
+        threading.Thread(target=self._run, name=f"interpreter {group}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            with _slots:
+                env = dict(os.environ, TRITON_INTERPRET="1")
+                proc = subprocess.Popen([sys.executable, "-c", _BOOT, self.script, self.group], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                _live.add(proc)
+                try:
+                    out, err = proc.communicate(timeout=self.timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    out, err = proc.communicate()
+                    err += f"\n(killed after {self.timeout:.0f} s)"
+                finally:
+                    _live.discard(proc)
+            line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                self.error = (f"interpreter run of {self.script} {self.group} failed (exit {proc.returncode}):\n"
+                              f"{out[-3000:]}\n{err[-3000:]}")
+            else:
+                self.result = json.loads(line[len("RESULT "):])
+        except Exception as exc:  # noqa: BLE001 - reported by the test that asks for this group
+            self.error = f"interpreter run of {self.script} {self.group} could not start: {exc!r}"
+        finally:
+            self.done.set()
+
+
+@atexit.register
+def _kill_live() -> None:
+    for proc in list(_live):
+        proc.kill()
+
+
+def start_groups(script: str | Path, groups, timeout: float = 900) -> None:
+    """Start ``groups`` of a case script in the background (each once per process)."""
+    for group in groups:
+        key = (str(script), group)
+        if key not in _runs:
+            _runs[key] = _GroupRun(str(script), group, timeout)
 
 
 def fix_interpreter() -> None:
@@ -62,18 +123,14 @@ def fix_interpreter() -> None:
 
 def interpreter_results(script: str | Path, group: str, timeout: float = 900) -> dict:
     """The JSON a case script prints (``RESULT {...}``) for ``group``, run under TRITON_INTERPRET=1 in a
-    subprocess; fails with the script's output tail when it exits non-zero or prints no result."""
-    key = (str(script), group)
-    if key not in _cache:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, "-c", _BOOT, str(script), group], capture_output=True, text=True,
-                              env=env, timeout=timeout)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            raise AssertionError(f"interpreter run of {script} {group} failed (exit {proc.returncode}):\n"
-                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        _cache[key] = json.loads(line[len("RESULT "):])
-    return _cache[key]
+    subprocess (started here unless :func:`start_groups` already did); fails with the script's output tail
+    when it exits non-zero or prints no result."""
+    start_groups(script, [group], timeout)
+    run = _runs[(str(script), group)]
+    run.done.wait()
+    if run.error is not None:
+        raise AssertionError(run.error)
+    return run.result
 
 
 def print_group(groups: dict, which: str) -> None:

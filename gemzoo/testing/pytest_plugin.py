@@ -66,3 +66,17 @@ def pytest_generate_tests(metafunc) -> None:
 def _already_parametrized(metafunc, arg: str) -> bool:
     return any(arg in (m.args[0] if isinstance(m.args[0], (list, tuple)) else m.args[0].replace(" ", "").split(","))
                for m in metafunc.definition.iter_markers("parametrize"))
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the Triton interpreter groups of every selected test module that names them
+    (``INTERPRETER_GROUPS`` beside ``SCRIPT``), so they run in the background while other tests do."""
+    from gemzoo.testing.interpreter import start_groups
+
+    seen = set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        groups = getattr(module, "INTERPRETER_GROUPS", None)
+        if groups and module not in seen:
+            seen.add(module)
+            start_groups(module.SCRIPT, groups)

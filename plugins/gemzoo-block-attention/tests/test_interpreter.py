@@ -13,6 +13,7 @@ from gemzoo.testing.interpreter import assert_conformance, interpreter_results
 pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).with_name("block_interp_cases.py")
+INTERPRETER_GROUPS = ("cases", "conformance", "misc")  # started in the background when collection ends (gemzoo.testing.interpreter)
 sys.path.insert(0, str(SCRIPT.parent))
 from block_interp_cases import CASES  # noqa: E402
 
