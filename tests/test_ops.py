@@ -49,6 +49,7 @@ def test_extension_built_for_another_torch_warns_and_falls_back(monkeypatch):
 
     fake = types.ModuleType("gemzoo._C")
     fake.TORCH_VERSION = "1.0.0+cpu"
+    monkeypatch.delenv("GEMZOO_NO_EXTENSION", raising=False)  # set where the extension is not built (GPU image)
     monkeypatch.setattr(gemzoo, "_C", fake, raising=False)
     monkeypatch.setitem(sys.modules, "gemzoo._C", fake)
     with pytest.warns(RuntimeWarning, match=r"built for torch 1\.0\.0\+cpu but torch .* is running"):
