@@ -3,8 +3,9 @@
 Keys that fix what the checkpoint holds cannot change: the model (parameter shapes), the data (the
 stream and the table sizes), the plugins and their options, the precision setup, and ``run.seed``.
 Resuming with any of them changed is a ConfigError naming each key with both values. Everything else
-(``run.steps``, cadences, ``optim.*``, ``eval.*``, ``checkpoint.*``, the device) may change; the trainer
-applies it (optimizer hyper-parameters are set on the param groups after their state is loaded) and
+(``run.steps``, cadences, ``optim.*``, ``eval.*``, ``checkpoint.*``, the device, and the plugin options that
+only choose a layout: those an ``options_cls`` lists in ``layout_fields``, since a checkpoint holds whole
+tensors) may change; the trainer applies it (optimizer hyper-parameters are set on the param groups after their state is loaded) and
 says in one line what changed.
 """
 
@@ -34,14 +35,24 @@ def is_fixed(key: str) -> bool:
     return any(key == p or key.startswith(p) for p in FIXED)
 
 
+def layout_keys() -> set[str]:
+    """``plugins.options.NAME.FIELD`` for each field a registered plugin's ``options_cls.layout_fields`` names
+    (e.g. sharding-2d's group_size): options that place the same whole tensors differently."""
+    from gemzoo import registry
+
+    return {f"plugins.options.{e.name}.{f}" for e in registry.entries()
+            for f in getattr(getattr(e.obj, "options_cls", None), "layout_fields", ())}
+
+
 def config_changes(saved: dict, current: dict) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
     """(changeable, fixed): (key, checkpoint's value, current value) for every key that differs."""
     a, b = flatten(saved), flatten(current)
+    layout = layout_keys() if any(k.startswith("plugins.options.") for k in set(a) | set(b)) else set()
     changeable, fixed = [], []
     for key in sorted(set(a) | set(b)):
         old, new = a.get(key, _UNSET), b.get(key, _UNSET)
         if old != new:
-            (fixed if is_fixed(key) else changeable).append((key, old, new))
+            (fixed if is_fixed(key) and key not in layout else changeable).append((key, old, new))
     return changeable, fixed
 
 
