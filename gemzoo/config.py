@@ -41,7 +41,34 @@ class RunConfig:
     peak_tflops: float | None = bounded(None, min=1e-9)  # overrides the device table for MFU
     # several ranks: "fsdp" shards transformer blocks (FSDP2), "ddp" replicates them
     dense_parallel: str = bounded("fsdp", choices=("fsdp", "ddp"))
+    # 3D dense layout, e.g. {replicate = 2, shard = 2, tp = 2}: HSDP (FSDP2 over shard, replicated over replicate)
+    # and tensor parallelism over tp; product = world size (shard defaults to the rest); {}: dense_parallel over all
+    mesh: dict[str, int] = field(default_factory=dict)
     tensorboard: bool = False  # also write metrics.jsonl's rows as TensorBoard scalars (pip install gemzoo[tensorboard])
+
+    def __post_init__(self):
+        check_mesh_table(self.mesh, self.dense_parallel)
+
+
+MESH_DIMS = ("replicate", "shard", "tp")  # run.mesh's dims, outermost first
+
+
+def check_mesh_table(mesh: Any, dense_parallel: str = "fsdp") -> None:
+    """``run.mesh`` on its own (the world size is checked when the mesh is built): a table of positive ints
+    keyed by replicate, shard, tp; not with ``dense_parallel = "ddp"``."""
+    if not isinstance(mesh, dict):
+        raise ConfigError(f"run.mesh must be a table such as {{replicate = 2, shard = 2, tp = 1}}, got {mesh!r}")
+    for name, size in mesh.items():
+        if name not in MESH_DIMS:
+            close = difflib.get_close_matches(str(name), MESH_DIMS, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"run.mesh has an unknown dim {name!r}: it takes {', '.join(MESH_DIMS)} "
+                              f"(e.g. {{replicate = 2, shard = 2, tp = 2}}).{hint}")
+        if type(size) is not int or size < 1:
+            raise ConfigError(f"run.mesh {name} = {size!r}: sizes are integers >= 1")
+    if mesh and dense_parallel == "ddp":
+        raise ConfigError(f"run.mesh {mesh} lays out the dense parts itself (replicate = R is their data "
+                          "parallelism); drop run.dense_parallel = \"ddp\" (keep \"fsdp\") or drop run.mesh")
 
 
 @dataclass

@@ -3,7 +3,9 @@
 The mesh: the planner names the dims it places tables over (``Planner.mesh_dims``: ``{"dp": W}`` for 1D
 sharding, ``{"replica": R, "shard": G}`` for 2D); :func:`build_mesh` makes one DeviceMesh with exactly those
 dims and the dense data-parallel dim ``dp`` spanning all of them (flattened when there are several).
-``distributed/state.py`` turns sharded state into whole tensors for checkpoints and back.
+With ``run.mesh`` (``dense``: ``{"replicate": R, "shard": S, "tp": T}``) it also builds the dense mesh
+``(replicate, shard, tp)`` for HSDP and tensor parallelism (``distributed/dense.py``), and ``dp`` is its
+``replicate x shard``. ``distributed/state.py`` turns sharded state into whole tensors for checkpoints and back.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch.distributed as dist
 
 from gemzoo.errors import ConfigError
 
-DENSE_DIMS = ("dp",)  # the dense dims the trainer can ask for today (tensor parallelism: issue #13)
+DENSE_DIMS = ("dp",)  # the flattened dense data-parallel dim, spanning the planner's dims
+LAYOUT_DIMS = ("replicate", "shard", "tp")  # run.mesh: the dense mesh (distributed/dense.py)
 
 
 @dataclass
@@ -26,7 +29,13 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     mesh: object | None = None  # the N-D DeviceMesh with the planner's dims when world_size > 1
-    dp_mesh: object | None = None  # the 1-D "dp" mesh over every rank (dense data parallelism, FSDP2)
+    dp_mesh: object | None = None  # the 1-D "dp" mesh of the ranks that load different samples (FSDP2, batching)
+    dense_mesh: object | None = None  # run.mesh: the (replicate, shard, tp) mesh of HSDP + tensor parallelism
+
+    @property
+    def copies(self) -> int:
+        """How many ranks train each sample: the tp degree (1 without tensor parallelism)."""
+        return self.world_size // self.dp_mesh.size() if self.dp_mesh is not None else 1
 
     @property
     def is_main(self) -> bool:
@@ -67,25 +76,35 @@ def check_mesh_dims(dims: dict[str, int], world_size: int, who: str = "the plann
 def build_mesh(world: World, device_type: str, dims: dict[str, int], dense: dict[str, int] | None = None, *,
                comms=None) -> World:
     """Give ``world`` its DeviceMesh: dims ``dims`` (the planner's, outermost first) plus the dense dims of
-    ``dense`` (today ``{"dp": world_size}``, the default: data parallelism over every rank). ``comms``: the comms
+    ``dense``: ``{"dp": world_size}`` (the default: data parallelism over every rank, spanning the planner's
+    dims), or ``run.mesh``'s ``{"replicate": R, "shard": S, "tp": T}`` (``dense.dense_dims``), which builds
+    ``world.dense_mesh`` beside the planner's mesh, and ``dp`` is its ``replicate x shard``. ``comms``: the comms
     backend, whose ``backend_for_dim`` may give dims their own groups (``comms_groups.init_mesh``). One process:
     the dims are checked and no mesh is built (the planner's ``shard`` gets ``None``)."""
     dims = check_mesh_dims(dims, world.world_size)
     dense = {"dp": world.world_size} if dense is None else dict(dense)
-    unknown = [n for n in dense if n not in DENSE_DIMS]
-    if unknown or dense.get("dp", world.world_size) != world.world_size:
-        raise ConfigError(f"dense mesh dims {dense} are not supported: data parallelism spans the whole world "
-                          f"(dp={world.world_size}); tensor parallelism is not built yet (issue #13)")
+    layout = tuple(dense) != ("dp",)
+    if layout and sorted(dense) != sorted(LAYOUT_DIMS):
+        raise ConfigError(f"dense mesh dims {dense} are not supported: give {{'dp': {world.world_size}}} (data "
+                          "parallelism over every rank) or all of replicate, shard and tp (HSDP and tensor "
+                          "parallelism, from run.mesh)")
+    if not layout and dense["dp"] != world.world_size:
+        raise ConfigError(f"dense mesh dims {dense}: dp spans the whole world (dp={world.world_size})")
+    if layout:
+        check_mesh_dims({n: dense[n] for n in LAYOUT_DIMS}, world.world_size, who="run.mesh")
     if world.world_size <= 1:
         return world
     from gemzoo.distributed.comms_groups import init_mesh
     from gemzoo.interfaces.comms import dim_backends
 
     world.mesh = init_mesh(comms, device_type, tuple(dims.values()), tuple(dims))
-    if tuple(dims) == ("dp",):
+    backend = dim_backends(comms, ("dp",), device_type).get("dp")
+    if layout:
+        world.dense_mesh = init_mesh(comms, device_type, tuple(dense[n] for n in LAYOUT_DIMS), LAYOUT_DIMS)
+        world.dp_mesh = world.dense_mesh["replicate", "shard"]._flatten("dp", backend_override=backend)
+    elif tuple(dims) == ("dp",):
         world.dp_mesh = world.mesh
     else:  # kept here rather than sliced from the root again (deprecated since torch 2.11)
-        backend = dim_backends(comms, ("dp",), device_type).get("dp")
         world.dp_mesh = world.mesh[tuple(dims)]._flatten("dp", backend_override=backend)
     return world
 
@@ -139,9 +158,12 @@ def all_reduce_gradients(params, world: World) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
+    dp = world.dp_mesh.size() if world.dp_mesh is not None else world.world_size
+    if dp <= 1:  # tensor parallelism only: every rank saw the same samples
+        return
     flat = torch.cat([g.reshape(-1).float() for g in grads])
     dist.all_reduce(flat, group=world.dp_mesh.get_group() if world.dp_mesh is not None else None)
-    flat /= world.world_size
+    flat /= dp
     offset = 0
     for g in grads:
         n = g.numel()
@@ -150,9 +172,14 @@ def all_reduce_gradients(params, world: World) -> None:
 
 
 def shard_dense_blocks(model, world: World, mode: str):
-    """FSDP2 (``fully_shard``) on every transformer block; other dense parameters stay replicated."""
+    """FSDP2 (``fully_shard``) on every transformer block; other dense parameters stay replicated. With
+    ``run.mesh`` (``world.dense_mesh``): tensor parallelism and HSDP on the blocks (``dense.shard_dense``)."""
     if mode not in ("fsdp", "ddp"):
         raise ConfigError(f"run.dense_parallel must be \"fsdp\" or \"ddp\", got {mode!r}")
+    if world.dense_mesh is not None:
+        from gemzoo.distributed.dense import shard_dense
+
+        return shard_dense(model, world)
     if world.world_size <= 1 or mode == "ddp":
         return model
     from torch.distributed.fsdp import fully_shard

@@ -3,7 +3,9 @@
 Saving, every rank calls the gathers (they are collective) and rank 0 gets whole tensors, which
 ``gemzoo.train.checkpoint`` writes; loading, each rank copies its own pieces out of the whole tensors. A
 checkpoint therefore does not depend on the layout it was written under: torchrec ShardedTensors (sharded
-tables), FSDP2 DTensors (transformer blocks) and plain tensors all become whole tensors.
+tables), FSDP2 and tensor-parallel DTensors (transformer blocks) and plain tensors all become whole tensors, in
+the model's own layout: a fused projection whose rows tensor parallelism put in rank order
+(``dense.to_rank_rows``) is written in its original order and reordered for the layout it loads into.
 """
 
 from __future__ import annotations
@@ -47,8 +49,35 @@ def shape_mismatches(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> l
     return out
 
 
-def gather_full_state(state: dict[str, Any], is_main: bool) -> dict[str, torch.Tensor]:
-    """Full tensors on the main rank for a state dict that may hold ShardedTensors and DTensors.
+def rank_row_names(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """{parameter name: (parts, tp)} of the parameters whose rows tensor parallelism keeps in rank order."""
+    from gemzoo.distributed.dense import rank_rows
+
+    return {name: rank_rows(p) for name, p in model.named_parameters() if rank_rows(p) is not None}
+
+
+def _whole(value: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """A DTensor's whole tensor in the model's own row order."""
+    from gemzoo.distributed.dense import from_rank_rows
+
+    value = value.full_tensor()
+    return from_rank_rows(value, *rows) if rows is not None else value
+
+
+def _local(value, full: torch.Tensor, rows: tuple[int, int] | None):
+    """This rank's DTensor piece (laid out like ``value``) of the whole tensor ``full``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from gemzoo.distributed.dense import to_rank_rows
+
+    full = to_rank_rows(full, *rows) if rows is not None else full
+    return distribute_tensor(full.detach().to(value.dtype), value.device_mesh, value.placements)
+
+
+def gather_full_state(state: dict[str, Any], is_main: bool,
+                      rows: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+    """Full tensors on the main rank for a state dict that may hold ShardedTensors and DTensors. ``rows``:
+    :func:`rank_row_names` of the model, whose tensors are put back in the model's own order.
 
     Every rank must call it (each ShardedTensor is gathered collectively); other ranks get {}.
     """
@@ -59,7 +88,7 @@ def gather_full_state(state: dict[str, Any], is_main: bool) -> dict[str, torch.T
             value.gather(dst=0, out=out)
             value = out
         elif is_dtensor(value):
-            value = value.full_tensor()
+            value = _whole(value, (rows or {}).get(name))
         if is_main:
             full[name] = value
     return full
@@ -73,6 +102,7 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tu
         raise CheckpointError("the checkpoint does not fit this model: " + "; ".join(
             f"{name} is {list(saved)} in the checkpoint but {list(own)} in the model" for name, saved, own in mismatched[:5]))
     own = model.state_dict()
+    rows = rank_row_names(model)
     missing = [k for k in own if k not in full]
     unexpected = [k for k in full if k not in own]
     plain = {}
@@ -82,9 +112,7 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tu
         if is_sharded(value):
             copy_into_shards(value, full[name])
         elif is_dtensor(value):
-            from torch.distributed.tensor import distribute_tensor
-
-            value.copy_(distribute_tensor(full[name].to(value.dtype), value.device_mesh, value.placements))
+            value.copy_(_local(value, full[name], rows.get(name)))
         else:
             plain[name] = full[name]
     result = model.load_state_dict(plain, strict=False)
@@ -94,24 +122,33 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tu
 
 
 # ---- optimizer state ----------------------------------------------------------------------------
-def gather_optimizer_state(state: dict) -> dict:
-    """Optimizer state with FSDP2 DTensor entries made whole (collective on every rank)."""
+def optimizer_rank_rows(opt: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
+    """{state-dict id: (parts, tp)} of ``opt``'s parameters whose rows are in rank order (tensor parallelism)."""
+    from gemzoo.distributed.dense import rank_rows
+
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return {i: rank_rows(p) for i, p in enumerate(params) if rank_rows(p) is not None}
+
+
+def gather_optimizer_state(state: dict, rows: dict[int, tuple[int, int]] | None = None) -> dict:
+    """Optimizer state with FSDP2 / tensor-parallel DTensor entries made whole (collective on every rank);
+    ``rows``: :func:`optimizer_rank_rows`, whose entries are put back in the parameter's own row order."""
     out = {"param_groups": state["param_groups"], "state": {}}
     for pid, pstate in state["state"].items():
-        out["state"][pid] = {k: (v.full_tensor() if is_dtensor(v) else v) for k, v in pstate.items()}
+        out["state"][pid] = {k: (_whole(v, (rows or {}).get(pid)) if is_dtensor(v) else v) for k, v in pstate.items()}
     return out
 
 
 def redistribute_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """After loading whole tensors, shard each state entry like its FSDP2 parameter again."""
-    from torch.distributed.tensor import distribute_tensor
+    """After loading whole tensors, shard each state entry like its FSDP2 / tensor-parallel parameter again."""
+    from gemzoo.distributed.dense import rank_rows
 
     for p, pstate in opt.state.items():
         if not is_dtensor(p):
             continue
         for k, v in pstate.items():
             if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.shape == p.shape:
-                pstate[k] = distribute_tensor(v.to(p.dtype), p.device_mesh, p.placements)
+                pstate[k] = _local(p, v.to(p.dtype), rank_rows(p))
 
 
 # ---- state whose names differ between ranks (e.g. a fused optimizer lists only the tables a rank stores) ----

@@ -86,10 +86,11 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(inner, d_model)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+        # the head count comes from qkv's output: under tensor parallelism (run.mesh tp) this rank's heads
         t = x.shape[0]
-        q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = self.qkv(x).view(t, 3, -1, self.head_dim).unbind(1)
         o = self.attn(q, k, v, offsets, max_q_len=max_len, max_k_len=max_len)
-        return self.out(o.reshape(t, self.num_heads * self.head_dim)).to(x.dtype)
+        return self.out(o.reshape(t, -1)).to(x.dtype)
 
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())
@@ -140,6 +141,11 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.norm1(x), offsets, max_len))
         return x + self.dropout(self.mlp(self.norm2(x)))
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism (``run.mesh`` tp): Megatron-style, each rank keeps its share of the heads and of
+        the MLP's hidden units; ``colwise:3``: a fused projection of 3 parts (q, k, v), each split by heads."""
+        return {"attn.qkv": "colwise:3", "attn.out": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
 
     def flops(self, lengths: torch.Tensor) -> int:
         return self.attn.flops(lengths) + self.mlp.flops(int(lengths.sum()))

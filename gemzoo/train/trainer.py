@@ -28,6 +28,7 @@ from gemzoo.data.exchange import load_shard, rebalance
 from gemzoo.distributed import (World, all_reduce_gradients, build_mesh, clip_grad_norm, init_distributed,
                                 is_fsdp_shard, pick_device, shard_dense_blocks, whole_parameters)
 from gemzoo.distributed import state as dstate
+from gemzoo.distributed.dense import dense_dims
 from gemzoo.distributed.comms_groups import comms_summary
 from gemzoo.embedding import use_sparse_gradients
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
@@ -279,14 +280,16 @@ class Trainer:
         self.hook.gemzoo_configure(config=cfg)
         torch.manual_seed(cfg.run.seed)
 
-        # 2. Distributed init through the comms backend; the DeviceMesh with the planner's dims (+ dense dp).
+        # 2. Distributed init through the comms backend; the DeviceMesh with the planner's dims (+ dense dp), and
+        #    with run.mesh the dense (replicate, shard, tp) mesh of HSDP and tensor parallelism.
         self.comms = configured("comms", cfg.plugins.comms, cfg)
         self.planner = configured("planner", cfg.plugins.planner, cfg)
         device_type = "cuda" if cfg.run.device.startswith("cuda") or (
             cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
         self.world: World = init_distributed(self.comms, device_type)
         self.topology = Topology(self.world.world_size, device_type)
-        build_mesh(self.world, device_type, self.planner.mesh_dims(self.topology), comms=self.comms)
+        build_mesh(self.world, device_type, self.planner.mesh_dims(self.topology),
+                   dense_dims(cfg.run.mesh, self.world.world_size), comms=self.comms)
         self.device = pick_device(cfg.run.device, self.world)
         if self.world.is_main:
             if self.overwrite and run_folder.clear_run_folder(self.out_dir):
@@ -317,7 +320,7 @@ class Trainer:
         model = self.precision.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
 
         # 7. Planner for embedding tables (its optimizer fused into the tables it shards); FSDP2 for transformer
-        #    blocks, the rest data-parallel.
+        #    blocks (run.mesh: tensor parallelism over tp, then HSDP), the rest data-parallel.
         plan = self.planner.plan(model.embedding_tables(), self.topology)
         self.planner.attach_optimizer(model, plan, SparseOptimizer(lr=cfg.optim.sparse_lr))
         model = self.planner.shard(model, plan, self.world.mesh)
@@ -482,7 +485,10 @@ class Trainer:
         # devices; memory is the largest rank's.
         means = {"loss": float(loss.detach()), **{f"train/{k}": float(v) for k, v in out.logs.items()}}
         means = {k: v * share for k, v in means.items()}  # weighted by the rank's share of the loss terms
+        # the ranks of a tensor-parallel group train the same samples: each counts 1/copies of them
         sums = {"samples": batch.num_samples, "tokens": batch.num_tokens, "flops": self.model.flops(batch)}
+        if self.world.copies > 1:
+            sums = {k: v / self.world.copies for k, v in sums.items()}
         maxes = {"seconds": seconds, "peak_mem_bytes": peak_memory_bytes(self.device)}
         if world > 1:
             means = {k: v / world for k, v in reduce_across_ranks(means, "sum", self.device).items()}
@@ -505,9 +511,11 @@ class Trainer:
 
     def save(self, step: int) -> Path | None:
         # Whole tensors on rank 0, whatever the layout (collectives: every rank takes part).
-        model_state = dstate.gather_full_state(self.model.state_dict(), self.world.is_main)
+        model_state = dstate.gather_full_state(self.model.state_dict(), self.world.is_main,
+                                               dstate.rank_row_names(self.model))
         planner_state = self.planner.state_dict(self.model)
-        optimizer_states = {n: dstate.gather_optimizer_state(o.state_dict()) for n, o in self.optimizers.items()}
+        optimizer_states = {n: dstate.gather_optimizer_state(o.state_dict(), dstate.optimizer_rank_rows(o))
+                            for n, o in self.optimizers.items()}
         if not self.world.is_main:
             return None
         plugins = {e.name: {"kind": e.kind, "distribution": e.distribution, "version": e.version}

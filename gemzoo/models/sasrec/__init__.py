@@ -56,14 +56,19 @@ class SASRecReferenceBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        t, d = x.shape[0], self.head_dim  # heads from the projections' outputs: this rank's under run.mesh tp
         qn = self.norm1(x)
-        q = self.q(qn).view(t, h, d)
-        k, v = self.kv(x).view(t, 2, h, d).unbind(1)
+        q = self.q(qn).view(t, -1, d)
+        k, v = self.kv(x).view(t, 2, -1, d).unbind(1)
         a = self.attn(q, k, v, offsets, max_q_len=max_len, max_k_len=max_len)
-        a = self.out(a.reshape(t, h * d).to(x.dtype)).to(x.dtype)
+        a = self.out(a.reshape(t, -1).to(x.dtype)).to(x.dtype)
         z = self.norm2(qn + self.attn_dropout(a))
         return z + self.dropout(self.mlp(z))
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism (``run.mesh`` tp): heads and MLP hidden units split across ranks; ``colwise:2``:
+        the fused kv projection, k and v each split by heads."""
+        return {"q": "colwise", "kv": "colwise:2", "out": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
 
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())

@@ -1,0 +1,205 @@
+"""3D dense parallelism from ``run.mesh``: HSDP and tensor parallelism for the transformer blocks.
+
+    run.mesh = { replicate = R, shard = S, tp = T }      # R * S * T = world size; shard defaults to the rest
+
+- The dense mesh is one DeviceMesh ``(replicate, shard, tp)`` beside the planner's (its dims come from
+  ``Planner.mesh_dims``; :func:`gemzoo.distributed.build_mesh` builds both). Data parallelism is
+  ``replicate x shard`` (flattened to ``dp``): those ranks load different samples; the T ranks of a ``tp``
+  group load the same ones.
+- Tensor parallelism (T > 1), DTensor ``parallelize_module`` on ``tp``: every transformer block gives its plan
+  (``block.tp_plan()``: module name -> ``"colwise"``, ``"colwise:K"`` or ``"rowwise"``). Column-wise layers
+  (q/k/v, the first MLP projection) keep this rank's heads / hidden units, row-wise ones (the output
+  projections) sum the ranks' parts (all-reduce), so each rank sees every token and attention kernels run
+  unchanged on the local heads. ``"colwise:K"`` is a fused projection of K parts (qkv: 3) each split by heads:
+  its rows are put in rank order first (:func:`to_rank_rows`), so a plain ``Shard(0)`` gives each rank its heads
+  of every part; the parameter records ``(K, T)`` and ``gemzoo.distributed.state`` undoes the order for
+  checkpoints, which hold whole tensors in the model's own layout.
+- HSDP (R * S > 1): FSDP2 ``fully_shard`` on each block over the 2-D mesh ``(replicate, shard)``: parameters
+  sharded over ``shard``, replicated over ``replicate``, gradients reduce-scattered then all-reduced; on top of
+  the TP DTensors when T > 1 (FSDP2 + TP).
+
+Works on gloo (CPU) and NCCL alike: the ops are matmuls, all-gathers, reduce-scatters and all-reduces.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gemzoo.config import MESH_DIMS
+from gemzoo.errors import ConfigError
+
+FUSED_ATTR = "_gemzoo_tp_rows"  # on a parameter: (K, T), its rows are in rank order (to_rank_rows)
+STYLES = ("colwise", "rowwise")
+
+
+def dense_dims(mesh: dict[str, int] | None, world_size: int) -> dict[str, int] | None:
+    """``run.mesh`` completed to ``{replicate, shard, tp}`` for ``world_size`` ranks; None when it is empty
+    (the default layout: ``run.dense_parallel`` over every rank). ``replicate`` and ``tp`` default to 1,
+    ``shard`` to the ranks left. A mesh whose product is not the world size is a ConfigError naming them."""
+    if not mesh:
+        return None
+    from gemzoo.config import check_mesh_table
+
+    check_mesh_table(mesh)
+    dims = {"replicate": mesh.get("replicate", 1), "shard": mesh.get("shard"), "tp": mesh.get("tp", 1)}
+    given = " x ".join(f"{n}={mesh[n]}" for n in MESH_DIMS if n in mesh)
+    if dims["shard"] is None:
+        rest, left = divmod(world_size, dims["replicate"] * dims["tp"])
+        if left or rest < 1:
+            raise ConfigError(f"run.mesh {given} does not divide the world of {world_size} ranks (shard would be "
+                              f"{world_size}/{dims['replicate'] * dims['tp']}); launch a multiple of "
+                              f"{dims['replicate'] * dims['tp']} ranks or change run.mesh")
+        dims["shard"] = rest
+    total = math.prod(dims.values())
+    if total != world_size:
+        shape = " x ".join(f"{n}={s}" for n, s in dims.items())
+        raise ConfigError(f"run.mesh {shape} = {total} ranks, but the world has {world_size}; launch {total} "
+                          f"ranks or change run.mesh so that replicate * shard * tp = {world_size}")
+    return dims
+
+
+# ---- tensor-parallel plans ------------------------------------------------------------------------
+def parse_style(style: str, where: str) -> tuple[str, int]:
+    """``"colwise"`` -> ("colwise", 1); ``"colwise:3"`` -> ("colwise", 3); ``"rowwise"`` -> ("rowwise", 1)."""
+    kind, _, parts = str(style).partition(":")
+    if kind not in STYLES or (parts and (not parts.isdigit() or int(parts) < 1)) or (kind == "rowwise" and parts):
+        raise ConfigError(f"{where}: tensor-parallel style {style!r} is not one of 'colwise', 'colwise:K' "
+                          "(a fused projection of K parts) or 'rowwise'")
+    return kind, int(parts or 1)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def tensor_parallel_plans(model: nn.Module, tp: int) -> list[tuple[str, nn.Module, dict[str, tuple[str, int]]]]:
+    """(name, block, {module: (style, parts)}) for every transformer block, checked for ``tp`` ranks: each block
+    declares a plan, its layers are ``nn.Linear``, and ``tp`` divides every attention's heads and every split
+    dimension. Runs on a meta model, so ``gemzoo config validate``-style checks need no ranks."""
+    from gemzoo.interfaces.models import transformer_blocks
+
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for block in transformer_blocks(model):
+        name = names.get(id(block), type(block).__name__)
+        plan_fn = getattr(block, "tp_plan", None)
+        if plan_fn is None:
+            raise ConfigError(
+                f"run.mesh tp={tp}: transformer block {name} ({type(block).__name__}) declares no tensor-parallel "
+                "plan (a tp_plan() method); use tp = 1 for this model (HSDP over replicate x shard still works)")
+        for sub_name, sub in block.named_modules():
+            heads = getattr(sub, "num_heads", None)
+            if isinstance(heads, int) and heads % tp:
+                where = f"{name}.{sub_name}" if sub_name else name
+                raise ConfigError(f"run.mesh tp={tp} does not divide the attention heads: {where} has num_heads="
+                                  f"{heads}; choose tp among {_divisors(heads)} or change model.num_heads")
+        plan = {}
+        for module_name, style in plan_fn().items():
+            where = f"{name}.{module_name}"
+            kind, parts = parse_style(style, where)
+            try:
+                layer = block.get_submodule(module_name)
+            except AttributeError:
+                raise ConfigError(f"{type(block).__name__}.tp_plan() names {module_name!r}, which {name} "
+                                  "does not have") from None
+            if type(layer) is not nn.Linear:
+                raise ConfigError(
+                    f"run.mesh tp={tp}: {where} is a {type(layer).__name__}, not a plain nn.Linear (a precision "
+                    "policy swapped it); tensor parallelism runs with plugins.precision = \"fp32\" for now")
+            size = layer.out_features if kind == "colwise" else layer.in_features
+            if size % (parts * tp):
+                what = "output" if kind == "colwise" else "input"
+                raise ConfigError(f"run.mesh tp={tp} does not divide {where}'s {what} features ({size}"
+                                  f"{f' in {parts} parts' if parts > 1 else ''}); choose tp among "
+                                  f"{_divisors(size // parts)} or change the model's sizes")
+            plan[module_name] = (kind, parts)
+        out.append((name, block, plan))
+    return out
+
+
+def to_rank_rows(t: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """Rows of a fused projection (``parts`` blocks, e.g. q | k | v) reordered by rank: rank r's rows of part 0,
+    of part 1, ... come r-th, so ``Shard(0)`` over ``tp`` ranks gives each rank its heads of every part."""
+    return t.reshape(parts, tp, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def from_rank_rows(t: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """The inverse of :func:`to_rank_rows`: the model's own row order."""
+    return t.reshape(tp, parts, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def rank_rows(p) -> tuple[int, int] | None:
+    """(parts, tp) when ``p``'s rows are in rank order, else None."""
+    return getattr(p, FUSED_ATTR, None)
+
+
+def parallelize_blocks(model: nn.Module, tp_mesh, tp: int) -> list[tuple[str, nn.Module, dict]]:
+    """Tensor parallelism over ``tp_mesh`` on every transformer block (its ``tp_plan()``); returns the plans."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plans = tensor_parallel_plans(model, tp)
+    for _, block, plan in plans:
+        styles = {}
+        for module_name, (kind, parts) in plan.items():
+            if kind == "colwise" and parts > 1:
+                layer = block.get_submodule(module_name)
+                with torch.no_grad():
+                    for p in layer.parameters(recurse=False):
+                        p.copy_(to_rank_rows(p, parts, tp))
+            styles[module_name] = ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+        parallelize_module(block, tp_mesh, styles)
+    return plans
+
+
+def mark_rank_rows(plans, tp: int) -> None:
+    """After FSDP2 (which makes new parameter objects): tag each fused projection's parameters with (K, T)."""
+    for _, block, plan in plans:
+        for module_name, (kind, parts) in plan.items():
+            if kind == "colwise" and parts > 1:
+                for p in block.get_submodule(module_name).parameters(recurse=False):
+                    setattr(p, FUSED_ATTR, (parts, tp))
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def count_lookups_once(model: nn.Module, tp: int) -> None:
+    """The T ranks of a tp group look up the same samples: the gradients of tables a planner shards (summed
+    over every rank by its lookups' backward) are scaled by 1/T, so each sample counts once as without TP.
+    Whole tables, averaged over ``dp`` like any replicated parameter, need nothing."""
+    from gemzoo.distributed import is_local_tensor
+
+    arch = getattr(model, "sparse_arch", None)
+    if tp <= 1 or arch is None or all(is_local_tensor(p) for p in arch.parameters()):
+        return
+    arch.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1.0 / tp)
+                               if isinstance(out, torch.Tensor) else out)
+
+
+def shard_dense(model: nn.Module, world) -> nn.Module:
+    """Tensor parallelism over ``tp``, then FSDP2 (HSDP) over ``(replicate, shard)``, on every transformer block;
+    other dense parameters stay whole on every rank (their gradients are averaged over ``dp``)."""
+    mesh = world.dense_mesh
+    tp = mesh["tp"].size()
+    plans = parallelize_blocks(model, mesh["tp"], tp) if tp > 1 else []
+    if world.dp_mesh.size() > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        from gemzoo.interfaces.models import transformer_blocks
+
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh["replicate", "shard"])
+    mark_rank_rows(plans, tp)
+    count_lookups_once(model, tp)
+    return model

@@ -1,0 +1,208 @@
+"""3D dense parallelism (run.mesh, issue 13 item 2): HSDP and tensor parallelism on 4 gloo ranks against one
+process, bit-exact resume, checkpoints that move between layouts, and the errors for meshes that do not fit.
+
+One spawn of 4 ranks runs every multi-rank phase in turn (each its own run folder) to keep CI time low; the
+one-process runs happen in the test process."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from gemzoo.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "gem-tiny.toml")
+STEPS = 5
+# gem-tiny without its torchrec tables (dense parallelism alone: the planner owns them), evaluated never, a
+# checkpoint after step 3 and at the end (step 5)
+BASE = [f"run.steps={STEPS}", "eval.every=0", "data.num_sparse_tables=0", "checkpoint.every=3", "checkpoint.keep=0", "run.log_every=1"]
+HSDP = "run.mesh={replicate=2,shard=2}"
+TP = "run.mesh={replicate=1,shard=2,tp=2}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(out: str, overrides: list[str], resume=False) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    import gemzoo
+    from gemzoo import registry
+    from gemzoo.config import load_config
+    from gemzoo.train.trainer import train
+
+    built = {}
+
+    class Capture:
+        @gemzoo.hookimpl
+        def gemzoo_model_built(self, model, config):
+            built["model"] = model
+
+    name = f"capture-{len(registry.host().pm.get_plugins())}"
+    plugin = Capture()
+    registry.host().register(plugin, name=name)
+    try:
+        cfg = load_config(CONFIG, overrides=[*BASE, f"run.out_dir='{out}'", *overrides])
+        result = train(cfg, resume=resume, progress=False)
+    finally:
+        registry.host().pm.unregister(plugin)
+    blocks = built["model"].tower.blocks
+    qkv = blocks[0].attn.qkv.weight
+    local = qkv.to_local() if isinstance(qkv, DTensor) else qkv
+    return {"losses": [h["loss"] for h in result.history], "first": result.history[0]["step"],
+            "samples": [h["samples_per_s"] * h["step_s"] for h in result.history],
+            "qkv_local": list(local.shape), "placements": [str(p) for p in getattr(qkv, "placements", ())]}
+
+
+def _phases(rank: int, world: int, port: int, tmp: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    out = {}
+    ck = lambda run: os.path.join(tmp, run, "checkpoints", "step-00000003")  # noqa: E731
+    out["hsdp"] = _train(f"{tmp}/hsdp", [HSDP])
+    out["hsdp_resumed"] = _train(f"{tmp}/hsdp_resumed", [HSDP], resume=ck("hsdp"))  # same layout: bit-exact
+    out["tp"] = _train(f"{tmp}/tp", [TP])
+    out["tp_from_hsdp"] = _train(f"{tmp}/tp_from_hsdp", [TP], resume=ck("hsdp"))
+    out["hsdp_from_one"] = _train(f"{tmp}/hsdp_from_one", [HSDP], resume=ck("one"))
+    out["hsdp_from_tp"] = _train(f"{tmp}/hsdp_from_tp", [HSDP], resume=ck("tp"))
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _rel(a, b) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float(((a - b).abs() / b.abs()).max())
+
+
+@pytest.mark.distributed
+def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between_layouts(tmp_path):
+    """gem-tiny, 5 steps, the same global batch: HSDP (replicate=2 x shard=2) and TP=2 x DP=2 on 4 gloo ranks
+    each match one process within 1e-5 relative; resuming HSDP is bit-exact; checkpoints written under HSDP, TP
+    and one process resume under each other's layouts and continue the one-process run."""
+    tmp = str(tmp_path)
+    one = _train(f"{tmp}/one", [])
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_phases, args=(r, 4, port, tmp)) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0] * 4, f"ranks exited with {codes}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    got = ranks[0]
+    assert all(r["hsdp"]["losses"] == got["hsdp"]["losses"] for r in ranks)  # one global loss on every rank
+    ref = one["losses"]
+    assert len(ref) == STEPS and one["qkv_local"] == [192, 64]
+    assert _rel(got["hsdp"]["losses"], ref) < 1e-5, (got["hsdp"]["losses"], ref)
+    assert _rel(got["tp"]["losses"], ref) < 1e-5, (got["tp"]["losses"], ref)
+    # HSDP: qkv rows sharded over shard=2; TP=2 x FSDP over shard=2: each rank holds 1/4 of the rows
+    assert got["hsdp"]["qkv_local"] == [96, 64] and got["tp"]["qkv_local"] == [48, 64]
+    assert len(got["tp"]["placements"]) == 3 and got["tp"]["placements"][-1] == "S(0)"  # (replicate, shard, tp)
+    assert got["tp"]["samples"] == one["samples"]  # every sample counted once, not once per tp rank
+    # resume under the same layout: bit-exact
+    assert got["hsdp_resumed"]["first"] == 4
+    assert got["hsdp_resumed"]["losses"] == got["hsdp"]["losses"][3:]
+    # checkpoints move between layouts: HSDP -> TP, one process -> HSDP, TP -> HSDP, HSDP -> one process
+    for name in ("tp_from_hsdp", "hsdp_from_one", "hsdp_from_tp"):
+        assert got[name]["first"] == 4 and _rel(got[name]["losses"], ref[3:]) < 1e-5, (name, got[name], ref)
+    for run in ("hsdp", "tp"):
+        back = _train(f"{tmp}/one_from_{run}", [], resume=str(tmp_path / run / "checkpoints" / "step-00000003"))
+        assert back["first"] == 4 and _rel(back["losses"], ref[3:]) < 1e-5, (run, back, ref)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh,world,problem", [
+    ({"replicate": 2, "shard": 3}, 4, r"replicate=2 x shard=3 x tp=1 = 6 ranks, but the world has 4"),
+    ({"replicate": 3}, 4, r"replicate=3 does not divide the world of 4 ranks"),
+    ({"replicate": 2, "shard": 2, "tp": 2}, 4, r"= 8 ranks, but the world has 4"),
+    ({"tp": 2}, 1, r"tp=2 does not divide the world of 1 ranks"),
+    ({"shard": 1, "tp": 2}, 1, r"replicate=1 x shard=1 x tp=2 = 2 ranks, but the world has 1"),
+    ({"pp": 2}, 4, r"unknown dim 'pp'"),
+    ({"tp": 0}, 4, r"tp = 0: sizes are integers >= 1"),
+])
+def test_a_mesh_that_does_not_fit_the_world_is_a_config_error(mesh, world, problem):
+    from gemzoo.distributed.dense import dense_dims
+
+    with pytest.raises(ConfigError, match=problem):
+        dense_dims(mesh, world)
+
+
+def test_mesh_defaults_fill_the_world():
+    from gemzoo.distributed.dense import dense_dims
+
+    assert dense_dims({}, 4) is None  # the default layout: run.dense_parallel over every rank
+    assert dense_dims({"tp": 2}, 8) == {"replicate": 1, "shard": 4, "tp": 2}
+    assert dense_dims({"replicate": 2, "tp": 2}, 4) == {"replicate": 2, "shard": 1, "tp": 2}
+
+
+def _meta_model(overrides: list[str]):
+    from gemzoo.config import load_config
+    from gemzoo.train.trainer import build_on_meta
+
+    return build_on_meta(load_config(CONFIG, overrides=overrides))
+
+
+def test_tp_that_does_not_divide_the_heads_names_the_values():
+    from gemzoo.distributed.dense import tensor_parallel_plans
+
+    model = _meta_model(["model.num_heads=2"])
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide the attention heads: tower\.blocks\.0\.attn has "
+                                          r"num_heads=2; choose tp among 1, 2"):
+        tensor_parallel_plans(model, 4)
+    plans = tensor_parallel_plans(model, 2)
+    assert [n for n, _, _ in plans] == ["tower.blocks.0", "tower.blocks.1"]
+    assert plans[0][2] == {"attn.qkv": ("colwise", 3), "attn.out": ("rowwise", 1), "mlp.fc1": ("colwise", 1),
+                           "mlp.fc2": ("rowwise", 1)}
+
+
+def test_tp_needs_plain_linears_and_a_block_plan():
+    from gemzoo.distributed.dense import tensor_parallel_plans
+
+    with pytest.raises(ConfigError, match=r"tower\.blocks\.0\.attn\.qkv is a BF16Linear.*precision = \"fp32\""):
+        tensor_parallel_plans(_meta_model(["plugins.precision='bf16'"]), 2)
+    hstu = os.path.join(ROOT, "configs", "hstu-ml1m.toml")
+    from gemzoo import registry
+    from gemzoo.config import load_config
+
+    cfg = load_config(hstu)
+    spec = registry.get("model", cfg.model.family)
+    with torch.device("meta"):
+        model = spec.build(cfg.model, {"num_items": 100, "max_len": 16, "task": "retrieval", "timestamps": True})
+    with pytest.raises(ConfigError, match=r"HSTUBlock\) declares no tensor-parallel plan.*tp = 1"):
+        tensor_parallel_plans(model, 2)
+
+
+def test_mesh_with_ddp_and_bad_tables_are_config_errors():
+    from gemzoo.config import load_config
+
+    with pytest.raises(ConfigError, match=r"run.mesh .* drop run.dense_parallel = \"ddp\""):
+        load_config(CONFIG, overrides=[HSDP, "run.dense_parallel='ddp'"])
+    with pytest.raises(ConfigError, match=r"run.mesh must be a table"):
+        load_config(CONFIG, overrides=["run.mesh=4"])
+    assert load_config(CONFIG).run.mesh == {}  # the default: run.dense_parallel over every rank, as before
+
+
+def test_fused_rows_in_rank_order_round_trip():
+    from gemzoo.distributed.dense import from_rank_rows, to_rank_rows
+
+    w = torch.arange(3 * 4 * 2).reshape(3 * 4, 2)  # q | k | v, 4 rows each (2 heads of 2)
+    ranked = to_rank_rows(w, 3, 2)
+    # rank 0's half: q rows 0-1, k rows 4-5, v rows 8-9; rank 1's: q 2-3, k 6-7, v 10-11
+    assert ranked[:, 0].tolist() == [0, 2, 8, 10, 16, 18, 4, 6, 12, 14, 20, 22]
+    assert torch.equal(from_rank_rows(ranked, 3, 2), w)
