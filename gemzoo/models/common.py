@@ -87,10 +87,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
         # the head count comes from qkv's output: under tensor parallelism (run.mesh tp) this rank's heads
-        t = x.shape[0]
-        q, k, v = self.qkv(x).view(t, 3, -1, self.head_dim).unbind(1)
+        t, qkv = x.shape[0], self.qkv(x)
+        heads = qkv.shape[1] // (3 * self.head_dim)
+        q, k, v = qkv.view(t, 3, heads, self.head_dim).unbind(1)
         o = self.attn(q, k, v, offsets, max_q_len=max_len, max_k_len=max_len)
-        return self.out(o.reshape(t, -1)).to(x.dtype)
+        return self.out(o.reshape(t, heads * self.head_dim)).to(x.dtype)
 
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())

@@ -56,12 +56,14 @@ class SASRecReferenceBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim  # heads from the projections' outputs: this rank's under run.mesh tp
+        t, d = x.shape[0], self.head_dim
         qn = self.norm1(x)
-        q = self.q(qn).view(t, -1, d)
-        k, v = self.kv(x).view(t, 2, -1, d).unbind(1)
+        q = self.q(qn)
+        h = q.shape[1] // d  # from the projection's output: this rank's heads under run.mesh tp
+        q = q.view(t, h, d)
+        k, v = self.kv(x).view(t, 2, h, d).unbind(1)
         a = self.attn(q, k, v, offsets, max_q_len=max_len, max_k_len=max_len)
-        a = self.out(a.reshape(t, -1).to(x.dtype)).to(x.dtype)
+        a = self.out(a.reshape(t, h * d).to(x.dtype)).to(x.dtype)
         z = self.norm2(qn + self.attn_dropout(a))
         return z + self.dropout(self.mlp(z))
 
