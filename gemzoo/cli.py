@@ -81,6 +81,15 @@ def cmd_plugins(args) -> int:
     infos = sorted(registry.host().infos.values(), key=lambda i: (i.distribution != "gemzoo", i.name))
     rows = [{"name": i.name, "distribution": i.distribution, "version": i.version, "hooks": i.hooks,
              "registered": i.registered, "error": i.error} for i in infos]
+    for r in rows:  # comms backends: sm_free and the collectives each runs itself (the rest go to c10d)
+        comms = {}
+        for n in r["registered"].get("comms", []):
+            try:
+                comms[n] = registry.get("comms", n).capabilities.summary()
+            except Exception:  # a clashing or broken entry keeps its row as it is
+                pass
+        if comms:
+            r["comms"] = comms
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -90,6 +99,9 @@ def cmd_plugins(args) -> int:
     table = Table("plugin", "distribution", "version", "hooks", "registers")
     for r in rows:
         regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(r["registered"].items()))
+        for n, c in r.get("comms", {}).items():
+            runs = ", ".join(c["implements"]) or "none (all c10d)"
+            regs += f" ({n}: sm_free = {'yes' if c['sm_free'] else 'no'}; runs itself: {runs})"
         name = r["name"].replace("gemzoo.builtin.", "builtin.")
         hooks = ", ".join(h.removeprefix("gemzoo_") for h in r["hooks"])
         table.add_row(name, r["distribution"], r["version"], hooks, "[red]FAILED[/red]" if r["error"] else regs)

@@ -201,7 +201,7 @@ class NcclxProcessGroup(dist.ProcessGroup):
         transport = self._transport(device)  # collective on the first CUDA call: every rank gets here
         if transport is None:
             return fallback()
-        gen = transport.prepare(sends, mode) if not error else 0
+        gen = transport.prepare(sends if not error else [], mode)  # on every rank: CUDA slots stay in step
         counts = (lambda ts: [t.numel() for t in ts]) if not error else (lambda ts: None)
         rows = self._exchange(S.meta_row(W, op, dtype, S.NO_REDUCE if redop is None else redop, error,
                                          counts(sends), counts(recvs), gen, row))
