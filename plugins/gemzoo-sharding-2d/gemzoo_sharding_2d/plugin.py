@@ -111,9 +111,9 @@ class Sharding2D:
         return {"replica": topology.world_size // g, "shard": g}
 
     def plan(self, tables: list[Any], topology: Topology) -> Layout | None:
+        g = group_size_for(self.options, topology.world_size)
         if not tables:
             return None
-        g = group_size_for(self.options, topology.world_size)
         return plan_layout(tables, g, topology.world_size // g, self.options.strategy, self.options.sharding_types,
                            topology.device_type)
 

@@ -1,0 +1,255 @@
+"""``gemzoo plan``: per-rank memory and per-step communication of 1D and 2D embedding sharding at a target scale,
+by calculation (no GPU): the evidence for worlds these machines cannot run.
+
+For a config it builds the dataset (one batch, for the mean history length and ids per sparse feature) and the
+model on ``meta`` (dense parameter counts, the tables), then for each layout (1D: one group of W ranks; 2D
+``replicated`` and ``fully_sharded``: groups of G) it computes, per rank:
+
+- memory: table weights and their Adagrad state (fp32, element-wise as the engine stores them; the whole group
+  shard also lives during a fully-sharded step), dense parameters with grads and AdamW moments (16 bytes a
+  parameter; FSDP shards the transformer blocks over the world), saved activations (estimate: bytes = tokens x
+  d_model x layers x (10 + 6 ffn_mult), Korthikanti et al. 2022's 34 sbh per layer at ffn_mult 4 in 16-bit,
+  without the attention-score term a flash kernel never stores);
+- bytes handed to collectives per step, the same categories ``engine.CommCounter`` counts (the gloo tests
+  check :func:`embedding_traffic` against them exactly), plus the dense gradient all-reduce and FSDP gathers;
+- time at the stated link bandwidths: all-to-all bytes leave the rank in the fraction (n - 1) / n, split
+  between peers on the node (NVLink) and off it (inter-node, per GPU); ring collectives move 2 (n-1)/n
+  (all-reduce) or (n-1)/n (all-gather, reduce-scatter) of the payload and run at inter-node speed once the
+  group leaves a node. Groups are consecutive ranks, replica groups strided by G.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from gemzoo.errors import ConfigError
+from gemzoo_sharding_2d.layout import Layout, plan_layout
+
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+         "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """'141GB' -> 141e9, '80GiB' -> 80 * 2**30; ConfigError naming the text otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in UNITS:
+        raise ConfigError(f"--hbm {text!r}: give a size such as 141GB or 80GiB")
+    return float(m.group(1)) * UNITS[m.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class Links:
+    nvlink_gbs: float = 450.0  # per GPU, within a node
+    ib_gbs: float = 50.0  # per GPU, between nodes
+    gpus_per_node: int = 8
+
+
+def _peers_on_node(n: int, stride: int, links: Links) -> int:
+    """How many members of a group of ``n`` ranks spaced ``stride`` apart share a node (self included)."""
+    return min(n, max(1, links.gpus_per_node // stride)) if stride < links.gpus_per_node else 1
+
+
+def a2a_seconds(nbytes: float, n: int, stride: int, links: Links) -> float:
+    if n <= 1:
+        return 0.0
+    k = _peers_on_node(n, stride, links)
+    out = nbytes * (n - 1) / n
+    intra, inter = out * (k - 1) / (n - 1), out * (n - k) / (n - 1)
+    return max(intra / (links.nvlink_gbs * 1e9), inter / (links.ib_gbs * 1e9))
+
+
+def ring_seconds(wire_bytes: float, n: int, stride: int, links: Links) -> float:
+    if n <= 1:
+        return 0.0
+    on_node = _peers_on_node(n, stride, links) == n
+    return wire_bytes / ((links.nvlink_gbs if on_node else links.ib_gbs) * 1e9)
+
+
+def embedding_traffic(layout: Layout, features: list[str], batch: float, ids_per_sample: dict[str, float],
+                      replica_sync: str = "gradients", sync_every: int = 1) -> dict[str, float]:
+    """Bytes one rank hands to each collective of the engine per training step, averaged over a group's ranks
+    (exact for the engine given the mean ids per sample; row-wise layouts are the same on every rank)."""
+    G, R = layout.group_size, layout.replicas
+    table_of = {f: t for t, s in layout.tables.items() for f in s.feature_names}
+    out = {}
+    if G > 1:
+        pairs = [(f, b) for f in features for b in layout.blocks[table_of[f]]]
+        ids = sum(batch * ids_per_sample[f] * len({b.col_off for b in layout.blocks[table_of[f]]})
+                  for f in features if layout.blocks[table_of[f]])
+        out["a2a_ids"] = 8 * (2 * G + batch * len(pairs) + ids)
+        out["a2a_pooled_fwd"] = out["a2a_pooled_bwd"] = 4 * batch * sum(b.cols for _, b in pairs)
+    blocks = [b for bs in layout.blocks.values() for b in bs]
+    group_shard = sum(b.rows * b.cols for b in blocks) / G  # elements a rank of a group stores, on average
+    if R > 1 and layout.strategy == "fully_sharded":
+        piece = sum(math.ceil(b.rows / R) * b.cols for b in blocks) / G
+        out["replica_all_gather"] = 4 * piece
+        out["replica_reduce_scatter"] = 4 * piece * R
+    elif R > 1:
+        out["replica_sync"] = 4 * group_shard * (1 if replica_sync == "gradients" else 2 / sync_every)
+    return out
+
+
+def describe_config(cfg, batch_per_rank: float | None = None) -> dict:
+    """What the calculation needs from a config: tables, features, mean tokens and ids per sample, dense sizes."""
+    import torch
+
+    from gemzoo import registry
+    from gemzoo.interfaces.models import transformer_blocks
+
+    ds = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
+    batch = ds.train_batch(0)
+    with torch.device("meta"):
+        model = registry.get("model", cfg.model.family).build(cfg.model, ds.info)
+    sparse = {id(p) for p in model.sparse_arch.parameters()} if getattr(model, "sparse_arch", None) else set()
+    blocks = {id(p) for b in transformer_blocks(model) for p in b.parameters()}
+    dense = [p for p in model.parameters() if id(p) not in sparse]
+    keys = list(getattr(batch, "sparse_keys", ()) or ())
+    lengths = getattr(batch, "sparse_lengths", None)
+    b = batch.num_samples
+    ids = {k: float(lengths[i * b:(i + 1) * b].double().mean()) for i, k in enumerate(keys)} if keys else {}
+    return {"tables": model.embedding_tables() if sparse else [], "features": keys, "ids_per_sample": ids,
+            "tokens_per_sample": batch.num_tokens / max(b, 1),
+            "batch_per_rank": float(batch_per_rank if batch_per_rank is not None else cfg.data.batch_size),
+            "dense_params": sum(p.numel() for p in dense), "block_params": sum(p.numel() for p in dense
+                                                                             if id(p) in blocks),
+            "d_model": cfg.model.d_model, "layers": len(transformer_blocks(model)),
+            "ffn_mult": getattr(cfg.model, "ffn_mult", 4), "dense_parallel": cfg.run.dense_parallel}
+
+
+def layout_estimate(desc: dict, world: int, group: int, strategy: str, links: Links, *, sharding: str = "row_wise",
+                    replica_sync: str = "gradients", sync_every: int = 1) -> dict:
+    """Memory (bytes a rank) and traffic (bytes a rank a step; seconds) of one layout."""
+    R = world // group
+    layout = plan_layout(desc["tables"], group, R, strategy, [sharding], use_torchrec=False)
+    B = desc["batch_per_rank"]
+    traffic = embedding_traffic(layout, desc["features"], B, desc["ids_per_sample"], replica_sync, sync_every)
+    whole = sum(s.numel for s in layout.tables.values()) * 4
+    stored = sum(math.ceil(b.rows / (R if strategy == "fully_sharded" else 1)) * b.cols
+                 for bs in layout.blocks.values() for b in bs) * 4 / group
+    stored += sum(s.numel * 4 for t, s in layout.tables.items() if not layout.blocks[t])  # data-parallel tables
+    fsdp = desc["dense_parallel"] == "fsdp" and world > 1
+    rest = desc["dense_params"] - (desc["block_params"] if fsdp else 0)
+    dense_bytes = 16 * (rest + (desc["block_params"] / world if fsdp else 0))
+    tokens = B * desc["tokens_per_sample"]
+    activations = tokens * desc["d_model"] * desc["layers"] * (10 + 6 * desc["ffn_mult"])
+    transient = whole / group if strategy == "fully_sharded" and R > 1 else 0.0
+    memory = {"tables": stored, "optimizer_state": stored, "dense": dense_bytes, "activations": activations,
+              "gathered_group_shard": transient}
+    memory["total"] = sum(memory.values())
+    # dense traffic: the gradient all-reduce of replicated parameters over all ranks, FSDP gathers of blocks
+    traffic["dense_all_reduce"] = 4 * rest if world > 1 else 0.0
+    traffic["fsdp_gathers"] = 3 * 4 * desc["block_params"] / world if fsdp else 0.0  # 2 all-gathers + 1 reduce-scatter
+    seconds = {
+        "a2a": a2a_seconds(sum(traffic.get(k, 0) for k in ("a2a_ids", "a2a_pooled_fwd", "a2a_pooled_bwd")), group,
+                           1, links),
+        "replica": ring_seconds(traffic.get("replica_sync", 0) * 2 * (R - 1) / max(R, 1)
+                                + (traffic.get("replica_all_gather", 0) + traffic.get("replica_reduce_scatter", 0) / R)
+                                * (R - 1), R, group, links),
+        "dense": ring_seconds(traffic["dense_all_reduce"] * 2 * (world - 1) / world
+                              + traffic["fsdp_gathers"] * (world - 1), world, 1, links),
+    }
+    seconds["total"] = sum(seconds.values())
+    return {"world": world, "group_size": group, "replicas": R, "strategy": strategy if R > 1 else "1d",
+            "sharding": sharding, "memory": memory, "traffic": traffic, "seconds": seconds}
+
+
+def plan_report(cfg, world: int, group: int, hbm: float, links: Links = Links(), *, strategies=("replicated",
+                "fully_sharded"), sharding: str = "row_wise", replica_sync: str = "gradients", sync_every: int = 1,
+                batch_per_rank: float | None = None, desc: dict | None = None) -> dict:
+    if world < 1 or group < 1 or world % group:
+        raise ConfigError(f"--group {group} does not divide --world {world}: world = group x replicas")
+    desc = desc or describe_config(cfg, batch_per_rank)
+    rows = {"1d": layout_estimate(desc, world, world, "replicated", links, sharding=sharding)}
+    for s in strategies:
+        rows[f"2d-{s}"] = layout_estimate(desc, world, group, s, links, sharding=sharding,
+                                          replica_sync=replica_sync, sync_every=sync_every)
+    for r in rows.values():
+        r["fits_hbm"] = r["memory"]["total"] <= hbm
+    public = {k: v for k, v in desc.items() if k != "tables"}
+    public["table_bytes"] = sum(t.num_embeddings * t.embedding_dim * 4 for t in desc["tables"])
+    return {"world": world, "group": group, "hbm": hbm, "links": links.__dict__, "model": public, "layouts": rows}
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.3f} GB" if x >= 1e7 else f"{x / 1e6:,.3f} MB" if x >= 1e4 else f"{x:,.0f} B"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.3f} ms"
+
+
+def render(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:  # the tables are wide: at least 180 columns, more where the terminal has them
+        console = Console()
+        console = Console(width=max(console.width, 180))
+    m, L = report["model"], report["links"]
+    console.print(f"[bold]gemzoo plan[/]: world {report['world']}, groups of {report['group']}, "
+                  f"{m['batch_per_rank']:g} samples a rank ({m['tokens_per_sample']:.0f} events, "
+                  f"{len(m['features'])} sparse features), tables {_gb(m['table_bytes'])} fp32, "
+                  f"{m['dense_params'] / 1e6:,.1f} M dense parameters; links: NVLink {L['nvlink_gbs']:g} GB/s within "
+                  f"{L['gpus_per_node']} GPUs, {L['ib_gbs']:g} GB/s a GPU between nodes; HBM {_gb(report['hbm'])}")
+    mem = Table(title="memory per rank")
+    for c in ("layout", "G x R", "tables", "optimizer state", "dense (+grad, AdamW)", "activations (est.)",
+              "gathered shard", "total", "fits HBM"):
+        mem.add_column(c, justify="right" if c not in ("layout",) else "left")
+    comm = Table(title="communication per rank per step (bytes handed to collectives; time at the link bandwidths)")
+    for c in ("layout", "a2a ids", "a2a pooled fwd+bwd", "replica sync", "replica gather+scatter",
+              "dense all-reduce", "FSDP gathers", "a2a time", "replica time", "dense time", "total time"):
+        comm.add_column(c, justify="right" if c != "layout" else "left")
+    for name, r in report["layouts"].items():
+        mm, t, s = r["memory"], r["traffic"], r["seconds"]
+        mem.add_row(name, f"{r['group_size']} x {r['replicas']}", _gb(mm["tables"]), _gb(mm["optimizer_state"]),
+                    _gb(mm["dense"]), _gb(mm["activations"]), _gb(mm["gathered_group_shard"]), _gb(mm["total"]),
+                    "yes" if r["fits_hbm"] else "[red]no[/]")
+        comm.add_row(name, _gb(t.get("a2a_ids", 0)), _gb(t.get("a2a_pooled_fwd", 0) + t.get("a2a_pooled_bwd", 0)),
+                     _gb(t.get("replica_sync", 0)),
+                     _gb(t.get("replica_all_gather", 0) + t.get("replica_reduce_scatter", 0)),
+                     _gb(t["dense_all_reduce"]), _gb(t["fsdp_gathers"]), _ms(s["a2a"]), _ms(s["replica"]),
+                     _ms(s["dense"]), _ms(s["total"]))
+    console.print(mem)
+    console.print(comm)
+
+
+def cmd_plan(args) -> int:
+    from gemzoo.config import load_config
+
+    cfg = load_config(args.config, overrides=list(args.set or []), plugins=args.plugins)
+    links = Links(args.nvlink, args.ib, args.gpus_per_node)
+    strategies = ("replicated", "fully_sharded") if args.strategy == "both" else (args.strategy,)
+    report = plan_report(cfg, args.world, args.group, parse_bytes(args.hbm), links, strategies=strategies,
+                         sharding=args.sharding, replica_sync=args.replica_sync, sync_every=args.sync_every,
+                         batch_per_rank=args.batch_per_rank)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        render(report)
+    return 0
+
+
+def add_command(cli) -> None:
+    p = cli.add_parser("plan", help="per-rank memory and per-step communication of 1D vs 2D embedding sharding "
+                                    "at a target scale (no GPU)")
+    p.add_argument("--config", required=True, help="a TOML config (its tables, model and data)")
+    p.add_argument("--world", type=int, required=True, help="ranks (GPUs) in the target job")
+    p.add_argument("--group", type=int, default=8, help="G: ranks a sharding group (default 8, one node)")
+    p.add_argument("--hbm", default="141GB", help="memory a GPU (default 141GB, an H200)")
+    p.add_argument("--strategy", default="both", choices=("both", "replicated", "fully_sharded"))
+    p.add_argument("--sharding", default="row_wise", choices=("row_wise", "table_wise", "column_wise"),
+                   help="how tables are placed within a group (default row_wise)")
+    p.add_argument("--replica-sync", default="gradients", choices=("gradients", "weights"))
+    p.add_argument("--sync-every", type=int, default=1)
+    p.add_argument("--batch-per-rank", type=float, default=None,
+                   help="samples a rank a step (default: the config's data.batch_size, as on one GPU)")
+    p.add_argument("--nvlink", type=float, default=450.0, help="GB/s a GPU within a node (default 450)")
+    p.add_argument("--ib", type=float, default=50.0, help="GB/s a GPU between nodes (default 50)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--plugins", default=None, help="comma-separated plugins, as for train")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.set_defaults(func=cmd_plan)
