@@ -59,8 +59,35 @@ def _train(out: str, overrides: list[str], resume=False) -> dict:
     qkv = blocks[0].attn.qkv.weight
     local = qkv.to_local() if isinstance(qkv, DTensor) else qkv
     return {"losses": [h["loss"] for h in result.history], "first": result.history[0]["step"],
-            "samples": [h["samples_per_s"] * h["step_s"] for h in result.history],
+            "samples": [round(h["samples_per_s"] * h["step_s"], 6) for h in result.history],
             "qkv_local": list(local.shape), "placements": [str(p) for p in getattr(qkv, "placements", ())]}
+
+
+def _sasrec_block_under_tp() -> dict:
+    """sasrec's reference block (separate q, fused kv) under its tp_plan on 2 ranks against the whole block."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gemzoo import registry
+    from gemzoo.distributed.dense import mark_rank_rows, parallelize_blocks
+    from gemzoo.interfaces.attention import AttentionRequest
+    from gemzoo.models.sasrec import SASRecReferenceBlock
+
+    torch.manual_seed(0)
+    blocks = [SASRecReferenceBlock(16, 4, 4, 32, request=AttentionRequest(activation="softmax", causal=True),
+                                   dropout=0.0, attn_dropout=0.0, affine=True) for _ in range(2)]
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    for b in blocks:
+        b.attn.set_kernel("reference", registry.get("attention", "reference"))
+    holder = torch.nn.Module()
+    holder.transformer_blocks = lambda: [blocks[1]]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mark_rank_rows(parallelize_blocks(holder, mesh["tp"], 2), 2)
+    x, offsets = torch.randn(7, 16, requires_grad=True), torch.tensor([0, 3, 7])
+    ref, got = blocks[0](x, offsets, 4), blocks[1](x, offsets, 4)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    (g_got,) = torch.autograd.grad(got.square().sum(), x)
+    return {"out": float((got - ref).abs().max()), "grad": float((g_got - g_ref).abs().max()),
+            "kv_local": list(blocks[1].kv.weight.to_local().shape)}
 
 
 def _phases(rank: int, world: int, port: int, tmp: str) -> None:
@@ -76,6 +103,7 @@ def _phases(rank: int, world: int, port: int, tmp: str) -> None:
     out["tp_from_hsdp"] = _train(f"{tmp}/tp_from_hsdp", [TP], resume=ck("hsdp"))
     out["hsdp_from_one"] = _train(f"{tmp}/hsdp_from_one", [HSDP], resume=ck("one"))
     out["hsdp_from_tp"] = _train(f"{tmp}/hsdp_from_tp", [HSDP], resume=ck("tp"))
+    out["sasrec_tp"] = _sasrec_block_under_tp()
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
@@ -123,6 +151,9 @@ def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between
     # checkpoints move between layouts: HSDP -> TP, one process -> HSDP, TP -> HSDP, HSDP -> one process
     for name in ("tp_from_hsdp", "hsdp_from_one", "hsdp_from_tp"):
         assert got[name]["first"] == 4 and _rel(got[name]["losses"], ref[3:]) < 1e-5, (name, got[name], ref)
+    # sasrec's block: local heads of q and of the fused kv (2 x 16 rows over 2 ranks), same output and gradient
+    sasrec = got["sasrec_tp"]
+    assert sasrec["kv_local"] == [16, 16] and sasrec["out"] < 1e-5 and sasrec["grad"] < 1e-5, sasrec
     for run in ("hsdp", "tp"):
         back = _train(f"{tmp}/one_from_{run}", [], resume=str(tmp_path / run / "checkpoints" / "step-00000003"))
         assert back["first"] == 4 and _rel(back["losses"], ref[3:]) < 1e-5, (run, back, ref)

@@ -23,6 +23,7 @@ Works on gloo (CPU) and NCCL alike: the ops are matmuls, all-gathers, reduce-sca
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -30,6 +31,16 @@ from torch import nn
 
 from gemzoo.config import MESH_DIMS
 from gemzoo.errors import ConfigError
+
+class _DropRedistributeNotice(logging.Filter):
+    """Gathering an HSDP + TP parameter whole (checkpoints) takes two all-gathers, which DTensor logs as a
+    warning for every parameter on every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("While redistributing from")
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_DropRedistributeNotice())
 
 FUSED_ATTR = "_gemzoo_tp_rows"  # on a parameter: (K, T), its rows are in rank order (to_rank_rows)
 STYLES = ("colwise", "rowwise")

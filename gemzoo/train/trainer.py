@@ -562,6 +562,9 @@ class Trainer:
                        "device": str(self.device), "world_size": self.world.world_size,
                        "mesh": None if mesh is None else {"shape": list(mesh.mesh.shape),
                                                           "dims": list(mesh.mesh_dim_names or ())},
+                       **({} if self.world.dense_mesh is None else {"dense_mesh": {
+                           "shape": list(self.world.dense_mesh.mesh.shape),
+                           "dims": list(self.world.dense_mesh.mesh_dim_names)}}),
                        "peak_flops": self.peak, "mfu_peak": peak_source, "attention": cfg.plugins.attention,
                        "precision": cfg.plugins.precision, "memory": cfg.plugins.memory,
                        "comms": comms_summary(cfg.plugins.comms, self.comms, mesh),
