@@ -240,28 +240,3 @@ def test_fused_rows_in_rank_order_round_trip():
     assert ranked[:, 0].tolist() == [0, 2, 8, 10, 16, 18, 4, 6, 12, 14, 20, 22]
     assert torch.equal(from_rank_rows(ranked, 3, 2), w)
 
-
-def test_tp_ranks_count_their_shared_samples_once_in_sharded_tables():
-    """The ranks of a tp group look up the same samples; a planner's sharded tables (their optimizer fused, so
-    not whole) sum the lookups' gradients over every rank, so tensor parallelism scales them by 1/tp. Whole
-    tables (averaged over dp like any replicated parameter) are left alone."""
-    from torch import nn
-
-    from gemzoo.distributed.dense import count_lookups_once
-
-    def model(fused: bool):
-        m = nn.Module()
-        m.sparse_arch = nn.Linear(3, 2, bias=False)
-        if fused:
-            m.sparse_arch.weight._in_backward_optimizers = []  # what torchrec's fused tables carry
-        return m
-
-    x = torch.ones(1, 3)
-    for fused, factor in ((True, 0.5), (False, 1.0)):
-        plain, scaled = model(fused), model(fused)
-        scaled.sparse_arch.weight.data.copy_(plain.sparse_arch.weight.data)
-        count_lookups_once(scaled, 2)
-        plain.sparse_arch(x).sum().backward()
-        scaled.sparse_arch(x).sum().backward()
-        torch.testing.assert_close(scaled.sparse_arch.weight.grad, plain.sparse_arch.weight.grad * factor)
-        torch.testing.assert_close(scaled.sparse_arch(x), plain.sparse_arch(x))

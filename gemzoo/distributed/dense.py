@@ -18,6 +18,11 @@
   sharded over ``shard``, replicated over ``replicate``, gradients reduce-scattered then all-reduced; on top of
   the TP DTensors when T > 1 (FSDP2 + TP).
 
+- Embedding tables are the planner's: the T ranks of a tp group look up the same samples, and torchrec's
+  sharded lookups divide their gradients by the world size (``comm_ops`` gradient division; sharding-2d does
+  the same), so the T copies average to the data-parallel mean with nothing to correct; whole tables are
+  averaged over ``dp`` like any replicated parameter.
+
 Works on gloo (CPU) and NCCL alike: the ops are matmuls, all-gathers, reduce-scatters and all-reduces.
 """
 
@@ -174,30 +179,6 @@ def mark_rank_rows(plans, tp: int) -> None:
                     setattr(p, FUSED_ATTR, (parts, tp))
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-def count_lookups_once(model: nn.Module, tp: int) -> None:
-    """The T ranks of a tp group look up the same samples: the gradients of tables a planner shards (summed
-    over every rank by its lookups' backward) are scaled by 1/T, so each sample counts once as without TP.
-    Whole tables, averaged over ``dp`` like any replicated parameter, need nothing."""
-    from gemzoo.distributed import is_local_tensor
-
-    arch = getattr(model, "sparse_arch", None)
-    if tp <= 1 or arch is None or all(is_local_tensor(p) for p in arch.parameters()):
-        return
-    arch.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1.0 / tp)
-                               if isinstance(out, torch.Tensor) else out)
-
-
 def shard_dense(model: nn.Module, world) -> nn.Module:
     """Tensor parallelism over ``tp``, then FSDP2 (HSDP) over ``(replicate, shard)``, on every transformer block;
     other dense parameters stay whole on every rank (their gradients are averaged over ``dp``)."""
@@ -212,5 +193,4 @@ def shard_dense(model: nn.Module, world) -> nn.Module:
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh["replicate", "shard"])
     mark_rank_rows(plans, tp)
-    count_lookups_once(model, tp)
     return model
