@@ -1,0 +1,394 @@
+"""GEMM slowdown while collective-sized buffers move: ncclx's copy-engine path against SM copy kernels, one GPU.
+
+    python plugins/gemzoo-ncclx/bench/bench_overlap.py --out $OUT/ncclx_overlap.json      # one H200, < 120 s
+    python plugins/gemzoo-ncclx/bench/bench_overlap.py --dry-run --out /tmp/ncclx.json    # CPU smoke (tiny sizes)
+
+One process, one device call:
+
+1. Build (or load) the C++/CUDA part (plugins/gemzoo-ncclx/csrc/comms); its build time is reported.
+2. A stream of 8192^3 bf16 GEMMs on the default stream, timed with CUDA events, in rounds. Each round runs, in
+   order: the GEMMs alone ("alone-before"); while a side stream moves 256 MB and then 1 GB buffers with
+   ncclx's copy-engine call (``copy_async``: the very ``cudaMemcpyAsync`` its peer pulls make, here device to
+   device on one GPU); while an SM copy kernel moves the same buffers (Triton, 32 CTAs like NCCL's channels,
+   and a full grid); while the reduce-scatter reduction kernel runs on ``reduce_blocks`` blocks; and the
+   GEMMs alone again ("alone-after"). Enough copies are queued to outlast the GEMMs. Per mode the median over
+   rounds; the slowdown is against the mean of the two "alone" medians (both are reported: taking "alone"
+   only first has shown a -9% slowdown, a clock artefact).
+3. The reduction kernel's bandwidth by block count (8 chunks of 64 MB bf16 into one).
+4. Two processes on this one GPU form a 2-rank ncclx group: CUDA IPC staging, interprocess events and the
+   pulls run for real; every claimed collective (fp32, bf16, fp16, int64; zero, odd and even sizes; uneven
+   all-to-all) must equal the same group's CPU (gloo) transport bit for bit; a 256 MB all-gather is timed.
+
+Writes the JSON to --out and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parents[1]
+for _p in (HERE, HERE.parents[1]):  # gemzoo_ncclx and gemzoo from the checkout, installed or not
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
+
+MB = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------- copies
+def sm_copy_fn(grid: int | None):
+    """An SM copy of ``src`` into ``dst`` (same bytes): Triton with ``grid`` programs (None: enough to cover
+    the buffer), else torch's elementwise ``neg`` (a full-grid SM kernel moving the same bytes)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return lambda dst, src: torch.neg(src, out=dst), "torch.neg (full grid)"
+
+    @triton.jit
+    def _copy(src, dst, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    block = 4096
+
+    def run(dst, src):
+        s, d = src.view(torch.int32), dst.view(torch.int32)
+        n = s.numel()
+        g = grid or triton.cdiv(n, block)
+        _copy[(g,)](s, d, n, BLOCK=block, num_warps=8)
+
+    return run, f"triton copy, {grid or 'full'} CTAs"
+
+
+class Modes:
+    """The side-stream workloads, each a function that queues ``count`` moves of ``nbytes``."""
+
+    def __init__(self, device, ext, reduce_blocks: int, dry: bool):
+        self.device, self.ext, self.blocks, self.dry = device, ext, reduce_blocks, dry
+        self.side = torch.cuda.Stream(device) if not dry else None
+        self.bufs = {}
+        self.sm32 = sm_copy_fn(32) if not dry else (lambda d, s: torch.neg(s, out=d), "torch.neg")
+        self.smfull = sm_copy_fn(None) if not dry else (lambda d, s: torch.neg(s, out=d), "torch.neg")
+
+    def buffers(self, nbytes: int):
+        if nbytes not in self.bufs:
+            n = nbytes // 2
+            self.bufs[nbytes] = (torch.randn(n, device=self.device).to(torch.bfloat16),
+                                 torch.empty(n, dtype=torch.bfloat16, device=self.device))
+        return self.bufs[nbytes]
+
+    def queue(self, mode: str, nbytes: int, count: int):
+        """Queue ``count`` moves on the side stream (the dry run: on the host, one after another)."""
+        if self.dry:
+            return self._queue(mode, nbytes, count)
+        with torch.cuda.stream(self.side):
+            self._queue(mode, nbytes, count)
+
+    def _queue(self, mode: str, nbytes: int, count: int):
+        src, dst = self.buffers(nbytes)
+        for _ in range(count):
+            if mode == "copy-engine":
+                if self.dry:
+                    dst.copy_(src)
+                else:
+                    self.ext.copy_async(dst.data_ptr(), src.data_ptr(), nbytes, self.side.cuda_stream)
+            elif mode == "sm-copy":
+                self.sm32[0](dst, src)
+            elif mode == "sm-copy-full":
+                self.smfull[0](dst, src)
+            elif mode == "reduce":
+                self._reduce(nbytes)
+
+    def _reduce(self, nbytes: int):
+        from gemzoo_ncclx import schedule as S
+
+        key = ("reduce", nbytes)
+        if key not in self.bufs:
+            n = nbytes // 2 // 8
+            self.bufs[key] = ([torch.randn(n, device=self.device).to(torch.bfloat16) for _ in range(8)],
+                              torch.empty(n, dtype=torch.bfloat16, device=self.device))
+        parts, out = self.bufs[key]
+        if self.dry or self.ext is None:
+            S.reduce_parts(out, parts, S.REDUCE_CODES["SUM"], 8)
+        else:
+            self.ext.reduce(out.data_ptr(), [p.data_ptr() for p in parts], out.numel(), S.DTYPE_CODE[torch.bfloat16],
+                            S.REDUCE_CODES["SUM"], 8, self.blocks, self.side.cuda_stream)
+
+
+def timed(fn, dry: bool, stream=None) -> float:
+    """Seconds ``fn`` takes on ``stream`` (CUDA events), or on the host in a dry run."""
+    if dry:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(stream)
+    fn()
+    b.record(stream)
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def gemm_rounds(args, device, ext) -> dict:
+    dry = args.dry_run
+    n, count = (128, 4) if dry else (8192, args.gemms)
+    dtype = torch.float32 if dry else torch.bfloat16
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    flops = 2.0 * n ** 3 * count
+
+    def gemms():
+        for _ in range(count):
+            torch.matmul(a, b, out=c)
+
+    modes = Modes(device, ext, args.reduce_blocks, dry)
+    warm_until = time.perf_counter() + (0 if dry else args.warmup_s)
+    gemms()
+    while time.perf_counter() < warm_until:  # clocks and power settle
+        gemms()
+        torch.cuda.synchronize()
+    t_gemm = timed(gemms, dry)
+    sizes = [256 * MB, 1024 * MB] if not dry else [1 * MB]
+    # how long one move takes alone, to queue enough of them to outlast the GEMMs
+    per_move = {}
+    for mode in ("copy-engine", "sm-copy", "sm-copy-full"):
+        for size in sizes:
+            modes.queue(mode, size, 1)
+            per_move[(mode, size)] = timed(lambda m=mode, s=size: modes.queue(m, s, 3), dry, modes.side) / 3
+    red_size = sizes[0]
+    modes.queue("reduce", red_size, 1)
+    per_move[("reduce", red_size)] = timed(lambda: modes.queue("reduce", red_size, 3), dry, modes.side) / 3
+    plan = [("alone-before", None)] + [(m, s) for s in sizes for m in ("copy-engine", "sm-copy", "sm-copy-full")] \
+        + [("reduce", red_size), ("alone-after", None)]
+    samples = {p: [] for p in plan}
+    side_bw = {p: [] for p in plan}
+    for _ in range(1 if dry else args.rounds):
+        for mode, size in plan:
+            if size is None:
+                samples[(mode, size)].append(timed(gemms, dry))
+                continue
+            k = max(2, math.ceil(1.3 * t_gemm / max(per_move[(mode, size)], 1e-9)))
+            if dry:
+                k = 2
+            side = modes.side
+            if not dry:  # the side stream starts after the GEMMs so far, then runs beside the next batch
+                side.wait_stream(torch.cuda.current_stream())
+                s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s0.record(side)
+            modes.queue(mode, size, k)
+            if not dry:
+                s1.record(side)
+            samples[(mode, size)].append(timed(gemms, dry))
+            if not dry:
+                torch.cuda.synchronize()
+                moved = (size * k) if mode != "reduce" else size * 9 / 8 * k
+                side_bw[(mode, size)].append(moved / (s0.elapsed_time(s1) / 1e3) / 1e9)
+    med = {p: statistics.median(v) for p, v in samples.items()}
+    tf = {p: flops / t / 1e12 for p, t in med.items()}
+    alone = (tf[("alone-before", None)] + tf[("alone-after", None)]) / 2
+    rows = []
+    for (mode, size) in plan:
+        rows.append({"mode": mode, "bytes": size, "gemm_tflops": round(tf[(mode, size)], 2),
+                     "slowdown_pct": round(100 * (1 - tf[(mode, size)] / alone), 2),
+                     "side_GBps": round(statistics.median(side_bw[(mode, size)]), 1) if side_bw[(mode, size)] else None,
+                     "rounds": len(samples[(mode, size)])})
+    names = {"copy-engine": "ncclx copy_async (cudaMemcpyAsync D2D, copy engine)", "sm-copy": modes.sm32[1],
+             "sm-copy-full": modes.smfull[1], "reduce": f"ncclx reduction kernel, {args.reduce_blocks} blocks, "
+                                                       "8 bf16 chunks"}
+    return {"gemm": f"{n}x{n}x{n} {str(dtype).removeprefix('torch.')}, {count} per timing", "alone_tflops": round(alone, 2),
+            "rows": rows, "modes": names, "gemm_alone_s_per_timing": t_gemm}
+
+
+def reduce_sweep(args, device, ext) -> list[dict]:
+    from gemzoo_ncclx import schedule as S
+
+    if args.dry_run or ext is None:
+        return []
+    n = 64 * MB // 2
+    parts = [torch.randn(n, device=device).to(torch.bfloat16) for _ in range(8)]
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    want = torch.empty_like(out)
+    S.reduce_parts(want, parts, S.REDUCE_CODES["SUM"], 8)
+    rows = []
+    stream = torch.cuda.current_stream()
+    for blocks in (1, 2, 4, 8, 16, 32, ext.sm_count(device.index or 0)):
+        run = lambda b=blocks: ext.reduce(out.data_ptr(), [p.data_ptr() for p in parts], n, S.DTYPE_CODE[torch.bfloat16],  # noqa: E731
+                                          S.REDUCE_CODES["SUM"], 8, b, stream.cuda_stream)
+        run()
+        t = timed(lambda: [run() for _ in range(5)], False, stream) / 5
+        rows.append({"blocks": blocks, "ms": round(t * 1e3, 3), "GBps": round(9 * n * 2 / t / 1e9, 1),
+                     "bit_identical_to_cpu_order": bool(torch.equal(out.view(torch.int16), want.view(torch.int16)))})
+    return rows
+
+
+# ------------------------------------------------------------------------------- 2 ranks on one device
+def smoke_rank(rank: int, world: int, port: int, device_kind: str, out_dir: str, big_mb: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import warnings
+
+    import torch.distributed as dist
+
+    from gemzoo_ncclx import NcclxComms
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        NcclxComms().install()
+        dist.init_process_group("ncclx", rank=rank, world_size=world)
+        dev = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        bad, checked = [], 0
+
+        def both(fn):
+            """The collective on ``dev`` and on CPU (the gloo transport) -> (device result on CPU, CPU result)."""
+            return fn(dev).cpu(), fn(torch.device("cpu"))
+
+        for seed, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16, torch.int64)):
+            for n in (0, 5, 4098):
+                g = torch.Generator().manual_seed(seed * 100 + n + rank)
+                x = (torch.randn(world * n, generator=g) * 100).to(dtype)
+
+                def ag(d, x=x, n=n):
+                    o = torch.empty(world * n, dtype=x.dtype, device=d)
+                    dist.all_gather_into_tensor(o, x[:n].to(d))
+                    return o
+
+                def rs(d, x=x, n=n):
+                    o = torch.empty(n, dtype=x.dtype, device=d)
+                    dist.reduce_scatter_tensor(o, x.to(d))
+                    return o
+
+                send = [(rank + 2 * p + n) % 3 * (n > 0) for p in range(world)]
+                recv = [(p + 2 * rank + n) % 3 * (n > 0) for p in range(world)]
+
+                def a2a(d, x=x, send=send, recv=recv):
+                    o = torch.empty(sum(recv), dtype=x.dtype, device=d)
+                    dist.all_to_all_single(o, x[:sum(send)].to(d), recv, send)
+                    return o
+
+                for name, fn in (("all_gather_into_tensor", ag), ("reduce_scatter_tensor", rs),
+                                 ("all_to_all_single", a2a)):
+                    got, want = both(fn)
+                    checked += 1
+                    if got.dtype != want.dtype or not torch.equal(got, want):
+                        bad.append(f"{name} {dtype} n={n}")
+        pg = dist.distributed_c10d._get_default_group()
+        transport = type(pg._cuda).__name__ if dev.type == "cuda" else "GlooTransport"
+        timing = None
+        if dev.type == "cuda" and pg._cuda:
+            n = big_mb * MB // 2
+            x = torch.randn(n, device=dev).to(torch.bfloat16)
+            o = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
+            dist.all_gather_into_tensor(o, x)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(5):
+                dist.all_gather_into_tensor(o, x)
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t) / 5
+            timing = {"all_gather_MB_per_rank": big_mb, "ms": round(dt * 1e3, 2),
+                      "GBps_received_per_rank": round((world - 1) * n * 2 / dt / 1e9, 1)}
+    Path(out_dir, f"smoke{rank}.json").write_text(json.dumps({
+        "checked": checked, "mismatches": bad, "transport": transport, "timing": timing,
+        "said": [str(w.message) for w in said if "ncclx" in str(w.message)]}))
+    dist.destroy_process_group()
+
+
+def smoke(args, out_dir: Path) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kind = "cpu" if args.dry_run else "cuda"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=smoke_rank, args=(r, 2, port, kind, str(out_dir), 1 if args.dry_run else 256))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=args.smoke_timeout)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    ranks = []
+    for r in range(2):
+        f = out_dir / f"smoke{r}.json"
+        ranks.append(json.loads(f.read_text()) if f.exists() else None)
+    return {"exit_codes": codes, "ranks": ranks,
+            "ok": codes == [0, 0] and all(r and not r["mismatches"] for r in ranks)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--dry-run", action="store_true", help="CPU smoke test with tiny sizes (no GPU needed)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gemms", type=int, default=200, help="GEMMs per timing")
+    ap.add_argument("--warmup-s", type=float, default=2.0)
+    ap.add_argument("--reduce-blocks", type=int, default=8)
+    ap.add_argument("--no-smoke", action="store_true", help="skip the 2-process check on this device")
+    ap.add_argument("--smoke-timeout", type=float, default=60)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run for the CPU smoke test", file=sys.stderr)
+        return 2
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
+    result = {"dry_run": args.dry_run, "torch": torch.__version__,
+              "device": "cpu" if args.dry_run else torch.cuda.get_device_name(0)}
+    ext = None
+    if not args.dry_run:
+        from gemzoo_ncclx._ext import load
+
+        t = time.perf_counter()
+        ext, why = load()
+        result["extension"] = {"loaded": ext is not None, "why": why, "load_s": round(time.perf_counter() - t, 1)}
+        if ext is None:
+            print(f"ncclx C++ part unavailable: {why}", file=sys.stderr)
+        else:
+            result["sm_count"] = ext.sm_count(0)
+    result.update(gemm_rounds(args, device, ext) if (args.dry_run or ext is not None) else {"rows": []})
+    result["reduce_sweep"] = reduce_sweep(args, device, ext)
+    if not args.no_smoke:
+        result["two_ranks_one_device"] = smoke(args, out.parent)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"{result['device']}, torch {result['torch']}; GEMM {result.get('gemm')}; alone "
+          f"{result.get('alone_tflops')} TFLOP/s (mean of before/after)")
+    print(f"{'mode':<14} {'MB':>6} {'GEMM TFLOP/s':>13} {'slowdown %':>11} {'side GB/s':>10}")
+    for r in result["rows"]:
+        mb = "" if r["bytes"] is None else r["bytes"] // MB
+        print(f"{r['mode']:<14} {mb:>6} {r['gemm_tflops']:>13} {r['slowdown_pct']:>11} {r['side_GBps'] or '':>10}")
+    for r in result["reduce_sweep"]:
+        print(f"reduce 8x64MB bf16, {r['blocks']:>3} blocks: {r['ms']} ms, {r['GBps']} GB/s, "
+              f"bit-identical {r['bit_identical_to_cpu_order']}")
+    if "two_ranks_one_device" in result:
+        s = result["two_ranks_one_device"]
+        print(f"2 ranks on one device: ok={s['ok']} exit={s['exit_codes']} "
+              + "; ".join(f"rank {i}: {r['transport']} checked {r['checked']} mismatches {r['mismatches']} "
+                          f"{r['timing'] or ''}" for i, r in enumerate(s["ranks"]) if r))
+    print(f"wrote {out} ({result['wall_s']} s)")
+    return 0 if result.get("two_ranks_one_device", {"ok": True})["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""ncclx: registration and capabilities, the schedule, bad options; on 2 and 4 gloo ranks every claimed
+collective equals gloo's bit for bit (every dtype, zero/odd/even/uneven sizes, in place), bad calls raise the
+same error on every rank, the comms conformance suite, and gem-tiny's 2-rank losses equal the default
+backend's; the benchmark's CPU dry run (its 2-rank check runs inside the 2-rank test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gemzoo
+from gemzoo.errors import ConfigError
+from gemzoo.interfaces.comms import COLLECTIVES
+from gemzoo.testing.comms import BASE_COLLECTIVES, spawn
+from gemzoo_ncclx import IMPLEMENTS, NcclxComms, NcclxOptions
+from gemzoo_ncclx import schedule as S
+from gemzoo_ncclx.cuda import no_p2p_message
+
+import ncclx_cases as cases
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def test_entry_point_registers_an_sm_free_backend():
+    entry = gemzoo.registry.entry("comms", "ncclx")
+    assert isinstance(entry.obj, NcclxComms) and entry.distribution == "gemzoo-ncclx"
+    caps = entry.obj.capabilities
+    assert caps.sm_free and caps.implements == IMPLEMENTS <= COLLECTIVES
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"} <= caps.implements
+    assert {"all_reduce", "broadcast", "barrier"} <= caps.delegated
+    assert entry.obj.backend_for("cpu") == entry.obj.backend_for("cuda") == "ncclx"
+
+
+def test_gemzoo_plugins_shows_sm_free_and_what_it_runs(capsys, monkeypatch):
+    from gemzoo.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["distribution"] == "gemzoo-ncclx"]
+    assert rows[0]["comms"] == {"ncclx": {"sm_free": True, "implements": sorted(IMPLEMENTS)}}
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["plugins"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "ncclx: sm_free = yes; runs itself: all_gather, all_gather_into_tensor, all_to_all" in out
+
+
+def test_options_are_checked():
+    comms = NcclxComms().configure(NcclxOptions(chunk_bytes=1 << 20, reduce_blocks=4))
+    assert comms.options.reduce_blocks == 4
+    with pytest.raises(ConfigError, match=r"plugins.options.ncclx.chunk_bytes must be an integer >= 16, got 8"):
+        NcclxOptions(chunk_bytes=8)
+    with pytest.raises(ConfigError, match=r"reduce_blocks must be an integer >= 1, got 0"):
+        NcclxOptions(reduce_blocks=0)
+    with pytest.raises(ConfigError, match="must be NcclxOptions"):
+        NcclxComms().configure({"chunk_bytes": 1})
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_pull_schedule_is_a_permutation_per_step(world):
+    for step in range(1, world):
+        pulled = [S.pull_from(r, step, world) for r in range(world)]
+        assert sorted(pulled) == list(range(world)) and all(p != r for r, p in enumerate(pulled))
+        assert all(S.serve_to(p, step, world) == r for r, p in enumerate(pulled))
+    for r in range(world):
+        order = S.ring_order(r, world)
+        assert sorted(order) == list(range(world)) and order[-1] == r
+
+
+def test_pieces_and_reduction_order():
+    assert S.pieces(0, 4) == [] and S.pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert S.chunk_elems(64, torch.bfloat16) == 32 and S.chunk_elems(4, torch.float64) == 1
+    big, one = torch.tensor([1e8], dtype=torch.float32), torch.tensor([1.0])
+    out = torch.empty(1)
+    S.reduce_parts(out, [big, one, -big, one], S.REDUCE_CODES["SUM"], 4)  # rounds after every step, in order
+    assert out.item() == 1.0
+    S.reduce_parts(out, [one, one, big, -big], S.REDUCE_CODES["AVG"], 4)
+    assert out.item() == 0.0
+
+
+def test_rows_that_disagree_raise_naming_ranks_and_sizes():
+    W = 2
+    rows = lambda *rs: S.parse(torch.cat(list(rs)), W)  # noqa: E731
+    ok = S.meta_row(W, S.ALL_GATHER, torch.float32, S.NO_REDUCE, 0, [3, 3], [3, 3])
+    S.check_rows(rows(ok, ok), W, "all_gather_into_tensor")
+    with pytest.raises(S.NcclxError, match=r"rank 0: 3 elements, rank 1: 4 elements"):
+        S.check_rows(rows(ok, S.meta_row(W, S.ALL_GATHER, torch.float32, S.NO_REDUCE, 0, [4, 4], [4, 4])), W, "x")
+    with pytest.raises(S.NcclxError, match=r"rank 1 passed a non-contiguous tensor"):
+        S.check_rows(rows(ok, S.meta_row(W, S.ALL_GATHER, torch.float32, S.NO_REDUCE, 1, None, None)), W, "x")
+    a2a = lambda s, r: S.meta_row(W, S.ALL_TO_ALL, torch.int64, S.NO_REDUCE, 0, s, r)  # noqa: E731
+    with pytest.raises(S.NcclxError, match=r"rank 0 sends 2 elements to rank 1 but rank 1 expects 1 from rank 0"):
+        S.check_rows(rows(a2a([1, 2], [1, 0]), a2a([0, 5], [1, 5])), W, "all_to_all_single")
+
+
+def test_a_pair_without_peer_access_is_named():
+    infos = [{"host": "a", "device": d} for d in range(3)]
+    assert no_p2p_message(infos, [[True] * 3] * 3, "group '0' of 3 ranks") is None
+    matrix = [[True, True, True], [True, True, False], [True, True, True]]  # 1 cannot map 2's memory
+    msg = no_p2p_message(infos, matrix, "group '0' of 3 ranks")
+    assert "ranks 1 (cuda:1 on a) and 2 (cuda:2 on a)" in msg and "uses NCCL" in msg and "0 (cuda:0" not in msg
+
+
+def _semantics(tmp_path, world, conformance=False):
+    spawn(cases.semantics_rank, world, str(tmp_path), conformance)
+    out = [json.loads((tmp_path / f"sem{r}.json").read_text()) for r in range(world)]
+    for r, o in enumerate(out):
+        assert o["checked"] == out[0]["checked"] > 200
+        # ncclx ran every claimed collective itself (none went to gloo)
+        assert set(o["own"]) == IMPLEMENTS and not o["delegated"], o
+        assert len(o["said"]) == 1 and "gloo point-to-point" in o["said"][0]
+        for label, err in o["errors"].items():  # every bad call raised on every rank
+            assert err is not None, f"rank {r}: {label} did not raise"
+    e = out[0]["errors"]
+    assert "input sizes differ across ranks (rank 0: 3 elements, rank 1: 4 elements" in e["all_gather sizes"]
+    assert "rank 0 passed output sizes that do not fit" in e["all_gather output"]
+    assert "sends 3 elements to rank 1 but rank 1 expects 4 from rank 0" in e["all_to_all splits"]
+    assert "rank 0 all_gather (torch.float32), rank 1 reduce_scatter (torch.float32, SUM)" in e["different collectives"]
+    assert "output sizes differ" in e["reduce_scatter sizes"] and "torch.float64" in e["dtypes"]
+    return out
+
+
+@pytest.mark.distributed
+def test_two_ranks_bit_identical_to_gloo_and_conformance(tmp_path):
+    _semantics(tmp_path, 2, conformance=True)
+    summary = json.loads((tmp_path / "comms0.json").read_text())["ncclx"]
+    assert summary["sm_free"] and set(summary["claimed"]) == IMPLEMENTS
+    assert set(summary["checked"]) == set(BASE_COLLECTIVES) | IMPLEMENTS
+    assert summary["meshes"] == {"2": {"dp": "ncclx"}, "2x1": {"replica": "ncclx", "shard": "ncclx"},
+                                 "1x2": {"replica": "ncclx", "shard": "ncclx"}}
+    for r in range(2):  # bench_overlap.py's 2-rank check, over the gloo transport here
+        smoke = json.loads((tmp_path / f"smoke{r}.json").read_text())
+        assert smoke["checked"] == 36 and smoke["mismatches"] == [] and smoke["transport"] == "GlooTransport"
+
+
+@pytest.mark.distributed
+def test_four_ranks_bit_identical_to_gloo(tmp_path):
+    _semantics(tmp_path, 4)
+
+
+@pytest.mark.distributed
+def test_gem_tiny_two_ranks_losses_equal_the_default_backend(tmp_path):
+    """3 steps of gem-tiny on 2 gloo ranks with comms = "torch", then "ncclx": the same losses bit for bit (FSDP2's
+    all-gathers and reduce-scatters and torchrec's all-to-alls run through ncclx), and the start row logs ncclx's
+    sm_free, claims and groups."""
+    spawn(cases.train_rank, 2, str(tmp_path), [("torch", "torch", 3), ("ncclx", "ncclx", 3)])
+    ranks = [json.loads((tmp_path / f"train{r}.json").read_text()) for r in range(2)]
+    torch_run, ncclx_run = ranks[0]["torch"], ranks[0]["ncclx"]
+    assert len(ncclx_run["losses"]) == 3 and ncclx_run["losses"] == torch_run["losses"]
+    assert ranks[1]["ncclx"]["losses"] == ncclx_run["losses"]
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"} <= set(ncclx_run["own"])
+    assert ncclx_run["comms"] == {"name": "ncclx", "sm_free": True, "implements": sorted(IMPLEMENTS),
+                                  "groups": {"dp": "ncclx"}}
+    assert torch_run["comms"]["sm_free"] is False
+
+
+def test_bench_dry_run_writes_its_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(HERE / "bench" / "bench_overlap.py"), "--dry-run", "--no-smoke",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["dry_run"] and {r["mode"] for r in result["rows"]} >= {"alone-before", "copy-engine", "sm-copy",
+                                                                         "alone-after"}
+    assert "slowdown_pct" in result["rows"][1] and "GEMM" in proc.stdout
