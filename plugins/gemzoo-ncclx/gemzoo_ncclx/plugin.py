@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gemzoo.config import bounded
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.comms import CommsCapabilities
 from gemzoo.plugins import hookimpl
@@ -33,8 +34,8 @@ IMPLEMENTS = frozenset({"all_gather_into_tensor", "all_gather", "reduce_scatter_
 
 @dataclass(frozen=True)
 class NcclxOptions:
-    chunk_bytes: int = 32 << 20
-    reduce_blocks: int = 8
+    chunk_bytes: int = bounded(32 << 20, min=16)  # largest piece one copy moves (pieces of all peers alternate)
+    reduce_blocks: int = bounded(8, min=1)  # CUDA thread blocks (so SMs at most) of reduce-scatter's reduction
 
     def __post_init__(self):
         where = "plugins.options.ncclx"
