@@ -22,6 +22,8 @@ STEPS = 5
 BASE = [f"run.steps={STEPS}", "eval.every=0", "checkpoint.every=3", "checkpoint.keep=0", "run.log_every=1",
         "data.num_sparse_tables=0", "data.batch_size=16", "data.max_len=32", "data.median_len=8",
         "data.max_candidates=4"]
+# with the embedding tables, sharded by the 2D planner when it is installed (plugins/gemzoo-sharding-2d)
+TABLES = ["data.num_sparse_tables=4", "plugins.planner='sharding-2d'", "plugins.options.sharding-2d.group_size=2"]
 HSDP = "run.mesh={replicate=2,shard=2}"
 TP = "run.mesh={replicate=1,shard=2,tp=2}"
 
@@ -61,6 +63,12 @@ def _train(out: str, overrides: list[str], resume=False) -> dict:
     return {"losses": [h["loss"] for h in result.history], "first": result.history[0]["step"],
             "samples": [round(h["samples_per_s"] * h["step_s"], 6) for h in result.history],
             "qkv_local": list(local.shape), "placements": [str(p) for p in getattr(qkv, "placements", ())]}
+
+
+def _has_2d_planner() -> bool:
+    from gemzoo import registry
+
+    return "sharding-2d" in registry.names("planner")
 
 
 def _sasrec_block_under_tp() -> dict:
@@ -104,6 +112,8 @@ def _phases(rank: int, world: int, port: int, tmp: str) -> None:
     out["hsdp_from_one"] = _train(f"{tmp}/hsdp_from_one", [HSDP], resume=ck("one"))
     out["hsdp_from_tp"] = _train(f"{tmp}/hsdp_from_tp", [HSDP], resume=ck("tp"))
     out["sasrec_tp"] = _sasrec_block_under_tp()
+    if _has_2d_planner():  # 5D: tables sharded 2D (G=2 x R=2) beside TP=2 x FSDP over shard=2
+        out["tp_2d_tables"] = _train(f"{tmp}/tp_2d_tables", [*TABLES, TP])
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
@@ -154,6 +164,9 @@ def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between
     # sasrec's block: local heads of q and of the fused kv (2 x 16 rows over 2 ranks), same output and gradient
     sasrec = got["sasrec_tp"]
     assert sasrec["kv_local"] == [16, 16] and sasrec["out"] < 1e-5 and sasrec["grad"] < 1e-5, sasrec
+    if _has_2d_planner():  # the whole 5D layout: 2D-sharded tables, TP and FSDP on the blocks
+        tables = _train(f"{tmp}/one_tables", TABLES[:1])  # one process: whole tables, the same update
+        assert _rel(got["tp_2d_tables"]["losses"], tables["losses"]) < 1e-5, (got["tp_2d_tables"], tables)
     for run in ("hsdp", "tp"):
         back = _train(f"{tmp}/one_from_{run}", [], resume=str(tmp_path / run / "checkpoints" / "step-00000003"))
         assert back["first"] == 4 and _rel(back["losses"], ref[3:]) < 1e-5, (run, back, ref)
@@ -198,6 +211,8 @@ def test_tp_that_does_not_divide_the_heads_names_the_values():
     with pytest.raises(ConfigError, match=r"tp=4 does not divide the attention heads: tower\.blocks\.0\.attn has "
                                           r"num_heads=2; choose tp among 1, 2"):
         tensor_parallel_plans(model, 4)
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide the attention heads"):  # gemzoo config validate
+        _meta_model(["model.num_heads=2", "run.mesh={tp=4}"])
     plans = tensor_parallel_plans(model, 2)
     assert [n for n, _, _ in plans] == ["tower.blocks.0", "tower.blocks.1"]
     assert plans[0][2] == {"attn.qkv": ("colwise", 3), "attn.out": ("rowwise", 1), "mlp.fc1": ("colwise", 1),

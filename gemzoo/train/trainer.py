@@ -24,11 +24,11 @@ from torch import nn
 
 from gemzoo import kinds, registry
 from gemzoo.config import Config
-from gemzoo.data.exchange import load_shard, rebalance
+from gemzoo.data.exchange import Lookahead
 from gemzoo.distributed import (World, all_reduce_gradients, build_mesh, clip_grad_norm, init_distributed,
                                 is_fsdp_shard, pick_device, shard_dense_blocks, whole_parameters)
 from gemzoo.distributed import state as dstate
-from gemzoo.distributed.dense import dense_dims
+from gemzoo.distributed.dense import dense_dims, tensor_parallel_plans
 from gemzoo.distributed.comms_groups import comms_summary
 from gemzoo.embedding import use_sparse_gradients
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
@@ -192,14 +192,18 @@ def build_on_meta(cfg: Config) -> nn.Module:
     """Assembly steps 3-6 with no weights and no training: the dataset, the model on ``meta``, an attention
     kernel per site and the precision policy. ``gemzoo config validate`` runs it, so what ``train``
     would reject there (heads that do not divide d_model, batch_size 0, a missing data file, a kernel
-    without a capability a site needs) is reported without training."""
+    without a capability a site needs, a run.mesh tp that does not divide the heads) is reported without
+    training."""
     device = pick_device(cfg.run.device, World())
     dataset = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
     with torch.device("meta"):
         model = registry.get("model", cfg.model.family).build(cfg.model, dataset.info)
     precision = configured("precision", cfg.plugins.precision, cfg)
     select_attention(model, cfg, device, attention_dtype(precision))
-    return precision.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
+    model = precision.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
+    if cfg.run.mesh.get("tp", 1) > 1:
+        tensor_parallel_plans(model, cfg.run.mesh["tp"])
+    return model
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -304,6 +308,7 @@ class Trainer:
         dspec = registry.get("dataset", cfg.data.source)
         self.dataset = dspec.build(cfg.data, cfg.run.seed)
         self.batching = configured("batching", cfg.plugins.batching, cfg)
+        self.lookahead = Lookahead(self.batching, name=cfg.plugins.batching)
 
         # 4. Model, built on meta, then materialised and initialised deterministically.
         mspec = registry.get("model", cfg.model.family)
@@ -422,13 +427,14 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         # This rank loads its own part of the global batch; the batching policy, given the model's per-sample
-        # costs and the data-parallel group, returns the samples this rank trains.
+        # costs and the data-parallel group, returns the samples this rank trains. A policy with overlap = True
+        # gets the next step's partition computed in a worker thread while this step trains (collectives stay
+        # here; the samples are the same as without: gemzoo.data.exchange.Lookahead).
         dp_mesh = self.world.dp_mesh
         dp = DataParallelGroup() if dp_mesh is None else DataParallelGroup(
             dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group())
-        batch = load_shard(self.dataset, step, dp.rank, dp.size).to(self.device)
-        if dp.size > 1:
-            batch = rebalance(self.batching, batch, self.model.cost_model(batch), dp, name=cfg.plugins.batching)
+        batch = self.lookahead.batch(self.dataset, step, dp, self.device, self.model.cost_model,
+                                     next_step=step + 1 if step + 1 < cfg.run.steps else None)
         # The loss is the global batch's: sum-then-divide by the global count of loss terms. Gradients are
         # averaged over ranks, so rank r scales its mean loss by world * terms_r / terms (1.0 for even splits).
         world = self.world.world_size
@@ -576,7 +582,7 @@ class Trainer:
         lines = show and not sys.stdout.isatty()  # batch jobs: a plain line every run.log_every steps
         progress = _progress(show and not lines)
         t_start = time.perf_counter()
-        with progress, StopSignals(self.world, self.device) as stop:
+        with progress, StopSignals(self.world, self.device) as stop, self.lookahead:
             task = progress.add_task(cfg.run.name, total=cfg.run.steps, completed=self.start_step, info="")
             for step in range(self.start_step, cfg.run.steps):
                 metrics = self.train_step(step)
