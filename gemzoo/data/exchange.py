@@ -15,17 +15,30 @@ world_size)`` when the dataset can build part of a batch, else by building the b
 
 The result equals ``global_batch.select(groups[rank])`` exactly, as if every rank had built the whole batch
 (tests/test_conformance_batching.py checks it on 2 gloo ranks).
+
+``Lookahead`` is what the trainer calls each step: this rank's samples of step t, and, when the policy
+overlaps (``gemzoo.interfaces.batching.overlaps``: it sets ``overlap = True``, so its ``assign`` may run in a
+thread, and leaves the moving to gemzoo), step t+1's partition computed while step t trains. Only step 2
+moves to a worker: right after step t's samples have arrived, the main thread loads step t+1's part, prices
+it and all-gathers its costs (step 1), then hands ``assign`` to one worker thread; step t+1 waits for the
+result and does the all-to-all itself. Every collective stays on the main thread, in the same order on every
+rank, so no two threads ever use the process group. The partition is a pure function of step t+1's costs,
+so the samples (and the losses) are bit-identical to the synchronous path; the first step of a run or of a
+resume has nothing ahead and partitions synchronously, which gives the same answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 
 from gemzoo.errors import PluginError
-from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance
+from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance, overlaps
 
 
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -148,18 +161,47 @@ def exchange(batch, send: list[torch.Tensor], dp: DataParallelGroup) -> list:
     return received
 
 
-def rebalance(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name: str | None = None):
-    """This rank's samples under ``policy``, from this rank's part ``batch`` and its per-sample ``costs``."""
-    name = name or type(policy).__name__
-    own = custom_rebalance(policy)
-    if own is not None:
-        return own(batch, costs, dp)
-    if dp.size == 1:
-        groups = check_groups(policy.assign(costs.detach().double().cpu(), 1), batch.num_samples, 1, name)
-        return batch.select(groups[0])
+@dataclasses.dataclass
+class Planned:
+    """One step's partition on its way: this rank's loaded part, every rank's sample count, and the checked
+    groups (``groups``) or the worker computing them (``future``: ``(groups, assign seconds)``)."""
+
+    step: int
+    batch: Any
+    counts: list[int]
+    dp: DataParallelGroup
+    future: Future | None = None
+    groups: list[torch.Tensor] | None = None
+    assign_s: float = 0.0
+
+
+def partition_checked(policy, costs: torch.Tensor, world_size: int, name: str) -> tuple[list[torch.Tensor], float]:
+    """(``policy.assign(costs, world_size)`` checked, its seconds): step 2 of ``rebalance``, no collectives
+    (this is what runs in the worker thread). Bad costs raise here, so ahead of time they raise at the step
+    that uses them, as in the synchronous path."""
+    t0 = time.perf_counter()
+    check_costs(costs)
+    groups = check_groups(policy.assign(costs, world_size), costs.numel(), world_size, name)
+    return groups, time.perf_counter() - t0
+
+
+def plan(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name: str, step: int = -1,
+         worker: ThreadPoolExecutor | None = None) -> Planned:
+    """Step 1 of ``rebalance`` (the cost all-gather, on this thread) and step 2 now or, with ``worker``, there."""
     everything, counts = gather_costs(costs, dp, _comm_device(batch))
-    check_costs(everything)
-    groups = check_groups(policy.assign(everything, dp.size), everything.numel(), dp.size, name)
+    planned = Planned(step, batch, counts, dp)
+    if worker is None:
+        planned.groups, planned.assign_s = partition_checked(policy, everything, dp.size, name)
+    else:
+        planned.future = worker.submit(partition_checked, policy, everything, dp.size, name)
+    return planned
+
+
+def move(planned: Planned):
+    """Steps 3-4 of ``rebalance``: this rank's samples (waits for the worker's partition first)."""
+    if planned.groups is None:
+        planned.groups, planned.assign_s = planned.future.result()
+    batch, counts, dp, groups = planned.batch, planned.counts, planned.dp, planned.groups
     starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
     lo, hi = starts[dp.rank], starts[dp.rank + 1]
     send = [g[(g >= lo) & (g < hi)] - lo for g in groups]  # in the order rank d trains them
@@ -169,3 +211,84 @@ def rebalance(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name
     owner = torch.bucketize(mine, torch.tensor(starts[1:], dtype=torch.long), right=True)
     arrived = torch.argsort(owner, stable=True)  # merged[k] is mine[arrived[k]]
     return merged.select(torch.argsort(arrived))
+
+
+def rebalance(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name: str | None = None):
+    """This rank's samples under ``policy``, from this rank's part ``batch`` and its per-sample ``costs``."""
+    name = name or type(policy).__name__
+    own = custom_rebalance(policy)
+    if own is not None:
+        return own(batch, costs, dp)
+    if dp.size == 1:
+        groups = check_groups(policy.assign(costs.detach().double().cpu(), 1), batch.num_samples, 1, name)
+        return batch.select(groups[0])
+    return move(plan(policy, batch, costs, dp, name=name))
+
+
+class Lookahead:
+    """The trainer's data step: this rank's samples of each step, with the partition of the next step computed
+    in one worker thread while this one trains, when ``overlaps(policy)`` and there is more than one rank
+    (else exactly ``load_shard`` + ``rebalance``, synchronously).
+
+    ``last`` describes the latest step: ``{"step", "ahead"`` (its partition was computed ahead, in the
+    worker), ``"assign_s"`` (the partition's own seconds), ``"wait_s"`` (what this step waited for it: all of
+    ``assign_s`` when computed now)``}``; NaN where not measured (a policy that moves samples itself).
+    ``close()`` (or leaving ``with``) drops a partition computed for a step that will not run and stops the
+    worker; a later ``batch`` call starts a new one.
+    """
+
+    def __init__(self, policy, *, name: str | None = None):
+        self.policy = policy
+        self.name = name or type(policy).__name__
+        self.overlap = overlaps(policy)
+        self.last: dict = {}
+        self._ahead: Planned | None = None
+        self._worker: ThreadPoolExecutor | None = None
+
+    def _load(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable):
+        part = load_shard(dataset, step, dp.rank, dp.size).to(device)
+        return part, cost_model(part)
+
+    def batch(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable, *,
+              next_step: int | None = None):
+        """This rank's samples of ``step``. With ``next_step`` (the step that will run after this one; None at
+        the last step), an overlapping policy also gets that step's part loaded, its costs all-gathered (every
+        rank calls this at the same point, so the collectives match) and its partition started in the worker."""
+        ahead, self._ahead = self._ahead, None
+        if dp.size == 1:  # one rank never calls the policy
+            self.last = {"step": step, "ahead": False, "assign_s": 0.0, "wait_s": 0.0}
+            return load_shard(dataset, step, 0, 1).to(device)
+        if custom_rebalance(self.policy) is not None:  # it moves samples itself: as rebalance does
+            self.last = {"step": step, "ahead": False, "assign_s": math.nan, "wait_s": math.nan}
+            return rebalance(self.policy, *self._load(dataset, step, dp, device, cost_model), dp, name=self.name)
+        if ahead is None or ahead.step != step or ahead.dp != dp:  # nothing ahead (or not this step's): now
+            if ahead is not None and ahead.future is not None:
+                ahead.future.cancel()
+            ahead = plan(self.policy, *self._load(dataset, step, dp, device, cost_model), dp, name=self.name,
+                         step=step)
+        t0 = time.perf_counter()
+        if ahead.future is not None:
+            ahead.groups, ahead.assign_s = ahead.future.result()
+        wait = time.perf_counter() - t0 if ahead.future is not None else ahead.assign_s
+        mine = move(ahead)
+        self.last = {"step": step, "ahead": ahead.future is not None, "assign_s": ahead.assign_s, "wait_s": wait}
+        if next_step is not None and self.overlap:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-partition")
+            self._ahead = plan(self.policy, *self._load(dataset, next_step, dp, device, cost_model), dp,
+                               name=self.name, step=next_step, worker=self._worker)
+        return mine
+
+    def close(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.future is not None:
+            ahead.future.cancel()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def __enter__(self) -> "Lookahead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

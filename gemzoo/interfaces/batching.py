@@ -8,9 +8,13 @@ on the batch the policy returns: this rank's samples.
 Most policies only partition. They implement ``assign(costs, world_size)`` over the *global* costs, and
 ``gemzoo.data.exchange.rebalance`` does the rest: it all-gathers the costs (one number per sample), calls
 ``assign`` (every rank computes the same answer), and moves each sample to its rank with one all-to-all of
-the jagged batch. A policy that moves samples itself (overlapping the partition with the previous step, or
-knowing that nothing has to move) also defines ``rebalance(batch, costs, dp) -> Batch``; its answer must be
+the jagged batch. A policy that moves samples itself (e.g. one that knows
+that nothing has to move) also defines ``rebalance(batch, costs, dp) -> Batch``; its answer must be
 the same as the default one (the batching conformance suite checks it on gloo).
+
+A policy whose ``assign`` may run in a worker thread (thread-safe: a pure function of its arguments, no
+shared mutable state) says so with ``overlap = True``; the trainer (``gemzoo.data.exchange.Lookahead``) then
+computes step t+1's partition while step t trains. Every collective stays on the trainer's thread.
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ class BatchingPolicy(Protocol):
         numbered rank by rank: rank 0's part first); return ``world_size`` int64 tensors of sample indices,
         each sample in exactly one, in the order that rank trains them. Deterministic: a pure function of
         ``costs`` and ``world_size``, since every rank computes it and all must agree."""
+
+
+def overlaps(policy) -> bool:
+    """Whether ``policy.assign`` may run one step ahead in a worker thread: the policy sets ``overlap = True``
+    (absent: False, synchronous) and leaves the moving to gemzoo (no ``rebalance`` of its own)."""
+    return getattr(policy, "overlap", False) is True and custom_rebalance(policy) is None
 
 
 def custom_rebalance(policy):

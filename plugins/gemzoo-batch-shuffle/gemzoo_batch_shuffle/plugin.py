@@ -17,6 +17,13 @@ Options (``[plugins.options.base-batch-shuffle]``, validated by ``BatchShuffleOp
                           # N * W <= 2**16, else lpt
     refine = true         # local search after the partition: moves and swaps between heaviest and lightest
     keep_local = true     # match subsets to ranks so that the most samples stay where they were loaded
+    overlap = true        # compute step t+1's partition in a worker thread while step t trains
+
+``overlap``: ``assign`` is a pure function of its arguments (no state, numpy and torch on CPU), so it is
+thread-safe and the policy says so (``overlap`` is what ``gemzoo.interfaces.batching.overlaps`` reads). The
+trainer's ``gemzoo.data.exchange.Lookahead`` then all-gathers step t+1's costs on the main thread right after
+step t's samples have arrived and runs ``assign`` in one worker thread during step t; step t+1 waits for it
+and does the all-to-all. The samples, hence the losses, are bit-identical to ``overlap = false``.
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ class BatchShuffleOptions:
     method: str = "auto"
     refine: bool = True
     keep_local: bool = True
+    overlap: bool = True  # step t+1's partition in a worker thread while step t trains (same samples)
 
     def __post_init__(self):
         where = "plugins.options.base-batch-shuffle"
-        for name in ("equal_count", "refine", "keep_local"):
+        for name in ("equal_count", "refine", "keep_local", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{where}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.method not in METHODS:
@@ -63,6 +71,11 @@ class BatchShuffle:
         if not isinstance(options, BatchShuffleOptions):
             raise ConfigError(f"base-batch-shuffle options must be BatchShuffleOptions, got {type(options).__name__}")
         return BatchShuffle(options)
+
+    @property
+    def overlap(self) -> bool:
+        """assign is thread-safe; True lets the trainer compute it one step ahead in a worker thread."""
+        return self.options.overlap
 
     def assign(self, costs: torch.Tensor, world_size: int) -> list[torch.Tensor]:
         o = self.options

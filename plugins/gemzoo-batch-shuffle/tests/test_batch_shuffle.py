@@ -123,6 +123,40 @@ def test_options_from_the_config(tmp_path):
     assert policy.options.equal_count and policy.options.method == "auto"
 
 
+def test_overlap_is_the_option_and_only_for_policies_that_say_so():
+    """overlap = true (the default) lets the trainer partition a step ahead in a worker thread; false, a
+    policy without the attribute (or with a non-True one), or one that moves samples itself stays synchronous;
+    one rank never calls the policy (no worker is started)."""
+    from gemzoo.data.exchange import Lookahead
+    from gemzoo.interfaces.batching import DataParallelGroup, overlaps
+
+    assert BatchShuffleOptions().overlap is True and overlaps(BatchShuffle())
+    assert not overlaps(BatchShuffle(BatchShuffleOptions(overlap=False)))
+    assert not overlaps(gemzoo.registry.get("batching", "none"))  # moves samples itself (nothing)
+
+    class Unsure:
+        overlap = "yes"
+
+        def assign(self, costs, world_size):
+            return list(torch.arange(costs.numel()).tensor_split(world_size))
+
+    assert not overlaps(Unsure())
+    with pytest.raises(ConfigError, match="overlap must be true or false"):
+        BatchShuffleOptions(overlap="true")
+
+    class Data:
+        def train_batch(self, step):
+            from gemzoo.testing.memory import tiny_model
+
+            return tiny_model(step, d_model=16, batch_size=5)[1]
+
+    look = Lookahead(BatchShuffle())
+    with look:
+        batch = look.batch(Data(), 3, DataParallelGroup(), torch.device("cpu"), lambda b: 1 / 0, next_step=4)
+    assert batch.num_samples == 5 and look.last == {"step": 3, "ahead": False, "assign_s": 0.0, "wait_s": 0.0}
+    assert look._worker is None and look._ahead is None
+
+
 @pytest.mark.distributed
 def test_rebalance_on_gloo_every_option_set(tmp_path):
     """The shared suite's 2-rank check (each rank loads its part; the samples received equal the global
@@ -134,14 +168,17 @@ def test_rebalance_on_gloo_every_option_set(tmp_path):
 
 @pytest.mark.distributed
 def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
-    """gem on 2 gloo ranks, 9 samples a step (uneven): base-batch-shuffle's 10 losses equal the unshuffled
-    run's within 1e-6 relative (the loss is the global batch's, however it is split), every step trains all 9
-    samples, and 5 steps + resume to 10 reproduce the straight run bit for bit; with 1 sample for 2 ranks
-    every rank stops with the same clear error."""
+    """gem on 2 gloo ranks, 9 samples a step (uneven): base-batch-shuffle's 10 losses (overlap on, the default:
+    steps 1-9 partitioned ahead in the worker thread) equal the unshuffled run's within 1e-6 relative and the
+    synchronous run's (overlap = false) bit for bit, with the same samples on each rank at every step; every
+    step trains each of the global batch's 9 samples exactly once (keys counted); 5 steps + resume to 10
+    reproduce the straight run bit for bit (the resumed run's first step partitions synchronously, the rest
+    ahead); with 1 sample for 2 ranks every rank stops with the same clear error."""
     from gemzoo.testing.comms import spawn
 
     runs = [("none", "none", 10, False, []),
             ("shuffle", "base-batch-shuffle", 10, False, []),
+            ("sync", "base-batch-shuffle", 10, False, ["plugins.options.base-batch-shuffle.overlap=false"]),
             ("half", "base-batch-shuffle", 5, False, []),
             ("half@resumed", "base-batch-shuffle", 10, True, []),
             ("tiny", "base-batch-shuffle", 1, False, ["data.batch_size=1"])]  # 1 sample, 2 ranks
@@ -153,8 +190,20 @@ def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-6, atol=0)
     assert ranks[0]["shuffle"]["samples"] == [9] * 10
+    # overlapped == synchronous, bit for bit, and the overlap did run (and the sync run did not)
+    assert ranks[0]["sync"]["losses"] == got
+    assert all(r["sync"]["keys"] == r["shuffle"]["keys"] for r in ranks)
+    assert ranks[0]["shuffle"]["ahead"] == [False] + [True] * 9 and ranks[0]["sync"]["ahead"] == [False] * 10
+    assert ranks[0]["none"]["ahead"] == [False] * 10
+    for run in ("shuffle", "half@resumed"):  # every sample of the global batch exactly once per step
+        for step in range(len(ranks[0][run]["keys"])):
+            trained = sorted(k for r in ranks for k in r[run]["keys"][step])
+            assert trained == sorted(k for r in ranks for k in r[run]["loaded"][step]) and len(trained) == 9
+    assert any(ranks[0]["shuffle"]["keys"][s] != ranks[0]["shuffle"]["loaded"][s] for s in range(10)), \
+        "the policy moved no sample in 10 steps: the overlap would be untested"
     resumed = ranks[0]["half@resumed"]
     assert resumed["steps"][0] == 6 and resumed["losses"] == got[5:]
+    assert resumed["ahead"] == [False] + [True] * 4 and resumed["keys"] == ranks[0]["shuffle"]["keys"][5:]
     for r in ranks:  # a world larger than the batch: a clear error on every rank, no hang
         assert "1 of 2 ranks have no loss terms" in r["tiny"]["error"] and "data.batch_size" in r["tiny"]["error"]
 
