@@ -190,6 +190,9 @@ class CudaTransport:
             if pslot != slot:
                 raise S.NcclxError(f"ncclx: rank {p} is at staging slot {pslot}, rank {me} at {slot}: the ranks of "
                                    f"group {self.pg._name!r} made different numbers of CUDA collectives")
+            if gen == 0:  # the peer has never staged a byte in this slot: it sends nothing now either
+                self._src[p] = 0
+                continue
             cached = self.peer_staging.get((p, slot))
             if cached is None or cached[0] != gen:
                 if cached is not None:

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # lengths, int32 offsets, uint8/fp8 payloads
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.float8_e4m3fn)
+FAKE_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn)
 CHUNK_BYTES = 64  # a few elements per piece: every transfer below is cut into several pieces
 
 
@@ -33,7 +34,146 @@ def _splits(rank: int, world: int, seed: int) -> list[int]:
     return [((rank * 7 + d * 3 + seed) % 5) * ((rank + d + seed) % 3 != 0) for d in range(world)]
 
 
-def semantics_rank(rank: int, world: int, port: int, out_dir: str, conformance: bool = False) -> None:
+class FakeExt:
+    """The C++ part's calls on CPU, to run CudaTransport's bookkeeping (staging slots and generations, IPC
+    handles through the store, peer offsets, pieces) between processes without a GPU: "device memory" is a
+    /dev/shm file each process maps (its IPC handle is the file name), a copy is a memmove (synchronous, so
+    the events have nothing to order), and the reduction falls back to the torch ops."""
+
+    def __init__(self, p2p=lambda a, b: True):
+        import atexit
+
+        self.maps, self.made, self.n, self.p2p, self.copies = {}, [], 0, p2p, 0
+        atexit.register(self.cleanup)
+
+    def _map(self, name: str) -> int:
+        import ctypes
+        import mmap
+
+        fd = os.open(name, os.O_RDWR)
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size)
+        os.close(fd)
+        buf = (ctypes.c_char * size).from_buffer(mm)
+        self.maps[ctypes.addressof(buf)] = (mm, buf, name)
+        return ctypes.addressof(buf)
+
+    def ce_malloc(self, nbytes: int) -> int:
+        name = f"/dev/shm/ncclx-fake-{os.getpid()}-{self.n}"
+        self.n += 1
+        with open(name, "wb") as f:
+            f.truncate(nbytes)
+        self.made.append(name)
+        return self._map(name)
+
+    def ipc_mem_handle(self, ptr: int) -> bytes:
+        return self.maps[ptr][2].encode().ljust(64, b"\0")
+
+    def ipc_open_mem(self, handle: bytes) -> int:
+        return self._map(handle.rstrip(b"\0").decode())
+
+    def ipc_close_mem(self, ptr: int) -> None:
+        mm, buf, _ = self.maps.pop(ptr)
+        del buf
+        mm.close()
+
+    ce_free = ipc_close_mem
+
+    def event_create(self, interprocess: bool) -> int:
+        self.n += 1
+        return self.n
+
+    def ipc_event_handle(self, ev: int) -> bytes:
+        return str(ev).encode().ljust(64, b"\0")
+
+    def ipc_open_event(self, handle: bytes) -> int:
+        return int(handle.rstrip(b"\0"))
+
+    def event_record(self, ev, stream):
+        pass
+
+    def stream_wait_event(self, stream, ev):
+        pass
+
+    def copy_async(self, dst: int, src: int, nbytes: int, stream) -> None:
+        import ctypes
+
+        if nbytes > 0:
+            ctypes.memmove(dst, src, nbytes)
+            self.copies += 1
+
+    def can_access_peer(self, a: int, b: int) -> bool:
+        return self.p2p(a, b)
+
+    def reduce(self, *args) -> bool:
+        return False  # CudaTransport.reduce then runs schedule.reduce_parts
+
+    def cleanup(self):
+        for name in self.made:
+            if os.path.exists(name):
+                os.unlink(name)
+
+
+def fake_cuda(pg) -> dict:
+    """Point ``pg``'s collectives at a CudaTransport over FakeExt (torch.cuda's streams and events replaced by
+    no-ops), after make_cuda_transport's peer check has refused a group whose ranks 0 and 1 lack P2P and
+    accepted one that has it; returns what it said."""
+    import contextlib
+    import types
+
+    import gemzoo_ncclx._ext as ext_mod
+    import gemzoo_ncclx.cuda as cu
+
+    class Stream:
+        cuda_stream = 0
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Event:
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+    torch.cuda.Stream = lambda *a, **k: Stream()
+    torch.cuda.current_stream = lambda *a, **k: Stream()
+    torch.cuda.Event = Event
+    torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.device_count = lambda: pg.size()
+    torch.cuda.get_device_properties = lambda i: types.SimpleNamespace(uuid=f"GPU-fake-{i}")
+    torch.cuda.current_device = lambda: pg.rank()
+    torch.Tensor.record_stream = lambda self, stream: None
+    said = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ext_mod.load = lambda: (FakeExt(p2p=lambda a, b: {a, b} != {0, 1}), None)
+        said["refused"] = cu.make_cuda_transport(pg, torch.device("cuda", pg.rank()))
+        ext_mod.load = lambda: (FakeExt(), None)
+        transport = cu.make_cuda_transport(pg, torch.device("cuda", pg.rank()))
+    said["messages"] = [str(w.message) for w in caught]
+    said["transport"] = type(transport).__name__
+    said["ext"] = transport.ext
+    pg._transport = lambda device: transport
+    return said
+
+
+def semantics_rank(rank: int, world: int, port: int, out_dir: str, conformance: bool = False,
+                   fake: bool = False) -> None:
     """Every claimed collective on the ncclx default group against the same call on a plain gloo group, bit
     for bit, then the bad calls (each must raise the same NcclxError on every rank), then a good call again;
     with ``conformance``, then gemzoo.testing's comms suite and the benchmark's 2-rank check in the same
@@ -54,6 +194,7 @@ def semantics_rank(rank: int, world: int, port: int, out_dir: str, conformance: 
         assert isinstance(pg, NcclxProcessGroup), type(pg)
         gloo = dist.new_group(backend="gloo")
         checked, errors = [], {}
+        cuda_said = fake_cuda(pg) if fake else None
 
         def same(label, got, want):
             assert got.dtype == want.dtype and got.shape == want.shape, (label, got.dtype, want.dtype)
@@ -61,10 +202,10 @@ def semantics_rank(rank: int, world: int, port: int, out_dir: str, conformance: 
                 raise AssertionError(f"ncclx {label} on rank {rank}: {got.tolist()[:8]} != gloo {want.tolist()[:8]}")
             checked.append(label)
 
-        for seed, dtype in enumerate(DTYPES):
+        for seed, dtype in enumerate(DTYPES if not fake else FAKE_DTYPES):
             # gloo has no fp8 ("Invalid scalar type"): its reference moves the same bytes as uint8
             wire = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t)
-            for n in (0, 1, 5, 202):  # elements per rank's chunk: zero, one, odd, even and many pieces
+            for n in (0, 1, 5, 202) if world == 2 else (0, 1, 202):  # per rank's chunk: zero, one, odd, even, pieces
                 x = values(rank, n, dtype, seed)
                 # all_gather_into_tensor, fresh output and in place (FSDP2's input is a slice of the output)
                 outs = {}
@@ -145,7 +286,7 @@ def semantics_rank(rank: int, world: int, port: int, out_dir: str, conformance: 
     said = [str(w.message) for w in caught if "gloo point-to-point" in str(w.message)]
     with open(os.path.join(out_dir, f"sem{rank}.json"), "w") as f:
         json.dump({"checked": len(checked), "errors": errors, "own": own, "delegated": pg.stats["delegated"],
-                   "said": said}, f)
+                   "said": said, "cuda": cuda_said and {**cuda_said, "ext": None, "copies": cuda_said["ext"].copies}}, f)
     dist.destroy_process_group()
     if conformance:
         import sys
