@@ -222,8 +222,10 @@ def test_tp_that_does_not_divide_the_heads_names_the_values():
 def test_tp_needs_plain_linears_and_a_block_plan():
     from gemzoo.distributed.dense import tensor_parallel_plans
 
-    with pytest.raises(ConfigError, match=r"tower\.blocks\.0\.attn\.qkv is a BF16Linear.*precision = \"fp32\""):
-        tensor_parallel_plans(_meta_model(["plugins.precision='bf16'"]), 2)
+    with pytest.raises(ConfigError, match=r"tower\.blocks\.0\.attn\.qkv is a FP8RowwiseLinear, not an nn.Linear "
+                                          r"or BF16Linear.*\"fp32\" or \"bf16\""):
+        tensor_parallel_plans(_meta_model(["plugins.precision='fp8-rowwise'"]), 2)
+    assert len(tensor_parallel_plans(_meta_model(["plugins.precision='bf16'"]), 2)) == 2  # bf16 linears split
     hstu = os.path.join(ROOT, "configs", "hstu-ml1m.toml")
     from gemzoo import registry
     from gemzoo.config import load_config

@@ -91,6 +91,13 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _tp_linears() -> tuple[type, ...]:
+    """The linears whose forward is a DTensor-friendly F.linear: plain ones and bf16's (weights cast, then mm)."""
+    from gemzoo.interfaces.precision import BF16Linear
+
+    return nn.Linear, BF16Linear
+
+
 def tensor_parallel_plans(model: nn.Module, tp: int) -> list[tuple[str, nn.Module, dict[str, tuple[str, int]]]]:
     """(name, block, {module: (style, parts)}) for every transformer block, checked for ``tp`` ranks: each block
     declares a plan, its layers are ``nn.Linear``, and ``tp`` divides every attention's heads and every split
@@ -121,10 +128,11 @@ def tensor_parallel_plans(model: nn.Module, tp: int) -> list[tuple[str, nn.Modul
             except AttributeError:
                 raise ConfigError(f"{type(block).__name__}.tp_plan() names {module_name!r}, which {name} "
                                   "does not have") from None
-            if type(layer) is not nn.Linear:
+            if type(layer) not in _tp_linears():
                 raise ConfigError(
-                    f"run.mesh tp={tp}: {where} is a {type(layer).__name__}, not a plain nn.Linear (a precision "
-                    "policy swapped it); tensor parallelism runs with plugins.precision = \"fp32\" for now")
+                    f"run.mesh tp={tp}: {where} is a {type(layer).__name__}, not an nn.Linear or BF16Linear (a "
+                    "precision policy swapped it); tensor parallelism runs with plugins.precision = \"fp32\" or "
+                    "\"bf16\" for now (keep the block's linears with precision.keep)")
             size = layer.out_features if kind == "colwise" else layer.in_features
             if size % (parts * tp):
                 what = "output" if kind == "colwise" else "input"
