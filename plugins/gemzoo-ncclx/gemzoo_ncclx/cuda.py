@@ -96,13 +96,36 @@ def make_cuda_transport(pg, device: torch.device):
     mine = []
     for r, info in enumerate(infos):
         peer = local.get(info["uuid"]) if info["host"] == infos[pg._rank]["host"] else None
-        mine.append(bool(peer is not None and ext.can_access_peer(index, peer)))
+        try:
+            mine.append(bool(peer is not None and ext.can_access_peer(index, peer)))
+        except RuntimeError:  # a driver that cannot say: no P2P
+            mine.append(False)
     matrix = [v["p2p"] for v in _publish_and_read(pg, "p2p", {"p2p": mine})]
     message = no_p2p_message(infos, matrix, name)
     if message:
         say_once(f"p2p/{pg._name}", message)
         return False
-    return CudaTransport(pg, device, index, ext)
+    # events and their IPC handles: a failure on any rank is agreed on (two exchanges), never a hang
+    transport, err, handles = None, None, {}
+    try:
+        transport = CudaTransport(pg, device, index, ext)
+        handles = transport.handles()
+    except Exception as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    peers = _publish_and_read(pg, "events", {"handles": handles, "error": err})
+    failed = [(r, v["error"]) for r, v in enumerate(peers) if v["error"]]
+    if not failed:
+        try:
+            transport.open_peers([v["handles"] for v in peers])
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        failed = [(r, v["error"]) for r, v in enumerate(_publish_and_read(pg, "opened", {"error": err})) if v["error"]]
+    if failed:
+        r, why = failed[0]
+        say_once(f"setup/{pg._name}", f"ncclx: setting up the copy-engine transport failed on rank {r} ({why}); "
+                                      f"{name} uses NCCL for its CUDA collectives")
+        return False
+    return transport
 
 
 def no_p2p_message(infos: list[dict], matrix: list[list[bool]], name: str) -> str | None:
@@ -128,10 +151,7 @@ class CudaTransport:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.reduce_stream = torch.cuda.Stream(self.device)
             self.ev = {(kind, slot): ext.event_create(True) for kind in ("in", "out") for slot in (0, 1)}
-        handles = {f"{k}{s}": ext.ipc_event_handle(e).hex() for (k, s), e in self.ev.items()}
-        peers = _publish_and_read(pg, "events", handles)
-        self.peer_ev = {(p, k, s): (self.ev[(k, s)] if p == self.me else ext.ipc_open_event(bytes.fromhex(h[f"{k}{s}"])))
-                        for p, h in enumerate(peers) for k in ("in", "out") for s in (0, 1)}
+        self.peer_ev = {}
         self.k = 0
         self.used = [False, False]  # slot has been written once (so peers' out[slot] events mean something)
         self.staging = [(0, 0, 0), (0, 0, 0)]  # (ptr, bytes, generation) per slot
@@ -142,8 +162,28 @@ class CudaTransport:
         self._src = {}
         self._keep = []
 
+    def handles(self) -> dict:
+        """My events' IPC handles, to publish."""
+        return {f"{k}{s}": self.ext.ipc_event_handle(e).hex() for (k, s), e in self.ev.items()}
+
+    def open_peers(self, handles: list[dict]) -> None:
+        """Open every peer's events from the handles they published."""
+        self.peer_ev = {(p, k, s): (self.ev[(k, s)] if p == self.me else
+                                    self.ext.ipc_open_event(bytes.fromhex(h[f"{k}{s}"])))
+                        for p, h in enumerate(handles) for k in ("in", "out") for s in (0, 1)}
+
+    def _malloc(self, nbytes: int) -> int:
+        with torch.cuda.device(self.device):
+            try:
+                return self.ext.ce_malloc(nbytes)
+            except RuntimeError:
+                torch.cuda.empty_cache()  # the caching allocator's free blocks, then once more
+                return self.ext.ce_malloc(nbytes)
+
     # ------------------------------------------------------------------ before the metadata exchange
     def prepare(self, sends, mode) -> int:
+        """Stage ``sends``; returns the row's generation field (gen * 2 + slot), or -1 when the staging
+        buffer could not grow (the row then carries the error, so every rank raises)."""
         slot = self._slot = self.k % 2
         self.k += 1
         ext, cs = self.ext, self.copy_stream
@@ -158,8 +198,13 @@ class CudaTransport:
         if need > size:
             new = max(need, 2 * size)
             new = (new + ALIGN - 1) // ALIGN * ALIGN
-            with torch.cuda.device(self.device):
-                nptr = ext.ce_malloc(new)
+            try:
+                nptr = self._malloc(new)
+            except RuntimeError:
+                try:
+                    nptr, new = self._malloc((need + ALIGN - 1) // ALIGN * ALIGN), (need + ALIGN - 1) // ALIGN * ALIGN
+                except RuntimeError:
+                    return -1
             if ptr:
                 self.retired.append(ptr)
             gen += 1

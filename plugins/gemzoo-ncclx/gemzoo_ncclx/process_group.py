@@ -202,6 +202,8 @@ class NcclxProcessGroup(dist.ProcessGroup):
         if transport is None:
             return fallback()
         gen = transport.prepare(sends if not error else [], mode)  # on every rank: CUDA slots stay in step
+        if gen < 0:
+            error, gen = 8, 0
         counts = (lambda ts: [t.numel() for t in ts]) if not error else (lambda ts: None)
         rows = self._exchange(S.meta_row(W, op, dtype, S.NO_REDUCE if redop is None else redop, error,
                                          counts(sends), counts(recvs), gen, row))

@@ -49,6 +49,8 @@ LOCAL_ERRORS = {
     5: "split sizes that do not add up to its tensor's first dimension",
     6: "a tensor whose first dimension does not divide evenly by the world size with no split sizes given",
     7: "output_split_sizes / input_split_sizes whose length is not the world size",
+    8: "a collective too large for its staging buffer (cudaMalloc failed: free GPU memory or move less "
+       "per call)",
 }
 
 HEADER = 7  # MAGIC, op, dtype, reduce op, local error, rows' trailing numel, staging generation

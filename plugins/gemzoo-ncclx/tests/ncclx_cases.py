@@ -44,6 +44,7 @@ class FakeExt:
         import atexit
 
         self.maps, self.made, self.n, self.p2p, self.copies = {}, [], 0, p2p, 0
+        self.fail_above = 1 << 62
         atexit.register(self.cleanup)
 
     def _map(self, name: str) -> int:
@@ -59,6 +60,8 @@ class FakeExt:
         return ctypes.addressof(buf)
 
     def ce_malloc(self, nbytes: int) -> int:
+        if nbytes > self.fail_above:
+            raise RuntimeError("ncclx: cudaMalloc of the staging buffer failed: out of memory (fake)")
         name = f"/dev/shm/ncclx-fake-{os.getpid()}-{self.n}"
         self.n += 1
         with open(name, "wb") as f:
@@ -280,6 +283,11 @@ def semantics_rank(rank: int, world: int, port: int, out_dir: str, conformance: 
                                                                          else torch.float32),
                                                              torch.ones(2, dtype=torch.float64 if rank
                                                                         else torch.float32)))
+        if fake:  # rank 1 cannot grow its staging buffer: every rank raises, then the group still works
+            if rank == 1:
+                cuda_said["ext"].fail_above = 0
+            expect("staging", lambda: dist.all_gather_into_tensor(torch.empty(world << 20), torch.ones(1 << 20)))
+            cuda_said["ext"].fail_above = 1 << 62
         after = torch.empty(world * 2)
         dist.all_gather_into_tensor(after, torch.full((2,), float(rank)))  # the group still works
         assert after.tolist() == [float(r) for r in range(world) for _ in range(2)]

@@ -178,6 +178,7 @@ def test_cuda_transport_bookkeeping_on_a_fake_device(tmp_path):
         o = json.loads((tmp_path / f"sem{r}.json").read_text())
         assert o["checked"] >= 90 and set(o["own"]) == IMPLEMENTS and not o["delegated"]
         assert all(err is not None for err in o["errors"].values()), o["errors"]
+        assert "rank 1 passed a collective too large for its staging buffer" in o["errors"]["staging"]
         cuda = o["cuda"]
         assert cuda["refused"] is False and cuda["transport"] == "CudaTransport" and cuda["copies"] > 500
         assert len(cuda["messages"]) == 1 and "no peer-to-peer access between ranks 0 (cuda:0" in cuda["messages"][0]
