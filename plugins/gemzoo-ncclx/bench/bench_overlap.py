@@ -88,6 +88,8 @@ class Modes:
             n = nbytes // 2
             self.bufs[nbytes] = (torch.randn(n, device=self.device).to(torch.bfloat16),
                                  torch.empty(n, dtype=torch.bfloat16, device=self.device))
+            if not self.dry:
+                torch.cuda.synchronize()  # the side stream reads them next
         return self.bufs[nbytes]
 
     def queue(self, mode: str, nbytes: int, count: int):
@@ -120,6 +122,8 @@ class Modes:
             n = nbytes // 2 // 8
             self.bufs[key] = ([torch.randn(n, device=self.device).to(torch.bfloat16) for _ in range(8)],
                               torch.empty(n, dtype=torch.bfloat16, device=self.device))
+            if not self.dry:
+                torch.cuda.synchronize()
         parts, out = self.bufs[key]
         if self.dry or self.ext is None:
             S.reduce_parts(out, parts, S.REDUCE_CODES["SUM"], 8)
@@ -344,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--reduce-blocks", type=int, default=8)
     ap.add_argument("--no-smoke", action="store_true", help="skip the 2-process check on this device")
-    ap.add_argument("--smoke-timeout", type=float, default=60)
+    ap.add_argument("--smoke-timeout", type=float, default=45)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -366,8 +370,12 @@ def main(argv=None) -> int:
             print(f"ncclx C++ part unavailable: {why}", file=sys.stderr)
         else:
             result["sm_count"] = ext.sm_count(0)
+    save = lambda: out.write_text(json.dumps(result, indent=1))  # noqa: E731  (after each part: a cut-off run keeps what it measured)
+    save()
     result.update(gemm_rounds(args, device, ext) if (args.dry_run or ext is not None) else {"rows": []})
+    save()
     result["reduce_sweep"] = reduce_sweep(args, device, ext)
+    save()
     if not args.no_smoke:
         result["two_ranks_one_device"] = smoke(args, out.parent)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
