@@ -185,6 +185,14 @@ def partition_checked(policy, costs: torch.Tensor, world_size: int, name: str) -
     return groups, time.perf_counter() - t0
 
 
+def partition_worker() -> ThreadPoolExecutor:
+    """The one worker thread that computes partitions ahead. Its torch ops run on one intra-op thread (torch's
+    OpenMP thread count is per calling thread): a second OpenMP team beside the trainer's would compete with it
+    for the cores (on a 2-core CPU it slowed gem-tiny's steps several times over)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-partition", initializer=torch.set_num_threads,
+                              initargs=(1,))
+
+
 def plan(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name: str, step: int = -1,
          worker: ThreadPoolExecutor | None = None) -> Planned:
     """Step 1 of ``rebalance`` (the cost all-gather, on this thread) and step 2 now or, with ``worker``, there."""
@@ -274,7 +282,7 @@ class Lookahead:
         self.last = {"step": step, "ahead": ahead.future is not None, "assign_s": ahead.assign_s, "wait_s": wait}
         if next_step is not None and self.overlap:
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-partition")
+                self._worker = partition_worker()
             self._ahead = plan(self.policy, *self._load(dataset, next_step, dp, device, cost_model), dp,
                                name=self.name, step=next_step, worker=self._worker)
         return mine

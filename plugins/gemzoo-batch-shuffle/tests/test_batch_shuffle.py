@@ -157,6 +157,30 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
     assert look._worker is None and look._ahead is None
 
 
+def test_overhead_bench_runs_on_cpu(tmp_path):
+    """bench/overhead.py end to end on a very small gem (the H200 call's code path, CPU): every phase and world
+    reported, the partition timed alone and overlapped, and the overlapped partition waited for at every step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("batch_shuffle_overhead", cases.ROOT +
+                                                  "/plugins/gemzoo-batch-shuffle/bench/overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "overhead.json"
+    assert bench.main(["--config", cases.ROOT + "/configs/gem-tiny.toml", "--plugins", "", "--steps", "4",
+                       "--warmup", "1", "--worlds", "2,8", "--per-rank", "16", "--out", str(out),
+                       "--set", "run.device='cpu'", "--set", "model.d_model=16", "--set", "data.batch_size=8"]) == 0
+    got = json.loads(out.read_text())
+    assert set(got["phases"]) == {"none", "base-batch-shuffle"} and not got["notes"][1:]
+    assert [r["world"] for r in got["worlds"]] == [2, 8] and [r["samples"] for r in got["worlds"]] == [32, 128]
+    for r in got["worlds"]:
+        assert len(r["alone"]["assign_ms"]) == len(r["overlapped"]["wait_ms"]) == len(r["overlapped"]["step_ms"]) == 3
+        assert r["alone"]["median_ms"] > 0 and r["overlapped"]["assign_in_worker_median_ms"] > 0
+        assert all(w >= 0 for w in r["overlapped"]["wait_ms"]) and isinstance(r["hidden"], bool)
+    with pytest.raises(SystemExit):
+        bench.parse(["--worlds", "1,8"])  # one rank never partitions
+
+
 @pytest.mark.distributed
 def test_rebalance_on_gloo_every_option_set(tmp_path):
     """The shared suite's 2-rank check (each rank loads its part; the samples received equal the global

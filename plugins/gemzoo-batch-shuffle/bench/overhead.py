@@ -1,0 +1,229 @@
+"""Per-step overhead of base-batch-shuffle on one device (issue 16: target <= 1% of the step, overlapped).
+
+    python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml --plugins jfa,bf16 \
+        --steps 20 --warmup 5 --worlds 8,64,512 --out $OUT/overhead.json
+    .venv/bin/python plugins/gemzoo-batch-shuffle/bench/overhead.py --dry-run --out /tmp/overhead.json   # CPU
+
+One trainer is assembled once (the model is not reduced) and its ``train_step`` is timed over the same steps
+``warmup..steps-1`` in every phase (paired: gem-lognormal steps differ in work, so each phase sees the same
+batches; a step's time is its whole ``train_step`` call, data included, between CUDA synchronizations):
+
+1. ``none``: batching ``none``; the first ``--warmup`` steps before it (kernel compilation) are not counted.
+2. ``base-batch-shuffle``: the policy in the trainer. One rank never calls a batching policy (nothing to
+   balance), so this row is the trainer's one-rank path with the policy selected: it must equal ``none``.
+3. For each W of ``--worlds``, a realistic world's partition: a global batch of W x ``--per-rank`` samples,
+   lengths and candidates drawn like the config's dataset (gem-lognormal), priced by this model's own
+   ``cost_model``, one fresh draw per step.
+   - ``alone``: ``assign`` on the main thread with nothing else running (median of the steps' draws): what
+     the synchronous path (``overlap = false``) adds to every step, in ms and in % of the ``base-batch-shuffle``
+     median step.
+   - ``overlapped``: what ``overlap = true`` does in a W-rank run: before step t, the partition of a global
+     batch goes to the trainer's worker (``gemzoo.data.exchange.partition_worker``, running
+     ``partition_checked``: what the trainer's ``Lookahead`` runs there) and after step t the main thread waits for it (``wait``: what step t+1 would
+     wait before its all-to-all). The step time includes that wait and any slowdown of the step while the
+     worker holds the GIL; ``overhead`` is the median over steps of (this step - the same step in phase 2).
+
+The collectives of a W-rank run (the cost all-gather, 8 bytes a sample, and the all-to-all of the samples
+that move) cannot be measured on one device; they are not in these figures. JSON goes to ``--out`` after
+every phase (and phases stop starting once ``--budget-s`` is spent), so a cut-off call still reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+TARGET_PCT = 1.0
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "gem-bench.toml"))
+    p.add_argument("--plugins", default="jfa,bf16", help="as gemzoo train --plugins ('' keeps the config's)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--worlds", default="8,64,512")
+    p.add_argument("--per-rank", type=int, default=64, help="samples per rank of the simulated global batch")
+    p.add_argument("--budget-s", type=float, default=80.0, help="start no phase after this many seconds")
+    p.add_argument("--set", action="append", default=[], help="config overrides, as gemzoo train --set")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "overhead.json"))
+    p.add_argument("--dry-run", action="store_true",
+                   help="smoke test on CPU: configs/gem-tiny.toml, its own plugins, 8 steps, warmup 2, worlds 8,64")
+    a = p.parse_args(argv)
+    if a.dry_run:
+        a.config, a.plugins, a.steps, a.warmup, a.worlds = str(ROOT / "configs" / "gem-tiny.toml"), "", 8, 2, "8,64"
+        a.set = ["run.device='cpu'", *a.set]
+    a.worlds = [int(w) for w in a.worlds.split(",") if w]
+    if a.steps - a.warmup < 3 or a.warmup < 1:
+        p.error(f"--steps must exceed --warmup (>= 1) by at least 3, got --steps {a.steps} --warmup {a.warmup}")
+    if not a.worlds or min(a.worlds) < 2:
+        p.error(f"--worlds must be sizes >= 2 (one rank never partitions), got {a.worlds}")
+    return a
+
+
+def build_trainer(a):
+    from gemzoo.config import load_config
+    from gemzoo.train.flops import peak_flops
+    from gemzoo.train.trainer import Trainer
+
+    cfg = load_config(a.config, plugins=a.plugins or None, overrides=[
+        f"run.steps={a.steps}", "eval.every=0", "checkpoint.every=0", "plugins.batching='none'", *a.set])
+    tr = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="bench-shuffle-"), progress=False).assemble()
+    tr.peak, _ = peak_flops(tr.device, cfg.run.peak_tflops)  # fit() sets it; train_step reads it
+    return tr
+
+
+def use_policy(tr, name: str):
+    from gemzoo.data.exchange import Lookahead
+    from gemzoo.train.trainer import configured
+
+    tr.cfg.plugins.batching = name
+    tr.batching = configured("batching", name, tr.cfg)
+    tr.lookahead = Lookahead(tr.batching, name=name)
+    return tr.batching
+
+
+def sync(tr):
+    if tr.device.type == "cuda":
+        torch.cuda.synchronize(tr.device)
+
+
+def timed_step(tr, step: int, before=None, after=None) -> float:
+    sync(tr)
+    t0 = time.perf_counter()
+    handle = before() if before else None
+    tr.train_step(step)
+    if after:
+        after(handle)
+    sync(tr)
+    return time.perf_counter() - t0
+
+
+def global_costs(tr, world: int, per_rank: int, seed: int) -> torch.Tensor:
+    """Costs of a simulated global batch of world x per_rank samples: the config's dataset's length and
+    candidate distributions, priced by the trained model's cost_model."""
+    from gemzoo.data.synthetic import gem_lognormal_lengths
+
+    d = tr.cfg.data
+    g = torch.Generator().manual_seed(seed)
+    n = world * per_rank
+    lengths = gem_lognormal_lengths(n, d.median_len, d.len_sigma, d.min_len, d.max_len, g)
+    cands = torch.randint(d.min_candidates, d.max_candidates + 1, (n,), generator=g)
+    return tr.model.cost_model(SimpleNamespace(lengths=lengths, cand_lengths=cands)).double()
+
+
+def ms(xs) -> list[float]:
+    return [round(1e3 * x, 3) for x in xs]
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    t_start = time.perf_counter()
+    from gemzoo.data.exchange import partition_checked, partition_worker
+
+    out = {"config": os.path.relpath(a.config, ROOT), "plugins": a.plugins, "dry_run": a.dry_run,
+           "steps": a.steps, "warmup": a.warmup, "per_rank": a.per_rank, "target_pct": TARGET_PCT,
+           "torch": torch.__version__, "phases": {}, "worlds": [], "notes": []}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def write():
+        out["wall_s"] = round(time.perf_counter() - t_start, 1)
+        Path(a.out).write_text(json.dumps(out, indent=1))
+
+    def budget_left(what: str) -> bool:
+        spent = time.perf_counter() - t_start
+        if spent > a.budget_s:
+            out["notes"].append(f"{what}: not run, {spent:.0f} s spent (--budget-s {a.budget_s:g})")
+            print(out["notes"][-1], flush=True)
+            write()
+            return False
+        return True
+
+    tr = build_trainer(a)
+    out["device"] = torch.cuda.get_device_name(tr.device) if tr.device.type == "cuda" else str(tr.device)
+    out["assemble_s"] = round(time.perf_counter() - t_start, 1)
+    measured = range(a.warmup, a.steps)
+    t0 = time.perf_counter()
+    for step in range(a.warmup):
+        timed_step(tr, step)
+    out["warmup_s"] = round(time.perf_counter() - t0, 1)
+    print(f"assembled in {out['assemble_s']} s, {a.warmup} warmup steps in {out['warmup_s']} s", flush=True)
+
+    def phase(label: str, **hooks) -> list[float]:
+        times = [timed_step(tr, s, **hooks) for s in measured]
+        med = statistics.median(times)
+        out["phases"][label] = {"step_ms": ms(times), "median_ms": round(1e3 * med, 3)}
+        print(f"{label:28s} median step {1e3 * med:9.2f} ms", flush=True)
+        write()
+        return times
+
+    phase("none")
+    if not budget_left("base-batch-shuffle"):
+        return 0
+    policy = use_policy(tr, "base-batch-shuffle")
+    base = phase("base-batch-shuffle")
+    base_med = statistics.median(base)
+    out["phases"]["base-batch-shuffle"]["vs_none_pct"] = round(
+        100 * (base_med / out["phases"]["none"]["median_ms"] * 1e3 - 1), 3)
+    out["notes"].append("one rank never calls a batching policy: base-batch-shuffle's row is the one-rank path "
+                        "with the policy selected (equal to none up to noise); the partition's cost is in worlds")
+    worker = partition_worker()
+    try:
+        for w in a.worlds:
+            if not budget_left(f"world {w}"):
+                break
+            draws = {s: global_costs(tr, w, a.per_rank, seed=1000 * w + s) for s in measured}
+            alone = []
+            for s in measured:
+                t = time.perf_counter()
+                partition_checked(policy, draws[s], w, "base-batch-shuffle")
+                alone.append(time.perf_counter() - t)
+            waits, in_worker, times = [], [], []
+
+            def wait(future):  # what step t+1 would wait for before its all-to-all
+                t = time.perf_counter()
+                _, seconds = future.result()
+                waits.append(time.perf_counter() - t)
+                in_worker.append(seconds)
+
+            for s in measured:
+                submit = lambda s=s: worker.submit(partition_checked, policy, draws[s], w, "base-batch-shuffle")
+                times.append(timed_step(tr, s, before=submit, after=wait))
+            alone_med, wait_med = statistics.median(alone), statistics.median(waits)
+            paired = statistics.median(t - b for t, b in zip(times, base))
+            row = {"world": w, "samples": w * a.per_rank,
+                   "alone": {"assign_ms": ms(alone), "median_ms": round(1e3 * alone_med, 3),
+                             "pct_of_step": round(100 * alone_med / base_med, 3)},
+                   "overlapped": {"step_ms": ms(times), "median_step_ms": round(1e3 * statistics.median(times), 3),
+                                  "overhead_ms": round(1e3 * paired, 3),
+                                  "overhead_pct": round(100 * paired / base_med, 3),
+                                  "wait_ms": ms(waits), "wait_median_ms": round(1e3 * wait_med, 3),
+                                  "wait_max_ms": round(1e3 * max(waits), 3),
+                                  "assign_in_worker_median_ms": round(1e3 * statistics.median(in_worker), 3)}}
+            row["hidden"] = bool(wait_med < 0.01 * base_med)
+            row["within_target"] = bool(paired <= TARGET_PCT / 100 * base_med)
+            out["worlds"].append(row)
+            print(f"W={w:5d} N={w * a.per_rank:7d}  assign alone {1e3 * alone_med:8.2f} ms "
+                  f"({100 * alone_med / base_med:6.2f}% of the step)  overlapped: wait {1e3 * wait_med:7.2f} ms, "
+                  f"step overhead {1e3 * paired:+8.2f} ms ({100 * paired / base_med:+.2f}%)", flush=True)
+            write()
+    finally:
+        worker.shutdown(wait=True)
+    write()
+    print(f"wrote {a.out} ({out['wall_s']} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
