@@ -319,7 +319,7 @@ class ShardedTables(nn.Module):
                     for d in range(G)]
         n_ids = [sum(x.numel() for x in ids[d]) for d in range(G)]
         if G > 1:
-            header = torch.tensor([[B, n] for n in n_ids], dtype=torch.int64).view(-1)
+            header = torch.tensor([[B, n] for n in n_ids], dtype=torch.int64, device=dev).view(-1)
             got = _a2a(header, [2] * G, [2] * G, self.groups.shard, self.counter, me, "a2a_ids").view(G, 2).tolist()
             mine = len(self.pairs[me])
             recv = [mine * bs + n for bs, n in got]

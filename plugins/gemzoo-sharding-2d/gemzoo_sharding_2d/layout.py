@@ -15,7 +15,9 @@ data-parallel ones.
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -106,9 +108,20 @@ def _torchrec_blocks(specs: dict[str, TableSpec], group_size: int, allowed: list
     with torch.device("cpu"):
         meta = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     constraints = {c.name: ParameterConstraints(sharding_types=list(allowed)) for c in configs}
-    planner = EmbeddingShardingPlanner(topology=TRTopology(world_size=group_size, compute_device=device_type),
-                                       constraints=constraints)
-    plan = planner.plan(meta, [AnyTypeSharder()])
+    quiet = [logging.getLogger(n) for n in ("torchrec.distributed.planner.types",
+                                             "torchrec.distributed.planner.storage_reservations")]
+    levels = [q.level for q in quiet]
+    for q in quiet:  # its notices about dry runs and TopologyFactory, on every plan
+        q.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            planner = EmbeddingShardingPlanner(topology=TRTopology(world_size=group_size, compute_device=device_type),
+                                               constraints=constraints)
+            plan = planner.plan(meta, [AnyTypeSharder()])
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
     blocks, types = {}, {}
     for module_plan in plan.plan.values():
         for name, ps in module_plan.items():

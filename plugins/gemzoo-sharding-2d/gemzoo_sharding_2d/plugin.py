@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from gemzoo.config import bounded
 from gemzoo.errors import CheckpointError, ConfigError, PluginError
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.plugins import hookimpl
@@ -48,11 +49,11 @@ STATE_SUFFIX = "/sum"  # planner state keys: "<table weight name>/sum", torch Ad
 
 @dataclass
 class Sharding2DOptions:
-    group_size: int = 0
-    strategy: str = "replicated"
-    replica_sync: str = "gradients"
-    sync_every: int = 1
-    sharding_types: list[str] = field(default_factory=list)
+    group_size: int = bounded(0, min=0)  # G, ranks a sharding group (world = G x replicas); 0: gcd(world, 8)
+    strategy: str = bounded("replicated", choices=STRATEGIES)  # replicated: tables / G a rank; fully_sharded: / (G x R)
+    replica_sync: str = bounded("gradients", choices=REPLICA_SYNCS)  # replicated: exact gradient all-reduce, or weights
+    sync_every: int = bounded(1, min=1)  # steps between weight + Adagrad averages (replica_sync = "weights")
+    sharding_types: list[str] = field(default_factory=list)  # allowed within a group; [] = all four
     # a checkpoint holds whole tables and accumulators, so a resume may change any of these (resharding)
     layout_fields: ClassVar[tuple[str, ...]] = ("group_size", "strategy", "replica_sync", "sync_every",
                                                 "sharding_types")
@@ -135,7 +136,8 @@ class Sharding2D:
                               "either engine)")
         lost = [t for t in plan.tables if t not in bags]
         if lost:
-            raise PluginError(f"planner 'sharding-2d': the plan has tables {lost} the model lacks (it has {list(bags)})")
+            raise PluginError(f"planner 'sharding-2d': the plan has tables {lost} the model lacks "
+                              f"(it has {list(bags)})")
         for t, spec in plan.tables.items():
             shape = tuple(bags[t].weight.shape)
             if shape != (spec.num_embeddings, spec.embedding_dim):
@@ -188,7 +190,8 @@ class Sharding2D:
             names = {f"{head}{t}.weight{STATE_SUFFIX}": t for t in m.views(m.state_sum)}
             known |= set(names)
             whole = {names[k]: v for k, v in state.items() if k in names}
-            missing += [f"{head}{t}.weight{STATE_SUFFIX}" for t in m.load_pieces(m.state_sum, whole, "the Adagrad state")]
+            lacking = m.load_pieces(m.state_sum, whole, "the Adagrad state")
+            missing += [f"{head}{t}.weight{STATE_SUFFIX}" for t in lacking]
         extra = sorted(k for k in state if k.endswith(STATE_SUFFIX) and k not in known)
         if extra:
             raise CheckpointError(f"the checkpoint has Adagrad state for tables this model lacks: {extra[:5]}; "

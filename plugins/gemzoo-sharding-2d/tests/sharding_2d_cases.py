@@ -27,31 +27,11 @@ def overrides(out: str, steps: int, planner: str = "sharding-2d", options: dict 
 
 def run(out: str, steps: int, *, planner: str = "sharding-2d", options: dict | None = None, resume=False,
         every: int = 1):
-    """Train; returns {"losses", "steps", "memory", "bytes" (per step: this rank's CommCounter snapshot)}."""
-    import gemzoo
-    from gemzoo import registry
+    """Train the test config; {"losses", "steps", "memory", "bytes"} (measure.train_and_record)."""
     from gemzoo.config import load_config
-    from gemzoo.train.trainer import train
-    from gemzoo_sharding_2d import Sharding2D
+    from gemzoo_sharding_2d.measure import train_and_record
 
-    seen = {"memory": None, "bytes": []}
-
-    class Record:
-        @gemzoo.hookimpl
-        def gemzoo_step_end(self, trainer, step, metrics):
-            if planner == "sharding-2d":
-                seen["memory"] = Sharding2D.memory(trainer.model)
-                seen["bytes"].append(Sharding2D.comm_bytes(trainer.model))
-
-    host = registry.host()
-    host.register(rec := Record(), name=f"record-{out}")
-    try:
-        result = train(load_config(CONFIG, overrides=overrides(out, steps, planner, options, every)), resume=resume,
-                       progress=False)
-    finally:
-        host.pm.unregister(rec)
-    return {"losses": [h["loss"] for h in result.history], "steps": [h["step"] for h in result.history],
-            "memory": seen["memory"], "bytes": seen["bytes"]}
+    return train_and_record(load_config(CONFIG, overrides=overrides(out, steps, planner, options, every)), resume=resume)
 
 
 def train_rank(rank: int, world: int, port: int, tmp: str) -> None:

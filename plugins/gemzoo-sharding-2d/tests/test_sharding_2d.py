@@ -16,6 +16,7 @@ from gemzoo.errors import CheckpointError, ConfigError
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.testing.planner import check_planner_local
 from gemzoo_sharding_2d import Sharding2D, Sharding2DOptions
+from gemzoo_sharding_2d.measure import per_step, sample_ids
 from gemzoo_sharding_2d.scale import Links, embedding_traffic, parse_bytes, plan_report
 
 OPTION_SETS = {
@@ -61,15 +62,6 @@ def test_conformance_protocol_on_gloo_without_torchrec(tmp_path):
     reports = check_planner_protocol_on_gloo(planner(group_size=2), tmp_path, world=2,
                                              env={"GEMZOO_NO_TORCHREC": "1"})
     assert all(r["sharded"] and r["planner_keys"] == 2 for r in reports)
-
-
-def _rank_ids(ds, rank: int, step: int) -> tuple[dict[str, float], int]:
-    """(mean ids a sample of each sparse feature, samples) that ``rank`` of 4 loads at ``step``."""
-    from gemzoo.data.exchange import load_shard
-
-    b = load_shard(ds, step, rank, 4)
-    n = b.num_samples
-    return {k: float(b.sparse_lengths[i * n:(i + 1) * n].sum()) / n for i, k in enumerate(b.sparse_keys)}, n
 
 
 @pytest.mark.distributed
@@ -120,15 +112,12 @@ def test_four_gloo_ranks_match_one_process_resume_reshard_memory_and_bytes(tmp_p
     for label, (lay, sync) in runs.items():
         layout = plan_layout(tables, 2, 2, lay["strategy"], ["row_wise"])
         for r, rank in enumerate(ranks):
-            prev = {}
-            for step, snap in enumerate(rank[label]["bytes"]):
-                ids, batch = _rank_ids(ds, r, step)
+            for step, got in enumerate(per_step(rank[label]["bytes"])):
+                ids, batch = sample_ids(ds, step, r, 4)
                 want = embedding_traffic(layout, features, batch, ids, **sync)
-                got = {k: v - prev.get(k, 0) for k, v in snap["bytes"].items()}
-                prev = snap["bytes"]
                 if "replica_sync" in want and sync:  # weights: 2 tensors every 2nd step = the per-step mean x 2
                     want["replica_sync"] = want["replica_sync"] * 2 if step % 2 == 1 else 0
-                assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.items() if v}, (label, r, step)
+                assert got == {k: v for k, v in want.items() if v}, (label, r, step)
     # 6. a checkpoint of other tables: the resume names the key and both values before loading anything
     from gemzoo.train.trainer import train
 
@@ -145,7 +134,7 @@ def test_bad_group_size_and_options_are_named():
         planner(group_size=3).plan([], Topology(4, "cpu"))
     with pytest.raises(ConfigError, match="strategy must be one of replicated, fully_sharded, got 'both'"):
         Sharding2DOptions(strategy="both")
-    with pytest.raises(ConfigError, match="sync_every = 2 needs strategy = \"replicated\" and replica_sync = \"weights\""):
+    with pytest.raises(ConfigError, match='sync_every = 2 needs strategy = "replicated" and replica_sync = "weights"'):
         Sharding2DOptions(sync_every=2)
     with pytest.raises(ConfigError, match=r"sharding_types has \['diagonal'\]"):
         Sharding2DOptions(sharding_types=["diagonal"])
