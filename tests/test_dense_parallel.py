@@ -112,6 +112,7 @@ def _phases(rank: int, world: int, port: int, tmp: str) -> None:
     out["hsdp_from_one"] = _train(f"{tmp}/hsdp_from_one", [HSDP], resume=ck("one"))
     out["hsdp_from_tp"] = _train(f"{tmp}/hsdp_from_tp", [HSDP], resume=ck("tp"))
     out["sasrec_tp"] = _sasrec_block_under_tp()
+    out["tp_torchrec_tables"] = _train(f"{tmp}/tp_torchrec_tables", [TABLES[0], TP])  # torchrec's 1D sharding
     if _has_2d_planner():  # 5D: tables sharded 2D (G=2 x R=2) beside TP=2 x FSDP over shard=2
         out["tp_2d_tables"] = _train(f"{tmp}/tp_2d_tables", [*TABLES, TP])
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
@@ -164,8 +165,10 @@ def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between
     # sasrec's block: local heads of q and of the fused kv (2 x 16 rows over 2 ranks), same output and gradient
     sasrec = got["sasrec_tp"]
     assert sasrec["kv_local"] == [16, 16] and sasrec["out"] < 1e-5 and sasrec["grad"] < 1e-5, sasrec
+    tables = _train(f"{tmp}/one_tables", TABLES[:1])  # one process: whole tables
+    # the tables sharded by torchrec over 4 ranks (fused Adagrad) beside TP=2 x FSDP over shard=2
+    assert _rel(got["tp_torchrec_tables"]["losses"], tables["losses"]) < 1e-5, (got["tp_torchrec_tables"], tables)
     if _has_2d_planner():  # the whole 5D layout: 2D-sharded tables, TP and FSDP on the blocks
-        tables = _train(f"{tmp}/one_tables", TABLES[:1])  # one process: whole tables, the same update
         assert _rel(got["tp_2d_tables"]["losses"], tables["losses"]) < 1e-5, (got["tp_2d_tables"], tables)
     for run in ("hsdp", "tp"):
         back = _train(f"{tmp}/one_from_{run}", [], resume=str(tmp_path / run / "checkpoints" / "step-00000003"))

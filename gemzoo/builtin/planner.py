@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gemzoo.distributed import whole_parameters
-from gemzoo.distributed.state import gather_pieces, scatter_pieces
+from gemzoo.distributed.state import gather_pieces, load_full_state, scatter_pieces
 from gemzoo.embedding import torchrec_available
 from gemzoo.errors import PluginError
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
@@ -117,6 +117,9 @@ class TorchrecPlanner:
                 "install torchrec (pip install --no-deps torchrec fbgemm-gpu-cpu) or run on one process"
             )
         group = mesh.get_group("dp") if mesh is not None else dist.group.WORLD
+        # DMP builds the sharded tables afresh (torchrec's own init, the same for every table); the model's
+        # init_weights gave them their weights, which every rank holds: copy this rank's shards of those back
+        initialised = {k: v.detach().clone() for k, v in ebc.state_dict().items()}
         device = torch.device(plan["device_type"], torch.cuda.current_device()) if plan["device_type"] == "cuda" \
             else torch.device("cpu")
         dmp = DistributedModelParallel(
@@ -126,6 +129,7 @@ class TorchrecPlanner:
         # Keep the sharded collection itself, not the DMP wrapper: DMP expects to be the root module, and
         # nested it re-prefixes every key of the parent's state_dict, so dense weights would not load back.
         owner.ebc = dmp.module
+        load_full_state(owner.ebc, initialised)
         return model
 
     def replicated_parameters(self, model: nn.Module) -> list[nn.Parameter]:
