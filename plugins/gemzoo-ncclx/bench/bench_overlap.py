@@ -11,7 +11,8 @@ One process, one device call:
    ncclx's copy-engine call (``copy_async``: the very ``cudaMemcpyAsync`` its peer pulls make, here device to
    device on one GPU); while an SM copy kernel moves the same buffers (Triton, 32 CTAs like NCCL's channels,
    and a full grid); while the reduce-scatter reduction kernel runs on ``reduce_blocks`` blocks; and the
-   GEMMs alone again ("alone-after"). Enough copies are queued to outlast the GEMMs. Per mode the median over
+   GEMMs alone again ("alone-after"). Enough copies are queued to outlast the GEMMs (2.5x their time; the
+   JSON's ``side_covered_gemms`` says whether the side stream was busy over the whole window). Per mode the median over
    rounds; the slowdown is against the mean of the two "alone" medians (both are reported: taking "alone"
    only first has shown a -9% slowdown, a clock artefact).
 3. The reduction kernel's bandwidth by block count (8 chunks of 64 MB bf16 into one).
@@ -179,12 +180,14 @@ def gemm_rounds(args, device, ext) -> dict:
         + [("reduce", red_size), ("alone-after", None)]
     samples = {p: [] for p in plan}
     side_bw = {p: [] for p in plan}
+    covered = {p: [] for p in plan}  # the side stream was busy from before the GEMMs began until after they ended
     for _ in range(1 if dry else args.rounds):
         for mode, size in plan:
             if size is None:
                 samples[(mode, size)].append(timed(gemms, dry))
                 continue
-            k = max(2, math.ceil(1.3 * t_gemm / max(per_move[(mode, size)], 1e-9)))
+            # 2.5x the GEMMs' time: queueing thousands of launches takes host time while the first ones run
+            k = max(2, math.ceil(2.5 * t_gemm / max(per_move[(mode, size)], 1e-9)))
             if dry:
                 k = 2
             side = modes.side
@@ -195,11 +198,17 @@ def gemm_rounds(args, device, ext) -> dict:
             modes.queue(mode, size, k)
             if not dry:
                 s1.record(side)
-            samples[(mode, size)].append(timed(gemms, dry))
-            if not dry:
+                g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                g0.record()
+                gemms()
+                g1.record()
                 torch.cuda.synchronize()
+                samples[(mode, size)].append(g0.elapsed_time(g1) / 1e3)
+                covered[(mode, size)].append(s0.elapsed_time(g0) >= 0 and g1.elapsed_time(s1) >= 0)
                 moved = (size * k) if mode != "reduce" else size * 9 / 8 * k
                 side_bw[(mode, size)].append(moved / (s0.elapsed_time(s1) / 1e3) / 1e9)
+            else:
+                samples[(mode, size)].append(timed(gemms, dry))
     med = {p: statistics.median(v) for p, v in samples.items()}
     tf = {p: flops / t / 1e12 for p, t in med.items()}
     alone = (tf[("alone-before", None)] + tf[("alone-after", None)]) / 2
@@ -208,6 +217,7 @@ def gemm_rounds(args, device, ext) -> dict:
         rows.append({"mode": mode, "bytes": size, "gemm_tflops": round(tf[(mode, size)], 2),
                      "slowdown_pct": round(100 * (1 - tf[(mode, size)] / alone), 2),
                      "side_GBps": round(statistics.median(side_bw[(mode, size)]), 1) if side_bw[(mode, size)] else None,
+                     "side_covered_gemms": all(covered[(mode, size)]) if covered[(mode, size)] else None,
                      "rounds": len(samples[(mode, size)])})
     names = {"copy-engine": "ncclx copy_async (cudaMemcpyAsync D2D, copy engine)", "sm-copy": modes.sm32[1],
              "sm-copy-full": modes.smfull[1], "reduce": f"ncclx reduction kernel, {args.reduce_blocks} blocks, "
@@ -382,10 +392,12 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1))
     print(f"{result['device']}, torch {result['torch']}; GEMM {result.get('gemm')}; alone "
           f"{result.get('alone_tflops')} TFLOP/s (mean of before/after)")
-    print(f"{'mode':<14} {'MB':>6} {'GEMM TFLOP/s':>13} {'slowdown %':>11} {'side GB/s':>10}")
+    print(f"{'mode':<14} {'MB':>6} {'GEMM TFLOP/s':>13} {'slowdown %':>11} {'side GB/s':>10} {'covered':>8}")
     for r in result["rows"]:
         mb = "" if r["bytes"] is None else r["bytes"] // MB
-        print(f"{r['mode']:<14} {mb:>6} {r['gemm_tflops']:>13} {r['slowdown_pct']:>11} {r['side_GBps'] or '':>10}")
+        cov = "" if r["side_covered_gemms"] is None else ("yes" if r["side_covered_gemms"] else "NO")
+        print(f"{r['mode']:<14} {mb:>6} {r['gemm_tflops']:>13} {r['slowdown_pct']:>11} {r['side_GBps'] or '':>10} "
+              f"{cov:>8}")
     for r in result["reduce_sweep"]:
         print(f"reduce 8x64MB bf16, {r['blocks']:>3} blocks: {r['ms']} ms, {r['GBps']} GB/s, "
               f"bit-identical {r['bit_identical_to_cpu_order']}")
