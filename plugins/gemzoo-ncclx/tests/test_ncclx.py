@@ -183,3 +183,20 @@ def test_cuda_transport_bookkeeping_on_a_fake_device(tmp_path):
         assert cuda["refused"] is False and cuda["transport"] == "CudaTransport" and cuda["copies"] > 500
         assert len(cuda["messages"]) == 1 and "no peer-to-peer access between ranks 0 (cuda:0" in cuda["messages"][0]
         assert "and 1 (cuda:1" in cuda["messages"][0] and "uses NCCL" in cuda["messages"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_processes_on_one_gpu_equal_the_gloo_transport(tmp_path):
+    """The real CUDA path on one GPU: 2 processes share it (CUDA IPC staging, interprocess events, copy-engine
+    pulls); every claimed collective equals the group's gloo transport bit for bit (bench_overlap's check)."""
+    import argparse
+
+    sys.path.insert(0, str(HERE / "bench"))
+    from bench_overlap import smoke
+
+    result = smoke(argparse.Namespace(dry_run=False, smoke_timeout=180), tmp_path)
+    assert result["exit_codes"] == [0, 0], result
+    for r in result["ranks"]:
+        assert r["transport"] == "CudaTransport", r["said"]
+        assert r["checked"] == 36 and r["mismatches"] == [], r
