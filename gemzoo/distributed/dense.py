@@ -17,7 +17,6 @@
 - HSDP (R * S > 1): FSDP2 ``fully_shard`` on each block over the 2-D mesh ``(replicate, shard)``: parameters
   sharded over ``shard``, replicated over ``replicate``, gradients reduce-scattered then all-reduced; on top of
   the TP DTensors when T > 1 (FSDP2 + TP).
-
 - Embedding tables are the planner's: the T ranks of a tp group look up the same samples, and torchrec's
   sharded lookups divide their gradients by the world size (``comm_ops`` gradient division; sharding-2d does
   the same), so the T copies average to the data-parallel mean with nothing to correct; whole tables are
@@ -36,6 +35,7 @@ from torch import nn
 
 from gemzoo.config import MESH_DIMS
 from gemzoo.errors import ConfigError
+
 
 class _DropRedistributeNotice(logging.Filter):
     """Gathering an HSDP + TP parameter whole (checkpoints) takes two all-gathers, which DTensor logs as a
