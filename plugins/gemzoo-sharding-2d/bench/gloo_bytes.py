@@ -84,7 +84,7 @@ def main() -> None:
                 ids, batch = sample_ids(ds, step, r, WORLD)
                 for k, v in got.items():
                     measured.setdefault(k, []).append(v)
-                for k, v in embedding_traffic(layout, features, batch, ids, **sync).items():
+                for k, v in embedding_traffic(layout, features, batch, ids, **sync, rank=r % g).items():
                     planned.setdefault(k, []).append(v)
         mem = [rank[name]["memory"] for rank in ranks]
         rows.append({"layout": name, "weights_per_rank": statistics.mean(m["weights"] for m in mem),

@@ -268,6 +268,8 @@ class ShardedTables(nn.Module):
         o, chunk = self.seg[self.local_index[id(b)]]
         return full.view(self.factor, -1)[:, o:o + chunk * b.cols].view(self.factor, chunk, b.cols)
 
+    # Never traced: collectives with data-dependent splits and host-side routing (graph breaks anyway).
+    @torch.compiler.disable
     def forward(self, keys, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         keys = list(keys)
         nf = len(keys)

@@ -5,8 +5,8 @@ For a config it builds the dataset (one batch, for the mean history length and i
 model on ``meta`` (dense parameter counts, the tables), then for each layout (1D: one group of W ranks; 2D
 ``replicated`` and ``fully_sharded``: groups of G) it computes, per rank:
 
-- memory: table weights and their Adagrad state (fp32, element-wise as the engine stores them; the whole group
-  shard also lives during a fully-sharded step), dense parameters with grads and AdamW moments (16 bytes a
+- memory: table weights and their Adagrad state on the busiest rank of a group (fp32, element-wise as the
+  engine stores them; the whole group shard also lives during a fully-sharded step), dense parameters with grads and AdamW moments (16 bytes a
   parameter; FSDP shards the transformer blocks over the world), saved activations (estimate: bytes = tokens x
   d_model x layers x (10 + 6 ffn_mult), Korthikanti et al. 2022's 34 sbh per layer at ffn_mult 4 in 16-bit,
   without the attention-score term a flash kernel never stores);
@@ -69,26 +69,39 @@ def ring_seconds(wire_bytes: float, n: int, stride: int, links: Links) -> float:
 
 
 def embedding_traffic(layout: Layout, features: list[str], batch: float, ids_per_sample: dict[str, float],
-                      replica_sync: str = "gradients", sync_every: int = 1) -> dict[str, float]:
-    """Bytes one rank hands to each collective of the engine per training step, averaged over a group's ranks
-    (exact for the engine given the mean ids per sample; row-wise layouts are the same on every rank)."""
+                      replica_sync: str = "gradients", sync_every: int = 1, rank: int | None = None) -> dict[str, float]:
+    """Bytes a rank hands to each collective of the engine per training step, every rank of the job training
+    ``batch`` samples with ``ids_per_sample`` mean ids a feature: those of group rank ``rank``, exactly; with
+    ``rank=None`` the busiest rank's in each category (table-wise owners send the pooled lookups of the whole
+    group; row-wise layouts are the same on every rank)."""
     G, R = layout.group_size, layout.replicas
     table_of = {f: t for t, s in layout.tables.items() for f in s.feature_names}
+    owned_cols, stored, pieces = [0] * G, [0] * G, [0] * G  # per group rank
+    all_cols = n_pairs = 0
+    ids = 0.0
+    for f in features:
+        blocks = layout.blocks[table_of[f]]
+        if blocks:
+            ids += batch * ids_per_sample[f] * len({b.col_off for b in blocks})
+        for b in blocks:
+            owned_cols[b.rank] += b.cols
+            all_cols += b.cols
+            n_pairs += 1
+    for bs in layout.blocks.values():
+        for b in bs:
+            stored[b.rank] += b.rows * b.cols
+            pieces[b.rank] += math.ceil(b.rows / R) * b.cols
+    pick = (lambda v: v[rank]) if rank is not None else max  # noqa: E731
     out = {}
     if G > 1:
-        pairs = [(f, b) for f in features for b in layout.blocks[table_of[f]]]
-        ids = sum(batch * ids_per_sample[f] * len({b.col_off for b in layout.blocks[table_of[f]]})
-                  for f in features if layout.blocks[table_of[f]])
-        out["a2a_ids"] = 8 * (2 * G + batch * len(pairs) + ids)
-        out["a2a_pooled_fwd"] = out["a2a_pooled_bwd"] = 4 * batch * sum(b.cols for _, b in pairs)
-    blocks = [b for bs in layout.blocks.values() for b in bs]
-    group_shard = sum(b.rows * b.cols for b in blocks) / G  # elements a rank of a group stores, on average
+        out["a2a_ids"] = 8 * (2 * G + batch * n_pairs + ids)
+        out["a2a_pooled_fwd"] = 4 * G * batch * pick(owned_cols)  # an owner's pieces, to every source
+        out["a2a_pooled_bwd"] = 4 * batch * all_cols  # a rank's gradients, to every owner
     if R > 1 and layout.strategy == "fully_sharded":
-        piece = sum(math.ceil(b.rows / R) * b.cols for b in blocks) / G
-        out["replica_all_gather"] = 4 * piece
-        out["replica_reduce_scatter"] = 4 * piece * R
+        out["replica_all_gather"] = 4 * pick(pieces)
+        out["replica_reduce_scatter"] = 4 * pick(pieces) * R
     elif R > 1:
-        out["replica_sync"] = 4 * group_shard * (1 if replica_sync == "gradients" else 2 / sync_every)
+        out["replica_sync"] = 4 * pick(stored) * (1 if replica_sync == "gradients" else 2 / sync_every)
     return out
 
 
@@ -127,8 +140,11 @@ def layout_estimate(desc: dict, world: int, group: int, strategy: str, links: Li
     B = desc["batch_per_rank"]
     traffic = embedding_traffic(layout, desc["features"], B, desc["ids_per_sample"], replica_sync, sync_every)
     whole = sum(s.numel for s in layout.tables.values()) * 4
-    stored = sum(math.ceil(b.rows / (R if strategy == "fully_sharded" else 1)) * b.cols
-                 for bs in layout.blocks.values() for b in bs) * 4 / group
+    per_rank = [0.0] * group  # the busiest rank must fit: table-wise layouts are uneven
+    for bs in layout.blocks.values():
+        for b in bs:
+            per_rank[b.rank] += math.ceil(b.rows / (R if strategy == "fully_sharded" else 1)) * b.cols * 4
+    stored = max(per_rank)
     stored += sum(s.numel * 4 for t, s in layout.tables.items() if not layout.blocks[t])  # data-parallel tables
     fsdp = desc["dense_parallel"] == "fsdp" and world > 1
     rest = desc["dense_params"] - (desc["block_params"] if fsdp else 0)
