@@ -60,9 +60,12 @@ def _train(out: str, overrides: list[str], resume=False) -> dict:
     blocks = built["model"].tower.blocks
     qkv = blocks[0].attn.qkv.weight
     local = qkv.to_local() if isinstance(qkv, DTensor) else qkv
+    kv = built["model"].cross.kv.weight
+    kv = kv.to_local() if isinstance(kv, DTensor) else kv
     return {"losses": [h["loss"] for h in result.history], "first": result.history[0]["step"],
             "samples": [round(h["samples_per_s"] * h["step_s"], 6) for h in result.history],
-            "qkv_local": list(local.shape), "placements": [str(p) for p in getattr(qkv, "placements", ())]}
+            "qkv_local": list(local.shape), "cross_kv_local": list(kv.shape),
+            "placements": [str(p) for p in getattr(qkv, "placements", ())]}
 
 
 def _has_2d_planner() -> bool:
@@ -154,6 +157,9 @@ def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between
     assert _rel(got["tp"]["losses"], ref) < 1e-5, (got["tp"]["losses"], ref)
     # HSDP: qkv rows sharded over shard=2; TP=2 x FSDP over shard=2: each rank holds 1/4 of the rows
     assert got["hsdp"]["qkv_local"] == [96, 64] and got["tp"]["qkv_local"] == [48, 64]
+    # the cross attention's fused kv (2 x 64 rows): whole under HSDP, split by TP=2 and then FSDP over shard=2
+    assert one["cross_kv_local"] == got["hsdp"]["cross_kv_local"] == [128, 64]
+    assert got["tp"]["cross_kv_local"] == [32, 64]
     assert len(got["tp"]["placements"]) == 3 and got["tp"]["placements"][-1] == "S(0)"  # (replicate, shard, tp)
     assert got["tp"]["samples"] == one["samples"]  # every sample counted once, not once per tp rank
     # resume under the same layout: bit-exact
@@ -217,7 +223,9 @@ def test_tp_that_does_not_divide_the_heads_names_the_values():
     with pytest.raises(ConfigError, match=r"tp=4 does not divide the attention heads"):  # gemzoo config validate
         _meta_model(["model.num_heads=2", "run.mesh={tp=4}"])
     plans = tensor_parallel_plans(model, 2)
-    assert [n for n, _, _ in plans] == ["tower.blocks.0", "tower.blocks.1"]
+    assert [n for n, _, _ in plans] == ["tower.blocks.0", "tower.blocks.1", "cross", "interaction"]
+    assert plans[2][2] == {"q": ("colwise", 1), "kv": ("colwise", 2), "out": ("rowwise", 1)}
+    assert plans[3][2] == {"layers.0": ("colwise", 1), "layers.1": ("rowwise", 1)}
     assert plans[0][2] == {"attn.qkv": ("colwise", 3), "attn.out": ("rowwise", 1), "mlp.fc1": ("colwise", 1),
                            "mlp.fc2": ("rowwise", 1)}
 
@@ -228,7 +236,7 @@ def test_tp_needs_plain_linears_and_a_block_plan():
     with pytest.raises(ConfigError, match=r"tower\.blocks\.0\.attn\.qkv is a FP8RowwiseLinear, not an nn.Linear "
                                           r"or BF16Linear.*\"fp32\" or \"bf16\""):
         tensor_parallel_plans(_meta_model(["plugins.precision='fp8-rowwise'"]), 2)
-    assert len(tensor_parallel_plans(_meta_model(["plugins.precision='bf16'"]), 2)) == 2  # bf16 linears split
+    assert len(tensor_parallel_plans(_meta_model(["plugins.precision='bf16'"]), 2)) == 4  # bf16 linears split
     hstu = os.path.join(ROOT, "configs", "hstu-ml1m.toml")
     from gemzoo import registry
     from gemzoo.config import load_config

@@ -99,13 +99,15 @@ def _tp_linears() -> tuple[type, ...]:
 
 
 def tensor_parallel_plans(model: nn.Module, tp: int) -> list[tuple[str, nn.Module, dict[str, tuple[str, int]]]]:
-    """(name, block, {module: (style, parts)}) for every transformer block, checked for ``tp`` ranks: each block
-    declares a plan, its layers are ``nn.Linear``, and ``tp`` divides every attention's heads and every split
-    dimension. Runs on a meta model, so ``gemzoo config validate``-style checks need no ranks."""
+    """(name, unit, {module: (style, parts)}) for every transformer block (its ``tp_plan()``), then for each
+    child of the model whose layers the model's own optional ``tp_plan()`` (dotted names from the model, e.g.
+    gem's cross attention and interaction MLP) splits; checked for ``tp`` ranks: every block declares a plan, the
+    layers are ``nn.Linear`` (or ``BF16Linear``), and ``tp`` divides every attention's heads and every split
+    dimension. Runs on a meta model, so ``gemzoo config validate`` reports it with no ranks."""
     from gemzoo.interfaces.models import transformer_blocks
 
     names = {id(m): n for n, m in model.named_modules()}
-    out = []
+    units = []
     for block in transformer_blocks(model):
         name = names.get(id(block), type(block).__name__)
         plan_fn = getattr(block, "tp_plan", None)
@@ -113,34 +115,51 @@ def tensor_parallel_plans(model: nn.Module, tp: int) -> list[tuple[str, nn.Modul
             raise ConfigError(
                 f"run.mesh tp={tp}: transformer block {name} ({type(block).__name__}) declares no tensor-parallel "
                 "plan (a tp_plan() method); use tp = 1 for this model (HSDP over replicate x shard still works)")
-        for sub_name, sub in block.named_modules():
-            heads = getattr(sub, "num_heads", None)
-            if isinstance(heads, int) and heads % tp:
-                where = f"{name}.{sub_name}" if sub_name else name
-                raise ConfigError(f"run.mesh tp={tp} does not divide the attention heads: {where} has num_heads="
-                                  f"{heads}; choose tp among {_divisors(heads)} or change model.num_heads")
-        plan = {}
-        for module_name, style in plan_fn().items():
-            where = f"{name}.{module_name}"
-            kind, parts = parse_style(style, where)
-            try:
-                layer = block.get_submodule(module_name)
-            except AttributeError:
-                raise ConfigError(f"{type(block).__name__}.tp_plan() names {module_name!r}, which {name} "
-                                  "does not have") from None
-            if type(layer) not in _tp_linears():
-                raise ConfigError(
-                    f"run.mesh tp={tp}: {where} is a {type(layer).__name__}, not an nn.Linear or BF16Linear (a "
-                    "precision policy swapped it); tensor parallelism runs with plugins.precision = \"fp32\" or "
-                    "\"bf16\" for now (keep the block's linears with precision.keep)")
-            size = layer.out_features if kind == "colwise" else layer.in_features
-            if size % (parts * tp):
-                what = "output" if kind == "colwise" else "input"
-                raise ConfigError(f"run.mesh tp={tp} does not divide {where}'s {what} features ({size}"
-                                  f"{f' in {parts} parts' if parts > 1 else ''}); choose tp among "
-                                  f"{_divisors(size // parts)} or change the model's sizes")
-            plan[module_name] = (kind, parts)
-        out.append((name, block, plan))
+        units.append((name, block, plan_fn()))
+    grouped: dict[str, dict[str, str]] = {}
+    for path, style in (getattr(model, "tp_plan", lambda: {})() or {}).items():
+        parent, _, child = path.partition(".")  # the model's child whose forward runs them: FSDP2 wraps it
+        if not child:
+            raise ConfigError(f"{type(model).__name__}.tp_plan() names {path!r}: name layers inside a submodule "
+                              "(e.g. 'cross.q'), which tensor parallelism and FSDP2 then wrap")
+        grouped.setdefault(parent, {})[child] = style
+    for parent, plan in grouped.items():
+        try:
+            units.append((parent, model.get_submodule(parent), plan))
+        except AttributeError:
+            raise ConfigError(f"{type(model).__name__}.tp_plan() names {parent!r}, which the model does not "
+                              "have") from None
+    return [(name, unit, _checked_plan(name, unit, plan, tp)) for name, unit, plan in units]
+
+
+def _checked_plan(name: str, unit: nn.Module, plan: dict[str, str], tp: int) -> dict[str, tuple[str, int]]:
+    for sub_name, sub in unit.named_modules():
+        heads = getattr(sub, "num_heads", None)
+        if isinstance(heads, int) and heads % tp:
+            where = f"{name}.{sub_name}" if sub_name else name
+            raise ConfigError(f"run.mesh tp={tp} does not divide the attention heads: {where} has num_heads="
+                              f"{heads}; choose tp among {_divisors(heads)} or change model.num_heads")
+    out = {}
+    for module_name, style in plan.items():
+        where = f"{name}.{module_name}"
+        kind, parts = parse_style(style, where)
+        try:
+            layer = unit.get_submodule(module_name)
+        except AttributeError:
+            raise ConfigError(f"{type(unit).__name__}'s tensor-parallel plan names {module_name!r}, which {name} "
+                              "does not have") from None
+        if type(layer) not in _tp_linears():
+            raise ConfigError(
+                f"run.mesh tp={tp}: {where} is a {type(layer).__name__}, not an nn.Linear or BF16Linear (a "
+                "precision policy swapped it); tensor parallelism runs with plugins.precision = \"fp32\" or "
+                "\"bf16\" for now (keep the block's linears with precision.keep)")
+        size = layer.out_features if kind == "colwise" else layer.in_features
+        if size % (parts * tp):
+            what = "output" if kind == "colwise" else "input"
+            raise ConfigError(f"run.mesh tp={tp} does not divide {where}'s {what} features ({size}"
+                              f"{f' in {parts} parts' if parts > 1 else ''}); choose tp among "
+                              f"{_divisors(size // parts)} or change the model's sizes")
+        out[module_name] = (kind, parts)
     return out
 
 
@@ -161,7 +180,8 @@ def rank_rows(p) -> tuple[int, int] | None:
 
 
 def parallelize_blocks(model: nn.Module, tp_mesh, tp: int) -> list[tuple[str, nn.Module, dict]]:
-    """Tensor parallelism over ``tp_mesh`` on every transformer block (its ``tp_plan()``); returns the plans."""
+    """Tensor parallelism over ``tp_mesh`` on every transformer block (its ``tp_plan()``) and on what the model's
+    own ``tp_plan()`` names; returns the plans (:func:`tensor_parallel_plans`)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plans = tensor_parallel_plans(model, tp)
@@ -188,8 +208,9 @@ def mark_rank_rows(plans, tp: int) -> None:
 
 
 def shard_dense(model: nn.Module, world) -> nn.Module:
-    """Tensor parallelism over ``tp``, then FSDP2 (HSDP) over ``(replicate, shard)``, on every transformer block;
-    other dense parameters stay whole on every rank (their gradients are averaged over ``dp``)."""
+    """Tensor parallelism over ``tp``, then FSDP2 (HSDP) over ``(replicate, shard)``, on every transformer block
+    and every module the model's ``tp_plan()`` splits; other dense parameters stay whole on every rank (their
+    gradients are averaged over ``dp``)."""
     mesh = world.dense_mesh
     tp = mesh["tp"].size()
     plans = parallelize_blocks(model, mesh["tp"], tp) if tp > 1 else []
@@ -198,7 +219,9 @@ def shard_dense(model: nn.Module, world) -> nn.Module:
 
         from gemzoo.interfaces.models import transformer_blocks
 
-        for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh["replicate", "shard"])
+        units = list(transformer_blocks(model))
+        units += [unit for _, unit, _ in plans if not any(unit is b for b in units)]
+        for unit in units:
+            fully_shard(unit, mesh=mesh["replicate", "shard"])
     mark_rank_rows(plans, tp)
     return model

@@ -91,11 +91,13 @@ class CrossAttention(nn.Module):
 
     def forward(self, cand, hist, cand_offsets, hist_offsets, max_cand: int, max_hist: int):
         c, t = cand.shape[0], hist.shape[0]
-        q = self.q(cand).view(c, self.num_heads, self.head_dim)
-        k, v = self.kv(hist).view(t, 2, self.num_heads, self.head_dim).unbind(1)
+        q = self.q(cand)
+        h = q.shape[1] // self.head_dim  # from the projection's output: this rank's heads under run.mesh tp
+        q = q.view(c, h, self.head_dim)
+        k, v = self.kv(hist).view(t, 2, h, self.head_dim).unbind(1)
         extra = {} if self.attn.request.activation == "softmax" else {"norm": float(max(max_hist, 1))}
         o = self.attn(q, k, v, cand_offsets, hist_offsets, max_q_len=max_cand, max_k_len=max_hist, **extra)
-        return self.out(o.reshape(c, self.num_heads * self.head_dim)).to(cand.dtype)
+        return self.out(o.reshape(c, h * self.head_dim)).to(cand.dtype)
 
 
 class GemModel(nn.Module):
@@ -147,6 +149,16 @@ class GemModel(nn.Module):
 
     def transformer_blocks(self) -> list[nn.Module]:
         return list(self.tower.blocks)
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism (``run.mesh`` tp) beyond the tower's blocks: the cross attention's heads (q, the
+        fused kv, out) and the interaction MLP's hidden units, in column-wise / row-wise pairs."""
+        plan = {"cross.q": "colwise", "cross.kv": "colwise:2", "cross.out": "rowwise"}
+        layers = len(self.interaction.layers)
+        for i in range(0, layers - layers % 2, 2):
+            plan[f"interaction.layers.{i}"] = "colwise"
+            plan[f"interaction.layers.{i + 1}"] = "rowwise"
+        return plan
 
     def embedding_tables(self) -> list:
         from gemzoo.embedding import torchrec_available
