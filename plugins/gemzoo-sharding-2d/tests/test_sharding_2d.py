@@ -196,3 +196,22 @@ def test_plan_cli_json_and_bad_input(capsys):
     assert main(["plan", "--config", cases.CONFIG, "--world", "8", "--group", "2"]) == 0  # the rich tables
     text = capsys.readouterr().out
     assert "memory per rank" in text and "2d-fully_sharded" in text and "communication per rank" in text
+
+
+def test_a_resume_may_change_the_layout_options_only():
+    """gemzoo.train.resume: sharding-2d's layout_fields are changeable keys; its other keys and other plugins'
+    options stay fixed."""
+    from gemzoo.train.resume import config_changes
+
+    saved = {"plugins": {"planner": "sharding-2d", "options": {"sharding-2d": {"group_size": 2, "strategy":
+                                                                                "replicated"}}}}
+    now = {"plugins": {"planner": "sharding-2d", "options": {"sharding-2d": {"group_size": 4, "strategy":
+                                                                              "fully_sharded"}}}}
+    changeable, fixed = config_changes(saved, now)
+    assert [k for k, _, _ in changeable] == ["plugins.options.sharding-2d.group_size",
+                                             "plugins.options.sharding-2d.strategy"] and not fixed
+    _, fixed = config_changes(saved, {"plugins": {"planner": "torchrec", **{"options": saved["plugins"]["options"]}}})
+    assert [k for k, _, _ in fixed] == ["plugins.planner"]
+    other = {"plugins": {"options": {"other-plugin": {"group_size": 2}}}}
+    _, fixed = config_changes(other, {"plugins": {"options": {"other-plugin": {"group_size": 4}}}})
+    assert [k for k, _, _ in fixed] == ["plugins.options.other-plugin.group_size"]
