@@ -215,3 +215,43 @@ def test_a_resume_may_change_the_layout_options_only():
     other = {"plugins": {"options": {"other-plugin": {"group_size": 2}}}}
     _, fixed = config_changes(other, {"plugins": {"options": {"other-plugin": {"group_size": 4}}}})
     assert [k for k, _, _ in fixed] == ["plugins.options.other-plugin.group_size"]
+
+
+def test_row_and_column_blocks_pool_like_whole_tables():
+    """One process, hand-made blocks: a table in 2 row blocks x 2 column blocks (partial sums added, columns
+    concatenated), a mean-pooled table-wise one and a data-parallel one give F.embedding_bag's output and, after
+    sync, torch Adagrad's update of the whole tables (empty bags included)."""
+    import torch.nn.functional as F
+
+    from gemzoo_sharding_2d.engine import Groups, ShardedTables
+    from gemzoo_sharding_2d.layout import Block, Layout, TableSpec
+
+    specs = {"a": TableSpec("a", 10, 6, ("fa",)), "b": TableSpec("b", 7, 4, ("fb",), "mean"),
+             "c": TableSpec("c", 5, 3, ("fc",))}
+    blocks = {"a": [Block("a", 0, 0, 4, 0, 3), Block("a", 0, 4, 6, 0, 3), Block("a", 0, 0, 4, 3, 3),
+                    Block("a", 0, 4, 6, 3, 3)], "b": [Block("b", 0, 0, 7, 0, 4)], "c": []}
+    layout = Layout(1, 1, "replicated", specs, blocks, {}, "test", lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    whole = {n: torch.randn(s.num_embeddings, s.embedding_dim, generator=g) for n, s in specs.items()}
+    tables = ShardedTables(layout, {n: w.clone() for n, w in whole.items()}, Groups(), ["fa", "fb", "fc"])
+    lengths = torch.tensor([2, 0, 3, 1, 1, 2, 0, 2, 1])  # 3 features x 3 samples, key-major
+    values = torch.cat([torch.randint(s.num_embeddings, (int(n),), generator=g)
+                        for s, n in zip(specs.values(), lengths.view(3, 3).sum(1))])
+    out = tables(["fa", "fb", "fc"], values, lengths)
+    ref_w = {n: w.clone().requires_grad_(True) for n, w in whole.items()}
+    starts = [0] + torch.cumsum(lengths.view(3, 3).sum(1), 0).tolist()
+    ref = torch.cat([F.embedding_bag(values[starts[i]:starts[i + 1]], ref_w[n],
+                                     torch.cat([torch.zeros(1, dtype=torch.long), lengths[3 * i:3 * i + 3].cumsum(0)]),
+                                     mode=specs[n].pooling, include_last_offset=True) for i, n in enumerate(specs)], 1)
+    torch.testing.assert_close(out, ref)
+    weight = torch.randn(out.shape, generator=g)
+    (out * weight).sum().backward()
+    (ref * weight).sum().backward()
+    tables.step(0, 0.1, "gradients", 1)
+    opt = torch.optim.Adagrad([ref_w["a"], ref_w["b"]], lr=0.1)
+    opt.step()
+    views = tables.views(tables.flat.data)
+    got = {n: tables.gather_whole({n: views[n]})[n] for n in ("a", "b")}
+    for n in ("a", "b"):
+        torch.testing.assert_close(got[n], ref_w[n].detach(), rtol=0, atol=1e-6)
+    assert tables.embedding_bags["c"].weight.grad is not None  # data-parallel: the trainer's to update
