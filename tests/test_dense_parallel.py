@@ -74,31 +74,57 @@ def _has_2d_planner() -> bool:
     return "sharding-2d" in registry.names("planner")
 
 
-def _sasrec_block_under_tp() -> dict:
-    """sasrec's reference block (separate q, fused kv) under its tp_plan on 2 ranks against the whole block."""
+def _blocks_under_tp() -> dict:
+    """sasrec's reference block (separate q, fused kv) and an hstu block (uvqk of four unequal parts, attn_norm
+    over every head, relative bias) under their tp_plan on 2 ranks, against the whole blocks: output, input
+    gradient and every parameter's gradient (made whole, in the model's row order)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     from gemzoo import registry
-    from gemzoo.distributed.dense import mark_rank_rows, parallelize_blocks
+    from gemzoo.distributed.dense import from_rank_rows, mark_rank_rows, parallelize_blocks, rank_rows
     from gemzoo.interfaces.attention import AttentionRequest
+    from gemzoo.models.hstu import HSTUBlock
     from gemzoo.models.sasrec import SASRecReferenceBlock
 
-    torch.manual_seed(0)
-    blocks = [SASRecReferenceBlock(16, 4, 4, 32, request=AttentionRequest(activation="softmax", causal=True),
-                                   dropout=0.0, attn_dropout=0.0, affine=True) for _ in range(2)]
-    blocks[1].load_state_dict(blocks[0].state_dict())
-    for b in blocks:
-        b.attn.set_kernel("reference", registry.get("attention", "reference"))
-    holder = torch.nn.Module()
-    holder.transformer_blocks = lambda: [blocks[1]]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    mark_rank_rows(parallelize_blocks(holder, mesh["tp"], 2), 2)
-    x, offsets = torch.randn(7, 16, requires_grad=True), torch.tensor([0, 3, 7])
-    ref, got = blocks[0](x, offsets, 4), blocks[1](x, offsets, 4)
-    (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
-    (g_got,) = torch.autograd.grad(got.square().sum(), x)
-    return {"out": float((got - ref).abs().max()), "grad": float((g_got - g_ref).abs().max()),
-            "kv_local": list(blocks[1].kv.weight.to_local().shape)}
+    offsets = torch.tensor([0, 3, 7])
+    i = torch.arange(4)
+    distance = (i.view(-1, 1) - i.view(1, -1)).clamp(0, 7).expand(2, -1, -1)
+    makers = {
+        "sasrec": (lambda: SASRecReferenceBlock(16, 4, 4, 32, request=AttentionRequest(activation="softmax",
+                   causal=True), dropout=0.0, attn_dropout=0.0, affine=True), "reference", {}),
+        "hstu": (lambda: HSTUBlock(16, 4, 4, 6, 8, 0.0, relative_bias="position"), "reference",
+                 {"relative": (distance, None)}),
+    }
+    out = {}
+    for name, (make, kernel, extra) in makers.items():
+        torch.manual_seed(0)
+        blocks = [make() for _ in range(2)]
+        if getattr(blocks[0], "rel_bias", None) is not None:
+            blocks[0].rel_bias.reset_parameters()  # torch.empty until the model's init_weights
+        for p in blocks[0].parameters():  # biases and norms away from their init, so their gradients count
+            p.data.add_(torch.randn_like(p) * 0.1)
+        blocks[1].load_state_dict(blocks[0].state_dict())
+        for b in blocks:
+            b.attn.set_kernel(kernel, registry.get("attention", kernel))
+        holder = torch.nn.Module()
+        holder.transformer_blocks = lambda: [blocks[1]]
+        mark_rank_rows(parallelize_blocks(holder, mesh["tp"], 2), 2)
+        xs = [torch.randn(7, 16) for _ in range(1)] * 2
+        xs = [x.clone().requires_grad_() for x in xs]
+        ref, got = blocks[0](xs[0], offsets, 4, **extra), blocks[1](xs[1], offsets, 4, **extra)
+        ref.square().sum().backward()
+        got.square().sum().backward()
+        g_ref, g_got = xs[0].grad, xs[1].grad
+        worst = 0.0
+        for (pname, p), pr in zip(blocks[1].named_parameters(), blocks[0].parameters()):
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            g = from_rank_rows(g, *rank_rows(p)) if rank_rows(p) is not None else g
+            worst = max(worst, float((g - pr.grad).abs().max() / pr.grad.abs().max()))
+        out[name] = {"out": float((got - ref).abs().max()), "grad": float((g_got - g_ref).abs().max()),
+                     "param_grads": worst, "dtensors": sum(isinstance(p, DTensor) for p in blocks[1].parameters())}
+    return out
 
 
 def _phases(rank: int, world: int, port: int, tmp: str) -> None:
@@ -114,7 +140,7 @@ def _phases(rank: int, world: int, port: int, tmp: str) -> None:
     out["tp_from_hsdp"] = _train(f"{tmp}/tp_from_hsdp", [TP], resume=ck("hsdp"))
     out["hsdp_from_one"] = _train(f"{tmp}/hsdp_from_one", [HSDP], resume=ck("one"))
     out["hsdp_from_tp"] = _train(f"{tmp}/hsdp_from_tp", [HSDP], resume=ck("tp"))
-    out["sasrec_tp"] = _sasrec_block_under_tp()
+    out["blocks_tp"] = _blocks_under_tp()
     out["tp_torchrec_tables"] = _train(f"{tmp}/tp_torchrec_tables", [TABLES[0], TP])  # torchrec's 1D sharding
     if _has_2d_planner():  # 5D: tables sharded 2D (G=2 x R=2) beside TP=2 x FSDP over shard=2
         out["tp_2d_tables"] = _train(f"{tmp}/tp_2d_tables", [*TABLES, TP])
@@ -168,9 +194,10 @@ def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between
     # checkpoints move between layouts: HSDP -> TP, one process -> HSDP, TP -> HSDP, HSDP -> one process
     for name in ("tp_from_hsdp", "hsdp_from_one", "hsdp_from_tp"):
         assert got[name]["first"] == 4 and _rel(got[name]["losses"], ref[3:]) < 1e-5, (name, got[name], ref)
-    # sasrec's block: local heads of q and of the fused kv (2 x 16 rows over 2 ranks), same output and gradient
-    sasrec = got["sasrec_tp"]
-    assert sasrec["kv_local"] == [16, 16] and sasrec["out"] < 1e-5 and sasrec["grad"] < 1e-5, sasrec
+    # sasrec's and hstu's blocks under TP=2: the whole block's output and gradients
+    for name, block in got["blocks_tp"].items():
+        assert block["dtensors"] >= 6 and block["out"] < 1e-5 and block["grad"] < 1e-5, (name, block)
+        assert block["param_grads"] < 1e-5, (name, block)
     tables = _train(f"{tmp}/one_tables", TABLES[:1])  # one process: whole tables
     # the tables sharded by torchrec over 4 ranks (fused Adagrad) beside TP=2 x FSDP over shard=2
     assert _rel(got["tp_torchrec_tables"]["losses"], tables["losses"]) < 1e-5, (got["tp_torchrec_tables"], tables)
@@ -241,12 +268,23 @@ def test_tp_needs_plain_linears_and_a_block_plan():
     from gemzoo import registry
     from gemzoo.config import load_config
 
-    cfg = load_config(hstu)
+    cfg = load_config(hstu, overrides=["model.num_heads=2"])  # (1 head in the ML-1M config)
     spec = registry.get("model", cfg.model.family)
     with torch.device("meta"):
         model = spec.build(cfg.model, {"num_items": 100, "max_len": 16, "task": "retrieval", "timestamps": True})
-    with pytest.raises(ConfigError, match=r"HSTUBlock\) declares no tensor-parallel plan.*tp = 1"):
-        tensor_parallel_plans(model, 2)
+    plan = tensor_parallel_plans(model, 2)[0][2]  # hstu: uvqk's four parts split by heads, attn_norm's statistics
+    h, v = model.blocks[0].num_heads, model.blocks[0].v_dim
+    assert plan["uvqk"] == ("colwise", (h * v,) * 4) and plan["attn_norm"] == ("layernorm", 1)
+
+    class Block(torch.nn.Module):
+        is_transformer_block = True
+
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ConfigError, match=r"Block\) declares no tensor-parallel plan.*tp = 1"):
+        tensor_parallel_plans(torch.nn.Sequential(Block()), 2)
 
 
 def test_mesh_with_ddp_and_bad_tables_are_config_errors():

@@ -48,7 +48,7 @@ class _DropRedistributeNotice(logging.Filter):
 logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_DropRedistributeNotice())
 
 FUSED_ATTR = "_gemzoo_tp_rows"  # on a parameter: (K, T), its rows are in rank order (to_rank_rows)
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "layernorm", "sum_grad")
 
 
 def dense_dims(mesh: dict[str, int] | None, world_size: int) -> dict[str, int] | None:
@@ -78,13 +78,26 @@ def dense_dims(mesh: dict[str, int] | None, world_size: int) -> dict[str, int] |
 
 
 # ---- tensor-parallel plans ------------------------------------------------------------------------
-def parse_style(style: str, where: str) -> tuple[str, int]:
-    """``"colwise"`` -> ("colwise", 1); ``"colwise:3"`` -> ("colwise", 3); ``"rowwise"`` -> ("rowwise", 1)."""
+def parse_style(style: str, where: str) -> tuple[str, int | tuple[int, ...]]:
+    """A plan entry as (kind, parts): ``"colwise"`` -> ("colwise", 1); ``"colwise:3"`` -> ("colwise", 3), a fused
+    projection of 3 equal parts (q | k | v); ``"colwise:64,64,32,32"`` -> parts of those row counts (hstu's
+    u | v | q | k); ``"rowwise"``; ``"layernorm"`` (a LayerNorm over the split features: statistics summed over
+    tp); ``"sum_grad"`` (a module whose replicated output every rank's local heads use: its gradient is summed
+    over tp)."""
     kind, _, parts = str(style).partition(":")
-    if kind not in STYLES or (parts and (not parts.isdigit() or int(parts) < 1)) or (kind == "rowwise" and parts):
-        raise ConfigError(f"{where}: tensor-parallel style {style!r} is not one of 'colwise', 'colwise:K' "
-                          "(a fused projection of K parts) or 'rowwise'")
-    return kind, int(parts or 1)
+    sizes = parts.split(",") if parts else []
+    ok = kind in STYLES and all(x.isdigit() and int(x) >= 1 for x in sizes) and (kind == "colwise" or not parts)
+    if not ok:
+        raise ConfigError(f"{where}: tensor-parallel style {style!r} is not one of 'colwise', 'colwise:K' (a fused "
+                          "projection of K equal parts), 'colwise:A,B,...' (parts of those sizes), 'rowwise', "
+                          "'layernorm' or 'sum_grad'")
+    if len(sizes) > 1:
+        return kind, tuple(int(x) for x in sizes)
+    return kind, int(sizes[0]) if sizes else 1
+
+
+def _sizes(parts: int | tuple[int, ...], rows: int) -> tuple[int, ...]:
+    return tuple(parts) if isinstance(parts, tuple) else (rows // parts,) * parts
 
 
 def _divisors(n: int) -> str:
@@ -148,30 +161,49 @@ def _checked_plan(name: str, unit: nn.Module, plan: dict[str, str], tp: int) -> 
         except AttributeError:
             raise ConfigError(f"{type(unit).__name__}'s tensor-parallel plan names {module_name!r}, which {name} "
                               "does not have") from None
+        out[module_name] = (kind, parts)
+        if kind == "sum_grad":
+            continue
+        if kind == "layernorm":
+            if not isinstance(layer, nn.LayerNorm) or len(layer.normalized_shape) != 1:
+                raise ConfigError(f"{where}: the 'layernorm' style takes a LayerNorm over one dim, not "
+                                  f"{type(layer).__name__}")
+            size = layer.normalized_shape[0]
+            if size % tp:
+                raise ConfigError(f"run.mesh tp={tp} does not divide {where}'s {size} features; choose tp among "
+                                  f"{_divisors(size)}")
+            continue
         if type(layer) not in _tp_linears():
             raise ConfigError(
                 f"run.mesh tp={tp}: {where} is a {type(layer).__name__}, not an nn.Linear or BF16Linear (a "
                 "precision policy swapped it); tensor parallelism runs with plugins.precision = \"fp32\" or "
                 "\"bf16\" for now (keep the block's linears with precision.keep)")
         size = layer.out_features if kind == "colwise" else layer.in_features
-        if size % (parts * tp):
+        sizes = _sizes(parts, size) if kind == "colwise" else (size,)
+        if sum(sizes) != size:
+            raise ConfigError(f"{where}: the parts {list(sizes)} of its plan add up to {sum(sizes)}, not its {size} "
+                              "output features")
+        if size % (len(sizes) * tp) or any(n % tp for n in sizes):
             what = "output" if kind == "colwise" else "input"
             raise ConfigError(f"run.mesh tp={tp} does not divide {where}'s {what} features ({size}"
-                              f"{f' in {parts} parts' if parts > 1 else ''}); choose tp among "
-                              f"{_divisors(size // parts)} or change the model's sizes")
-        out[module_name] = (kind, parts)
+                              f"{f' in parts of {list(sizes)}' if len(sizes) > 1 else ''}); choose tp among "
+                              f"{_divisors(math.gcd(*sizes))} or change the model's sizes")
     return out
 
 
-def to_rank_rows(t: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
-    """Rows of a fused projection (``parts`` blocks, e.g. q | k | v) reordered by rank: rank r's rows of part 0,
-    of part 1, ... come r-th, so ``Shard(0)`` over ``tp`` ranks gives each rank its heads of every part."""
-    return t.reshape(parts, tp, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+def to_rank_rows(t: torch.Tensor, parts: int | tuple[int, ...], tp: int) -> torch.Tensor:
+    """Rows of a fused projection (``parts``: K equal blocks such as q | k | v, or the blocks' row counts)
+    reordered by rank: rank r's rows of part 0, of part 1, ... come r-th, so ``Shard(0)`` over ``tp`` ranks gives
+    each rank its heads of every part."""
+    pieces = [p.reshape(tp, -1, *t.shape[1:]) for p in t.split(_sizes(parts, t.shape[0]))]
+    return torch.cat([piece[r] for r in range(tp) for piece in pieces])
 
 
-def from_rank_rows(t: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+def from_rank_rows(t: torch.Tensor, parts: int | tuple[int, ...], tp: int) -> torch.Tensor:
     """The inverse of :func:`to_rank_rows`: the model's own row order."""
-    return t.reshape(tp, parts, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+    local = [n // tp for n in _sizes(parts, t.shape[0])]
+    ranks = [chunk.split(local) for chunk in t.split(sum(local))]
+    return torch.cat([ranks[r][i] for i in range(len(local)) for r in range(tp)])
 
 
 def rank_rows(p) -> tuple[int, int] | None:
@@ -188,21 +220,104 @@ def parallelize_blocks(model: nn.Module, tp_mesh, tp: int) -> list[tuple[str, nn
     for _, block, plan in plans:
         styles = {}
         for module_name, (kind, parts) in plan.items():
-            if kind == "colwise" and parts > 1:
+            if kind == "colwise" and parts != 1:
                 layer = block.get_submodule(module_name)
                 with torch.no_grad():
                     for p in layer.parameters(recurse=False):
                         p.copy_(to_rank_rows(p, parts, tp))
-            styles[module_name] = ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+            styles[module_name] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                                   "layernorm": _FeatureShardedNorm, "sum_grad": _SumGradOverTP}[kind]()
         parallelize_module(block, tp_mesh, styles)
     return plans
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the tp group; the backward sums too (each rank's gradient is its local features' part)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumGradBackward(torch.autograd.Function):
+    """Identity forward; the gradient summed over the tp group (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _style_base():
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return ParallelStyle
+
+
+class _FeatureShardedNorm(_style_base()):
+    """A LayerNorm over features split by heads across tp ranks (hstu's attn_norm over every head's output):
+    weight and bias ``Shard(0)``; mean and variance from sums all-reduced over tp, so each rank normalises its
+    features with the whole row's statistics."""
+
+    def _apply(self, module: nn.LayerNorm, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Shard(0)])))
+        group, tp = device_mesh.get_group(), device_mesh.size()
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            n = x.shape[-1] * tp
+            mean = _AllReduceSum.apply(x.sum(-1, keepdim=True), group) / n
+            d = x - mean
+            var = _AllReduceSum.apply((d * d).sum(-1, keepdim=True), group) / n
+            y = d * torch.rsqrt(var + module.eps)
+            if module.weight is not None:
+                y = y * module.weight.to_local()
+            if module.bias is not None:
+                y = y + module.bias.to_local()
+            return y
+
+        module.forward = forward
+        return module
+
+
+class _SumGradOverTP(_style_base()):
+    """A module whose output every rank computes whole and uses with its local heads only (hstu's relative
+    attention bias): its gradient is summed over tp, so its (replicated) parameters get the whole gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        group = device_mesh.get_group()
+        module.register_forward_hook(lambda m, args, out: _SumGradBackward.apply(out, group))
+        return module
 
 
 def mark_rank_rows(plans, tp: int) -> None:
     """After FSDP2 (which makes new parameter objects): tag each fused projection's parameters with (K, T)."""
     for _, block, plan in plans:
         for module_name, (kind, parts) in plan.items():
-            if kind == "colwise" and parts > 1:
+            if kind == "colwise" and parts != 1:
                 for p in block.get_submodule(module_name).parameters(recurse=False):
                     setattr(p, FUSED_ATTR, (parts, tp))
 

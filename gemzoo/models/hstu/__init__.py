@@ -101,8 +101,9 @@ class HSTUBlock(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None,
                 relative: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """``relative``: (distance, bucket) for this batch when the block has a relative bias."""
-        t, h = x.shape[0], self.num_heads
         uvqk = F.silu(self.uvqk(self.norm(x)))
+        # heads from the projection's output width: this rank's under run.mesh tp
+        t, h = x.shape[0], uvqk.shape[1] // (2 * self.v_dim + 2 * self.qk_dim)
         u, v, q, k = uvqk.split([h * self.v_dim, h * self.v_dim, h * self.qk_dim, h * self.qk_dim], dim=1)
         extra = {}
         if self.rel_bias is not None:
@@ -113,6 +114,16 @@ class HSTUBlock(nn.Module):
                       offsets, max_q_len=max_len, max_k_len=max_len, **extra)
         y = self.attn_norm(a.reshape(t, h * self.v_dim).to(x.dtype)) * u.to(x.dtype)
         return x + self.out(self.dropout(y)).to(x.dtype)
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism (``run.mesh`` tp): uvqk column-wise with its four parts (u | v | q | k) each split by
+        heads, out row-wise; attn_norm normalises over every head's output, so its statistics are summed over tp;
+        the relative bias, added for every head, gets its gradient summed over tp."""
+        h, v, qk = self.num_heads, self.v_dim, self.qk_dim
+        plan = {"uvqk": f"colwise:{h * v},{h * v},{h * qk},{h * qk}", "attn_norm": "layernorm", "out": "rowwise"}
+        if self.rel_bias is not None:
+            plan["rel_bias"] = "sum_grad"
+        return plan
 
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())
