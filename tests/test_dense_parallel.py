@@ -305,4 +305,8 @@ def test_fused_rows_in_rank_order_round_trip():
     # rank 0's half: q rows 0-1, k rows 4-5, v rows 8-9; rank 1's: q 2-3, k 6-7, v 10-11
     assert ranked[:, 0].tolist() == [0, 2, 8, 10, 16, 18, 4, 6, 12, 14, 20, 22]
     assert torch.equal(from_rank_rows(ranked, 3, 2), w)
+    uneven = torch.arange(12).reshape(12, 1)  # parts of 4, 4, 2, 2 rows (hstu's u | v | q | k)
+    ranked = to_rank_rows(uneven, (4, 4, 2, 2), 2)
+    assert ranked[:, 0].tolist() == [0, 1, 4, 5, 8, 10, 2, 3, 6, 7, 9, 11]
+    assert torch.equal(from_rank_rows(ranked, (4, 4, 2, 2), 2), uneven)
 
