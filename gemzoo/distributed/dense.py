@@ -22,6 +22,12 @@
   the same), so the T copies average to the data-parallel mean with nothing to correct; whole tables are
   averaged over ``dp`` like any replicated parameter.
 
+- Dropout: every rank draws from the same seeded stream, so dropout on replicated activations is the same on
+  the ranks of a tp group (as it must be); dropout on split activations (the MLP's hidden units, hstu's gated
+  attention output) draws each rank's mask from that one stream too, so a run with dropout > 0 there is not the
+  one-process run bit for bit (with dropout 0 it is, to float rounding) and the ranks' masks are correlated;
+  a tensor-parallel RNG tracker (Megatron's) is not built yet.
+
 Works on gloo (CPU) and NCCL alike: the ops are matmuls, all-gathers, reduce-scatters and all-reduces.
 """
 
