@@ -23,7 +23,8 @@ BASE = [f"run.steps={STEPS}", "eval.every=0", "checkpoint.every=3", "checkpoint.
         "data.num_sparse_tables=0", "data.batch_size=16", "data.max_len=32", "data.median_len=8",
         "data.max_candidates=4"]
 # with the embedding tables, sharded by the 2D planner when it is installed (plugins/gemzoo-sharding-2d)
-TABLES = ["data.num_sparse_tables=4", "plugins.planner='sharding-2d'", "plugins.options.sharding-2d.group_size=2"]
+TABLES = ["data.num_sparse_tables=2", "data.sparse_table_size=200", "plugins.planner='sharding-2d'",
+          "plugins.options.sharding-2d.group_size=2"]
 HSDP = "run.mesh={replicate=2,shard=2}"
 TP = "run.mesh={replicate=1,shard=2,tp=2}"
 
@@ -141,7 +142,7 @@ def _phases(rank: int, world: int, port: int, tmp: str) -> None:
     out["hsdp_from_one"] = _train(f"{tmp}/hsdp_from_one", [HSDP], resume=ck("one"))
     out["hsdp_from_tp"] = _train(f"{tmp}/hsdp_from_tp", [HSDP], resume=ck("tp"))
     out["blocks_tp"] = _blocks_under_tp()
-    out["tp_torchrec_tables"] = _train(f"{tmp}/tp_torchrec_tables", [TABLES[0], TP])  # torchrec's 1D sharding
+    out["tp_torchrec_tables"] = _train(f"{tmp}/tp_torchrec_tables", [*TABLES[:2], TP])  # torchrec's 1D sharding
     if _has_2d_planner():  # 5D: tables sharded 2D (G=2 x R=2) beside TP=2 x FSDP over shard=2
         out["tp_2d_tables"] = _train(f"{tmp}/tp_2d_tables", [*TABLES, TP])
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
@@ -198,7 +199,7 @@ def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between
     for name, block in got["blocks_tp"].items():
         assert block["dtensors"] >= 6 and block["out"] < 1e-5 and block["grad"] < 1e-5, (name, block)
         assert block["param_grads"] < 1e-5, (name, block)
-    tables = _train(f"{tmp}/one_tables", TABLES[:1])  # one process: whole tables
+    tables = _train(f"{tmp}/one_tables", TABLES[:2])  # one process: whole tables
     # the tables sharded by torchrec over 4 ranks (fused Adagrad) beside TP=2 x FSDP over shard=2
     assert _rel(got["tp_torchrec_tables"]["losses"], tables["losses"]) < 1e-5, (got["tp_torchrec_tables"], tables)
     if _has_2d_planner():  # the whole 5D layout: 2D-sharded tables, TP and FSDP on the blocks
