@@ -20,9 +20,10 @@ The result equals ``global_batch.select(groups[rank])`` exactly, as if every ran
 overlaps (``gemzoo.interfaces.batching.overlaps``: it sets ``overlap = True``, so its ``assign`` may run in a
 thread, and leaves the moving to gemzoo), step t+1's partition computed while step t trains. Only step 2
 moves to a worker: right after step t's samples have arrived, the main thread loads step t+1's part, prices
-it and all-gathers its costs (step 1), then hands ``assign`` to one worker thread; step t+1 waits for the
-result and does the all-to-all itself. Every collective stays on the main thread, in the same order on every
-rank, so no two threads ever use the process group. The partition is a pure function of step t+1's costs,
+it and all-gathers its costs (step 1), then hands ``assign`` to one worker (``PartitionWorker``: a
+thread, or a spawned process with ``overlap_worker = "process"``); step t+1 waits for the result and does the
+all-to-all itself. Every collective stays on the main thread, in the same order on every rank, so no two
+threads ever use the process group. The partition is a pure function of step t+1's costs,
 so the samples (and the losses) are bit-identical to the synchronous path; the first step of a run or of a
 resume has nothing ahead and partitions synchronously, which gives the same answer.
 """
@@ -31,14 +32,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from gemzoo.errors import PluginError
-from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance, overlaps
+from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance, overlap_worker, overlaps
 
 
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -170,7 +173,7 @@ class Planned:
     batch: Any
     counts: list[int]
     dp: DataParallelGroup
-    future: Future | None = None
+    future: "Pending | None" = None
     groups: list[torch.Tensor] | None = None
     assign_s: float = 0.0
 
@@ -185,23 +188,82 @@ def partition_checked(policy, costs: torch.Tensor, world_size: int, name: str) -
     return groups, time.perf_counter() - t0
 
 
-def partition_worker() -> ThreadPoolExecutor:
-    """The one worker thread that computes partitions ahead. Its torch ops run on one intra-op thread (torch's
-    OpenMP thread count is per calling thread): a second OpenMP team beside the trainer's would compete with it
-    for the cores (on a 2-core CPU it slowed gem-tiny's steps several times over)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-partition", initializer=torch.set_num_threads,
-                              initargs=(1,))
+WORKERS = ("thread", "process")
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _ready() -> None:
+    """A no-op: submitted when a process worker is created, so it starts (and imports torch) at once."""
+
+
+def _partition_arrays(policy, costs: np.ndarray, world_size: int, name: str):
+    """``partition_checked`` in a process worker: numpy in and out (no tensor sharing between processes)."""
+    groups, seconds = partition_checked(policy, torch.from_numpy(costs), world_size, name)
+    return [g.numpy() for g in groups], seconds
+
+
+class Pending:
+    """A partition being computed by a ``PartitionWorker``: ``result()`` -> (groups, assign seconds)."""
+
+    def __init__(self, future, arrays: bool):
+        self.future, self.arrays = future, arrays
+
+    def result(self) -> tuple[list[torch.Tensor], float]:
+        groups, seconds = self.future.result()
+        return ([torch.from_numpy(g) for g in groups] if self.arrays else groups), seconds
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+
+class PartitionWorker:
+    """The one worker that computes partitions ahead of their step.
+
+    - ``"process"``: a spawned interpreter (started, and torch imported, when this is created). ``assign``
+      runs beside the trainer without sharing its GIL; the policy is pickled to it (it must be picklable and
+      importable), costs and groups travel as numpy arrays (8 bytes a sample each way).
+    - ``"thread"``: a thread of this process. ``assign``'s Python and numpy code takes the GIL from the
+      trainer's thread, whose every torch op (kernel launches included) releases and retakes it: on a 2-core
+      CPU, 3000 small torch ops took 8x longer beside a 21 ms partition of 512 samples (bench/overhead.py
+      measures it on the GPU).
+
+    Either way the worker's torch ops run on one intra-op thread (torch's OpenMP thread count is per calling
+    thread): a second OpenMP team beside the trainer's would compete with it for the cores.
+    """
+
+    def __init__(self, kind: str = "thread"):
+        if kind not in WORKERS:
+            raise PluginError(f"partition worker must be one of {', '.join(WORKERS)}, got {kind!r}")
+        self.kind = kind
+        if kind == "thread":
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-partition",
+                                            initializer=_one_thread)
+        else:
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_one_thread)
+            self._pool.submit(_ready)
+
+    def submit(self, policy, costs: torch.Tensor, world_size: int, name: str) -> Pending:
+        if self.kind == "thread":
+            return Pending(self._pool.submit(partition_checked, policy, costs, world_size, name), arrays=False)
+        return Pending(self._pool.submit(_partition_arrays, policy, costs.numpy(), world_size, name), arrays=True)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def plan(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name: str, step: int = -1,
-         worker: ThreadPoolExecutor | None = None) -> Planned:
+         worker: PartitionWorker | None = None) -> Planned:
     """Step 1 of ``rebalance`` (the cost all-gather, on this thread) and step 2 now or, with ``worker``, there."""
     everything, counts = gather_costs(costs, dp, _comm_device(batch))
     planned = Planned(step, batch, counts, dp)
     if worker is None:
         planned.groups, planned.assign_s = partition_checked(policy, everything, dp.size, name)
     else:
-        planned.future = worker.submit(partition_checked, policy, everything, dp.size, name)
+        planned.future = worker.submit(policy, everything, dp.size, name)
     return planned
 
 
@@ -233,10 +295,17 @@ def rebalance(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name
     return move(plan(policy, batch, costs, dp, name=name))
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class Lookahead:
     """The trainer's data step: this rank's samples of each step, with the partition of the next step computed
-    in one worker thread while this one trains, when ``overlaps(policy)`` and there is more than one rank
-    (else exactly ``load_shard`` + ``rebalance``, synchronously).
+    by one ``PartitionWorker`` (the policy's ``overlap_worker``: a thread or a process) while this one trains,
+    when ``overlaps(policy)`` and there is more than one rank (else exactly ``load_shard`` + ``rebalance``,
+    synchronously).
 
     ``last`` describes the latest step: ``{"step", "ahead"`` (its partition was computed ahead, in the
     worker), ``"assign_s"`` (the partition's own seconds), ``"wait_s"`` (what this step waited for it: all of
@@ -251,7 +320,9 @@ class Lookahead:
         self.overlap = overlaps(policy)
         self.last: dict = {}
         self._ahead: Planned | None = None
-        self._worker: ThreadPoolExecutor | None = None
+        self._worker: PartitionWorker | None = None
+        if self.overlap and overlap_worker(policy) == "process" and _world_size() > 1:
+            self._worker = PartitionWorker("process")  # spawned now: it starts while the trainer builds the model
 
     def _load(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable):
         part = load_shard(dataset, step, dp.rank, dp.size).to(device)
@@ -269,6 +340,8 @@ class Lookahead:
         if custom_rebalance(self.policy) is not None:  # it moves samples itself: as rebalance does
             self.last = {"step": step, "ahead": False, "assign_s": math.nan, "wait_s": math.nan}
             return rebalance(self.policy, *self._load(dataset, step, dp, device, cost_model), dp, name=self.name)
+        if self.overlap and next_step is not None and self._worker is None:  # a process starts meanwhile
+            self._worker = PartitionWorker(overlap_worker(self.policy))
         if ahead is None or ahead.step != step or ahead.dp != dp:  # nothing ahead (or not this step's): now
             if ahead is not None and ahead.future is not None:
                 ahead.future.cancel()
@@ -281,8 +354,6 @@ class Lookahead:
         mine = move(ahead)
         self.last = {"step": step, "ahead": ahead.future is not None, "assign_s": ahead.assign_s, "wait_s": wait}
         if next_step is not None and self.overlap:
-            if self._worker is None:
-                self._worker = partition_worker()
             self._ahead = plan(self.policy, *self._load(dataset, next_step, dp, device, cost_model), dp,
                                name=self.name, step=next_step, worker=self._worker)
         return mine
@@ -292,7 +363,7 @@ class Lookahead:
         if ahead is not None and ahead.future is not None:
             ahead.future.cancel()
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            self._worker.shutdown()
             self._worker = None
 
     def __enter__(self) -> "Lookahead":

@@ -15,6 +15,8 @@ the same as the default one (the batching conformance suite checks it on gloo).
 A policy whose ``assign`` may run in a worker thread (thread-safe: a pure function of its arguments, no
 shared mutable state) says so with ``overlap = True``; the trainer (``gemzoo.data.exchange.Lookahead``) then
 computes step t+1's partition while step t trains. Every collective stays on the trainer's thread.
+``overlap_worker = "process"`` runs ``assign`` in a spawned process instead of a thread (no shared GIL; the
+policy must then be picklable).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def overlaps(policy) -> bool:
     """Whether ``policy.assign`` may run one step ahead in a worker thread: the policy sets ``overlap = True``
     (absent: False, synchronous) and leaves the moving to gemzoo (no ``rebalance`` of its own)."""
     return getattr(policy, "overlap", False) is True and custom_rebalance(policy) is None
+
+
+def overlap_worker(policy) -> str:
+    """Where an overlapping policy's ``assign`` runs: ``"thread"`` (the default) or ``"process"``."""
+    return getattr(policy, "overlap_worker", "thread")
 
 
 def custom_rebalance(policy):

@@ -17,11 +17,13 @@ batches; a step's time is its whole ``train_step`` call, data included, between 
    - ``alone``: ``assign`` on the main thread with nothing else running (median of the steps' draws): what
      the synchronous path (``overlap = false``) adds to every step, in ms and in % of the ``base-batch-shuffle``
      median step.
-   - ``overlapped``: what ``overlap = true`` does in a W-rank run: before step t, the partition of a global
-     batch goes to the trainer's worker (``gemzoo.data.exchange.partition_worker``, running
-     ``partition_checked``: what the trainer's ``Lookahead`` runs there) and after step t the main thread waits for it (``wait``: what step t+1 would
-     wait before its all-to-all). The step time includes that wait and any slowdown of the step while the
-     worker holds the GIL; ``overhead`` is the median over steps of (this step - the same step in phase 2).
+   - ``process`` and ``thread`` (``--workers``): what ``overlap = true`` does in a W-rank run with that
+     ``worker``: before step t, the partition of the draw goes to a ``gemzoo.data.exchange.PartitionWorker``
+     of that kind (what the trainer's ``Lookahead`` submits to), and after step t the main thread waits for
+     it (``wait``: what step t+1 would wait before its all-to-all). The step time includes that wait and any
+     slowdown of the step beside the worker (a thread shares the GIL with the kernel launches); ``overhead``
+     is the median over steps of (this step - the same step in phase 2). ``hidden``: the median wait is
+     below 1% of the step; ``within_target``: the overhead is at most 1%.
 
 The collectives of a W-rank run (the cost all-gather, 8 bytes a sample, and the all-to-all of the samples
 that move) cannot be measured on one device; they are not in these figures. JSON goes to ``--out`` after
@@ -55,6 +57,7 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--worlds", default="8,64,512")
     p.add_argument("--per-rank", type=int, default=64, help="samples per rank of the simulated global batch")
+    p.add_argument("--workers", default="process,thread", help="the overlap's workers to measure, in order")
     p.add_argument("--budget-s", type=float, default=80.0, help="start no phase after this many seconds")
     p.add_argument("--set", action="append", default=[], help="config overrides, as gemzoo train --set")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "overhead.json"))
@@ -65,6 +68,9 @@ def parse(argv=None):
         a.config, a.plugins, a.steps, a.warmup, a.worlds = str(ROOT / "configs" / "gem-tiny.toml"), "", 8, 2, "8,64"
         a.set = ["run.device='cpu'", *a.set]
     a.worlds = [int(w) for w in a.worlds.split(",") if w]
+    a.workers = [k for k in a.workers.split(",") if k]
+    if not set(a.workers) <= {"process", "thread"}:
+        p.error(f"--workers must name process and/or thread, got {a.workers}")
     if a.steps - a.warmup < 3 or a.warmup < 1:
         p.error(f"--steps must exceed --warmup (>= 1) by at least 3, got --steps {a.steps} --warmup {a.warmup}")
     if not a.worlds or min(a.worlds) < 2:
@@ -123,6 +129,29 @@ def global_costs(tr, world: int, per_rank: int, seed: int) -> torch.Tensor:
     return tr.model.cost_model(SimpleNamespace(lengths=lengths, cand_lengths=cands)).double()
 
 
+def overlapped(tr, worker, policy, draws: dict, world: int, measured, base: list[float], base_med: float) -> dict:
+    """Each measured step with the partition of ``draws[step]`` over ``world`` ranks submitted to ``worker``
+    before it and waited for after it (as step t+1 would, before its all-to-all)."""
+    waits, in_worker, times = [], [], []
+
+    def wait(pending):
+        t = time.perf_counter()
+        _, seconds = pending.result()
+        waits.append(time.perf_counter() - t)
+        in_worker.append(seconds)
+
+    for s in measured:
+        submit = lambda s=s: worker.submit(policy, draws[s], world, "base-batch-shuffle")
+        times.append(timed_step(tr, s, before=submit, after=wait))
+    paired = statistics.median(t - b for t, b in zip(times, base))
+    wait_med = statistics.median(waits)
+    return {"step_ms": ms(times), "median_step_ms": round(1e3 * statistics.median(times), 3),
+            "overhead_ms": round(1e3 * paired, 3), "overhead_pct": round(100 * paired / base_med, 3),
+            "wait_ms": ms(waits), "wait_median_ms": round(1e3 * wait_med, 3), "wait_max_ms": round(1e3 * max(waits), 3),
+            "assign_in_worker_median_ms": round(1e3 * statistics.median(in_worker), 3),
+            "hidden": bool(wait_med < 0.01 * base_med), "within_target": bool(paired <= TARGET_PCT / 100 * base_med)}
+
+
 def ms(xs) -> list[float]:
     return [round(1e3 * x, 3) for x in xs]
 
@@ -130,7 +159,7 @@ def ms(xs) -> list[float]:
 def main(argv=None) -> int:
     a = parse(argv)
     t_start = time.perf_counter()
-    from gemzoo.data.exchange import partition_checked, partition_worker
+    from gemzoo.data.exchange import PartitionWorker, partition_checked
 
     out = {"config": os.path.relpath(a.config, ROOT), "plugins": a.plugins, "dry_run": a.dry_run,
            "steps": a.steps, "warmup": a.warmup, "per_rank": a.per_rank, "target_pct": TARGET_PCT,
@@ -151,6 +180,7 @@ def main(argv=None) -> int:
         return True
 
     tr = build_trainer(a)
+    workers = {kind: PartitionWorker(kind) for kind in a.workers}  # a process starts (imports torch) meanwhile
     out["device"] = torch.cuda.get_device_name(tr.device) if tr.device.type == "cuda" else str(tr.device)
     out["assemble_s"] = round(time.perf_counter() - t_start, 1)
     measured = range(a.warmup, a.steps)
@@ -178,7 +208,6 @@ def main(argv=None) -> int:
         100 * (base_med / out["phases"]["none"]["median_ms"] * 1e3 - 1), 3)
     out["notes"].append("one rank never calls a batching policy: base-batch-shuffle's row is the one-rank path "
                         "with the policy selected (equal to none up to noise); the partition's cost is in worlds")
-    worker = partition_worker()
     try:
         for w in a.worlds:
             if not budget_left(f"world {w}"):
@@ -189,37 +218,25 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 partition_checked(policy, draws[s], w, "base-batch-shuffle")
                 alone.append(time.perf_counter() - t)
-            waits, in_worker, times = [], [], []
-
-            def wait(future):  # what step t+1 would wait for before its all-to-all
-                t = time.perf_counter()
-                _, seconds = future.result()
-                waits.append(time.perf_counter() - t)
-                in_worker.append(seconds)
-
-            for s in measured:
-                submit = lambda s=s: worker.submit(partition_checked, policy, draws[s], w, "base-batch-shuffle")
-                times.append(timed_step(tr, s, before=submit, after=wait))
-            alone_med, wait_med = statistics.median(alone), statistics.median(waits)
-            paired = statistics.median(t - b for t, b in zip(times, base))
+            alone_med = statistics.median(alone)
             row = {"world": w, "samples": w * a.per_rank,
                    "alone": {"assign_ms": ms(alone), "median_ms": round(1e3 * alone_med, 3),
-                             "pct_of_step": round(100 * alone_med / base_med, 3)},
-                   "overlapped": {"step_ms": ms(times), "median_step_ms": round(1e3 * statistics.median(times), 3),
-                                  "overhead_ms": round(1e3 * paired, 3),
-                                  "overhead_pct": round(100 * paired / base_med, 3),
-                                  "wait_ms": ms(waits), "wait_median_ms": round(1e3 * wait_med, 3),
-                                  "wait_max_ms": round(1e3 * max(waits), 3),
-                                  "assign_in_worker_median_ms": round(1e3 * statistics.median(in_worker), 3)}}
-            row["hidden"] = bool(wait_med < 0.01 * base_med)
-            row["within_target"] = bool(paired <= TARGET_PCT / 100 * base_med)
-            out["worlds"].append(row)
+                             "pct_of_step": round(100 * alone_med / base_med, 3)}}
             print(f"W={w:5d} N={w * a.per_rank:7d}  assign alone {1e3 * alone_med:8.2f} ms "
-                  f"({100 * alone_med / base_med:6.2f}% of the step)  overlapped: wait {1e3 * wait_med:7.2f} ms, "
-                  f"step overhead {1e3 * paired:+8.2f} ms ({100 * paired / base_med:+.2f}%)", flush=True)
-            write()
+                  f"({100 * alone_med / base_med:6.2f}% of the step)", flush=True)
+            out["worlds"].append(row)
+            for kind, worker in workers.items():
+                if not budget_left(f"world {w}, {kind} worker"):
+                    break
+                row[kind] = overlapped(tr, worker, policy, draws, w, measured, base, base_med)
+                r = row[kind]
+                print(f"{'':20s}overlapped in a {kind:7s}: wait {r['wait_median_ms']:7.2f} ms (max "
+                      f"{r['wait_max_ms']:.2f}), step overhead {r['overhead_ms']:+8.2f} ms ({r['overhead_pct']:+.2f}%)",
+                      flush=True)
+                write()
     finally:
-        worker.shutdown(wait=True)
+        for worker in workers.values():
+            worker.shutdown()
     write()
     print(f"wrote {a.out} ({out['wall_s']} s)", flush=True)
     return 0

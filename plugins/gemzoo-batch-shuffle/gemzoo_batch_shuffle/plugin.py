@@ -17,13 +17,17 @@ Options (``[plugins.options.base-batch-shuffle]``, validated by ``BatchShuffleOp
                           # N * W <= 2**16, else lpt
     refine = true         # local search after the partition: moves and swaps between heaviest and lightest
     keep_local = true     # match subsets to ranks so that the most samples stay where they were loaded
-    overlap = true        # compute step t+1's partition in a worker thread while step t trains
+    overlap = true        # compute step t+1's partition in a worker while step t trains
+    worker = "process"    # where: "process" (a spawned interpreter, no shared GIL) or "thread"
 
 ``overlap``: ``assign`` is a pure function of its arguments (no state, numpy and torch on CPU), so it is
-thread-safe and the policy says so (``overlap`` is what ``gemzoo.interfaces.batching.overlaps`` reads). The
-trainer's ``gemzoo.data.exchange.Lookahead`` then all-gathers step t+1's costs on the main thread right after
-step t's samples have arrived and runs ``assign`` in one worker thread during step t; step t+1 waits for it
-and does the all-to-all. The samples, hence the losses, are bit-identical to ``overlap = false``.
+thread-safe and the policy says so (``overlap`` is what ``gemzoo.interfaces.batching.overlaps`` reads,
+``overlap_worker`` what ``gemzoo.interfaces.batching.overlap_worker`` reads). The trainer's
+``gemzoo.data.exchange.Lookahead`` then all-gathers step t+1's costs on the main thread right after step t's
+samples have arrived and runs ``assign`` in the worker during step t; step t+1 waits for it and does the
+all-to-all. The samples, hence the losses, are bit-identical to ``overlap = false``. ``worker = "process"``
+(the default) because a thread shares the GIL with the trainer's thread, whose torch ops (kernel launches)
+release and retake it at every call (``gemzoo.data.exchange.PartitionWorker``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gemzoo.data.exchange import WORKERS
 from gemzoo.errors import ConfigError
 from gemzoo.plugins import hookimpl
 from gemzoo_batch_shuffle.partition import METHODS, partition
@@ -43,7 +48,8 @@ class BatchShuffleOptions:
     method: str = "auto"
     refine: bool = True
     keep_local: bool = True
-    overlap: bool = True  # step t+1's partition in a worker thread while step t trains (same samples)
+    overlap: bool = True  # step t+1's partition computed in a worker while step t trains (same samples)
+    worker: str = "process"  # the overlap's worker: "process" (spawned, no shared GIL) or "thread"
 
     def __post_init__(self):
         where = "plugins.options.base-batch-shuffle"
@@ -52,6 +58,8 @@ class BatchShuffleOptions:
                 raise ConfigError(f"{where}.{name} must be true or false, got {getattr(self, name)!r}")
         if self.method not in METHODS:
             raise ConfigError(f"{where}.method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.worker not in WORKERS:
+            raise ConfigError(f"{where}.worker must be one of {', '.join(WORKERS)}, got {self.worker!r}")
         if self.method == "kk" and self.equal_count:
             raise ConfigError(f"{where}: method = \"kk\" gives free counts; with equal_count = true use "
                               "method = \"bldm\", \"lpt\" or \"auto\"")
@@ -76,6 +84,10 @@ class BatchShuffle:
     def overlap(self) -> bool:
         """assign is thread-safe; True lets the trainer compute it one step ahead in a worker thread."""
         return self.options.overlap
+
+    @property
+    def overlap_worker(self) -> str:
+        return self.options.worker
 
     def assign(self, costs: torch.Tensor, world_size: int) -> list[torch.Tensor]:
         o = self.options

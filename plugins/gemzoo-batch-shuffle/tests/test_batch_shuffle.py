@@ -128,7 +128,7 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
     policy without the attribute (or with a non-True one), or one that moves samples itself stays synchronous;
     one rank never calls the policy (no worker is started)."""
     from gemzoo.data.exchange import Lookahead
-    from gemzoo.interfaces.batching import DataParallelGroup, overlaps
+    from gemzoo.interfaces.batching import DataParallelGroup, overlap_worker, overlaps
 
     assert BatchShuffleOptions().overlap is True and overlaps(BatchShuffle())
     assert not overlaps(BatchShuffle(BatchShuffleOptions(overlap=False)))
@@ -140,9 +140,13 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
         def assign(self, costs, world_size):
             return list(torch.arange(costs.numel()).tensor_split(world_size))
 
-    assert not overlaps(Unsure())
+    assert not overlaps(Unsure()) and overlap_worker(Unsure()) == "thread"
+    assert overlap_worker(BatchShuffle()) == "process"
+    assert overlap_worker(BatchShuffle(BatchShuffleOptions(worker="thread"))) == "thread"
     with pytest.raises(ConfigError, match="overlap must be true or false"):
         BatchShuffleOptions(overlap="true")
+    with pytest.raises(ConfigError, match="worker must be one of thread, process, got 'gpu'"):
+        BatchShuffleOptions(worker="gpu")
 
     class Data:
         def train_batch(self, step):
@@ -157,9 +161,31 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
     assert look._worker is None and look._ahead is None
 
 
+def test_partition_workers_give_the_synchronous_answer_and_its_errors():
+    """A process worker (the policy pickled to a spawned interpreter, numpy both ways) and a thread give
+    partition_checked's groups exactly; bad costs raise the same PluginError from result(); a bad kind is named."""
+    from gemzoo.data.exchange import PartitionWorker, partition_checked
+
+    costs = cases.gem_lognormal(8 * 64, seed=3).double() ** 2
+    want, _ = partition_checked(BatchShuffle(), costs, 8, "base-batch-shuffle")
+    for kind in ("process", "thread"):
+        worker = PartitionWorker(kind)
+        try:
+            got, seconds = worker.submit(BatchShuffle(), costs, 8, "base-batch-shuffle").result()
+            assert seconds > 0 and len(got) == 8
+            assert all(g.dtype == torch.int64 and torch.equal(g, w) for g, w in zip(got, want))
+            bad = worker.submit(BatchShuffle(), torch.tensor([1.0, float("nan")], dtype=torch.float64), 2, "x")
+            with pytest.raises(PluginError, match=r"samples \[1\]"):
+                bad.result()
+        finally:
+            worker.shutdown()
+    with pytest.raises(PluginError, match="partition worker must be one of thread, process, got 'gpu'"):
+        PartitionWorker("gpu")
+
+
 def test_overhead_bench_runs_on_cpu(tmp_path):
     """bench/overhead.py end to end on a very small gem (the H200 call's code path, CPU): every phase and world
-    reported, the partition timed alone and overlapped, and the overlapped partition waited for at every step."""
+    reported, the partition timed alone and overlapped (process and thread workers), waited for at every step."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("batch_shuffle_overhead", cases.ROOT +
@@ -174,9 +200,10 @@ def test_overhead_bench_runs_on_cpu(tmp_path):
     assert set(got["phases"]) == {"none", "base-batch-shuffle"} and not got["notes"][1:]
     assert [r["world"] for r in got["worlds"]] == [2, 8] and [r["samples"] for r in got["worlds"]] == [32, 128]
     for r in got["worlds"]:
-        assert len(r["alone"]["assign_ms"]) == len(r["overlapped"]["wait_ms"]) == len(r["overlapped"]["step_ms"]) == 3
-        assert r["alone"]["median_ms"] > 0 and r["overlapped"]["assign_in_worker_median_ms"] > 0
-        assert all(w >= 0 for w in r["overlapped"]["wait_ms"]) and isinstance(r["hidden"], bool)
+        assert len(r["alone"]["assign_ms"]) == 3 and r["alone"]["median_ms"] > 0
+        for kind in ("process", "thread"):
+            assert len(r[kind]["wait_ms"]) == len(r[kind]["step_ms"]) == 3 and r[kind]["assign_in_worker_median_ms"] > 0
+            assert all(w >= 0 for w in r[kind]["wait_ms"]) and isinstance(r[kind]["hidden"], bool)
     with pytest.raises(SystemExit):
         bench.parse(["--worlds", "1,8"])  # one rank never partitions
 
@@ -193,8 +220,9 @@ def test_rebalance_on_gloo_every_option_set(tmp_path):
 @pytest.mark.distributed
 def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
     """gem on 2 gloo ranks, 9 samples a step (uneven): base-batch-shuffle's 10 losses (overlap on, the default:
-    steps 1-9 partitioned ahead in the worker thread) equal the unshuffled run's within 1e-6 relative and the
-    synchronous run's (overlap = false) bit for bit, with the same samples on each rank at every step; every
+    steps 1-9 partitioned ahead in a worker process) equal the unshuffled run's within 1e-6 relative and the
+    synchronous run's (overlap = false) bit for bit, with the same samples on each rank at every step (and
+    5 steps with a worker thread too); every
     step trains each of the global batch's 9 samples exactly once (keys counted); 5 steps + resume to 10
     reproduce the straight run bit for bit (the resumed run's first step partitions synchronously, the rest
     ahead); with 1 sample for 2 ranks every rank stops with the same clear error."""
@@ -203,6 +231,7 @@ def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
     runs = [("none", "none", 10, False, []),
             ("shuffle", "base-batch-shuffle", 10, False, []),
             ("sync", "base-batch-shuffle", 10, False, ["plugins.options.base-batch-shuffle.overlap=false"]),
+            ("thread", "base-batch-shuffle", 5, False, ["plugins.options.base-batch-shuffle.worker='thread'"]),
             ("half", "base-batch-shuffle", 5, False, []),
             ("half@resumed", "base-batch-shuffle", 10, True, []),
             ("tiny", "base-batch-shuffle", 1, False, ["data.batch_size=1"])]  # 1 sample, 2 ranks
@@ -219,6 +248,9 @@ def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
     assert all(r["sync"]["keys"] == r["shuffle"]["keys"] for r in ranks)
     assert ranks[0]["shuffle"]["ahead"] == [False] + [True] * 9 and ranks[0]["sync"]["ahead"] == [False] * 10
     assert ranks[0]["none"]["ahead"] == [False] * 10
+    thread = ranks[0]["thread"]  # worker = "thread" (the default is a process): the same, bit for bit
+    assert thread["losses"] == got[:5] and thread["ahead"] == [False] + [True] * 4
+    assert all(r["thread"]["keys"] == r["shuffle"]["keys"][:5] for r in ranks)
     for run in ("shuffle", "half@resumed"):  # every sample of the global batch exactly once per step
         for step in range(len(ranks[0][run]["keys"])):
             trained = sorted(k for r in ranks for k in r[run]["keys"][step])
