@@ -180,7 +180,7 @@ class Planned:
 
 def partition_checked(policy, costs: torch.Tensor, world_size: int, name: str) -> tuple[list[torch.Tensor], float]:
     """(``policy.assign(costs, world_size)`` checked, its seconds): step 2 of ``rebalance``, no collectives
-    (this is what runs in the worker thread). Bad costs raise here, so ahead of time they raise at the step
+    (what a ``PartitionWorker`` runs). Bad costs raise here, so ahead of time they raise at the step
     that uses them, as in the synchronous path."""
     t0 = time.perf_counter()
     check_costs(costs)

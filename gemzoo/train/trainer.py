@@ -428,8 +428,8 @@ class Trainer:
         cfg = self.cfg
         # This rank loads its own part of the global batch; the batching policy, given the model's per-sample
         # costs and the data-parallel group, returns the samples this rank trains. A policy with overlap = True
-        # gets the next step's partition computed in a worker thread while this step trains (collectives stay
-        # here; the samples are the same as without: gemzoo.data.exchange.Lookahead).
+        # gets the next step's partition computed in a worker (thread or process) while this step trains
+        # (collectives stay here; the samples are the same as without: gemzoo.data.exchange.Lookahead).
         dp_mesh = self.world.dp_mesh
         dp = DataParallelGroup() if dp_mesh is None else DataParallelGroup(
             dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group())
