@@ -48,13 +48,13 @@ def quantize_mx_torch(x: torch.Tensor, axis: int = -1, block: int = 32, elem: to
     xm = x.movedim(axis, -1).float()
     n = xm.shape[-1]
     pad = (-n) % block
-    xb = F.pad(xm, (0, pad)).reshape(*xm.shape[:-1], -1, block)
+    xb = F.pad(xm, (0, pad)).reshape(*xm.shape[:-1], (n + pad) // block, block)  # explicit: x may have 0 rows
     amax = xb.abs().amax(-1)
     amax = torch.where(torch.isnan(xb).any(-1), torch.full_like(amax, float("nan")), amax)
     e = mx_exponent(amax, elem)
     inv = exponent_to_scale(254 - e.clamp(max=254))  # 1/scale = 2^(127-e), exact for e in [0, 254]
     inv = torch.where(e == 255, torch.full_like(inv, float("nan")), inv)  # NaN block -> NaN data
-    data = (xb * inv.unsqueeze(-1)).to(elem).reshape(*xm.shape[:-1], -1)[..., :n]
+    data = (xb * inv.unsqueeze(-1)).to(elem).reshape(*xm.shape[:-1], n + pad)[..., :n]
     scale = e.to(torch.uint8).view(torch.float8_e8m0fnu)
     return data.movedim(-1, axis).contiguous(), scale.movedim(-1, axis).contiguous()
 

@@ -148,7 +148,7 @@ def _same_values(a, b):
 
 
 @pytest.mark.parametrize("shape,axis", [((6, 96), -1), ((6, 70), 1), ((96, 5), 0), ((3, 40, 7), 1), ((2, 3, 33), 2),
-                                         ((1, 0), -1)])
+                                         ((1, 0), -1), ((0, 64), -1)])  # no elements along the axis; no rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_quantize_mx_bit_exact(shape, axis, dtype, elem):
