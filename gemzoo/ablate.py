@@ -37,7 +37,7 @@ from gemzoo.errors import ConfigError
 
 MEDIAN_KEYS = ("samples_per_s", "tokens_per_s", "tflops", "mfu", "step_s")
 OUTPUTS = ("ablation.json", "ablation.csv", "report.md", "throughput.png", "memory.png", "loss.png", "eval.png")
-CSV_COLUMNS = ("plugins", "status", "samples_per_s", "tokens_per_s", "tflops", "mfu", "mfu_peak", "peak_mem_gib",
+CSV_COLUMNS = ("name", "plugins", "status", "samples_per_s", "tokens_per_s", "tflops", "mfu", "mfu_peak", "peak_mem_gib",
                "peak_mem_source", "final_loss", "step_s", "wall_s", "steps", "run_dir", "error")
 
 
@@ -47,7 +47,7 @@ class AblationPlan:
 
     ablation: str
     config: str
-    runs: list[str]
+    runs: list  # of gemzoo.config.AblationRun
     steps: int
     warmup: int
     overrides: list[str] = field(default_factory=list)
@@ -56,9 +56,14 @@ class AblationPlan:
     timeout_s: float | None = None
 
 
-def slug(index: int, plugins: str) -> str:
+def slug(index: int, name: str) -> str:
     """``2, "jfa,bf16"`` -> ``02-jfa-bf16``: a run folder name that sorts in ablation order."""
-    return f"{index:02d}-" + (re.sub(r"[^A-Za-z0-9_.]+", "-", plugins).strip("-") or "default")
+    return f"{index:02d}-" + (re.sub(r"[^A-Za-z0-9_.]+", "-", name).strip("-")[:80] or "default")
+
+
+def label(row: dict) -> str:
+    """What tables and plots call a run: its name (the plugins, plus its own overrides if any)."""
+    return row.get("name") or row["plugins"]
 
 
 def make_plan(path: str, *, steps: int | None = None, warmup: int | None = None, out: str | None = None,
@@ -69,10 +74,12 @@ def make_plan(path: str, *, steps: int | None = None, warmup: int | None = None,
     ab = load_ablation(path)
     chosen = ab.runs
     if runs:
-        unknown = [r for r in runs if r not in ab.runs]
+        by_name = {r.name: r for r in ab.runs}
+        unknown = [r for r in runs if r not in by_name]
         if unknown:
-            raise ConfigError(f"--runs {', '.join(unknown)}: not in {path}, whose runs are {', '.join(ab.runs)}")
-        chosen = list(runs)
+            raise ConfigError(f"--runs {', '.join(unknown)}: not in {path}, whose runs are "
+                              f"{', '.join(repr(r.name) for r in ab.runs)}")
+        chosen = [by_name[r] for r in runs]
     steps = ab.steps if steps is None else steps
     warmup = ab.warmup if warmup is None else warmup
     if steps < 1:
@@ -88,7 +95,7 @@ def plan_from_config(config: str, runs: list[str], *, steps: int = 50, warmup: i
                      overrides: list[str] | None = None, command: str = "", timeout_s: float | None = None
                      ) -> AblationPlan:
     """A plan without an ablation file: ``config`` under each plugin set of ``runs`` (bench/e2e.py's form)."""
-    from gemzoo.config import load_config
+    from gemzoo.config import AblationRun, load_config
     from gemzoo.errors import PluginError
 
     if not runs:
@@ -99,8 +106,8 @@ def plan_from_config(config: str, runs: list[str], *, steps: int = 50, warmup: i
         except (ConfigError, PluginError) as exc:
             raise ConfigError(f"run {run!r}: {exc}") from None
     out_dir = Path(out) if out else Path("runs") / "ablations" / Path(config).stem
-    return AblationPlan(str(config), str(Path(config).resolve()), list(runs), steps, warmup, list(overrides or []),
-                        out_dir, command, timeout_s)
+    return AblationPlan(str(config), str(Path(config).resolve()), [AblationRun(r) for r in runs], steps, warmup,
+                        list(overrides or []), out_dir, command, timeout_s)
 
 
 def prepare_out(out: Path, overwrite: bool) -> None:
@@ -204,13 +211,15 @@ def _child_env() -> dict:
     return env
 
 
-def run_one(plan: AblationPlan, index: int, plugins: str) -> dict:
-    """Train ``plugins`` in a child process; return its row (with the error when it failed)."""
-    name = slug(index, plugins)
+def run_one(plan: AblationPlan, index: int, run) -> dict:
+    """Train one :class:`~gemzoo.config.AblationRun` in a child process; return its row (with the error
+    when it failed)."""
+    plugins = run.plugins
+    name = slug(index, run.name)
     runs = (plan.out / "runs").resolve()
     run_dir, log_path, result_path = runs / name, runs / f"{name}.log", runs / f"{name}.json"
     spec = {"config": plan.config, "plugins": plugins, "steps": plan.steps, "warmup": plan.warmup,
-            "overrides": plan.overrides, "run_dir": str(run_dir), "result": str(result_path)}
+            "overrides": [*plan.overrides, *run.set], "run_dir": str(run_dir), "result": str(result_path)}
     spec_path = runs / f".{name}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     t0 = time.perf_counter()
@@ -219,7 +228,8 @@ def run_one(plan: AblationPlan, index: int, plugins: str) -> dict:
                                 stdout=log, stderr=subprocess.STDOUT, env=_child_env())
         rc, rusage = _wait(proc, plan.timeout_s)
     spec_path.unlink()
-    row = {"plugins": plugins, "run_dir": str(run_dir.relative_to(plan.out.resolve())),
+    row = {"plugins": plugins, "name": run.name, "set": list(run.set),
+           "run_dir": str(run_dir.relative_to(plan.out.resolve())),
            "log": str(log_path.relative_to(plan.out.resolve()))}
     if result_path.is_file():
         row.update(json.loads(result_path.read_text()))
@@ -289,9 +299,9 @@ def run_ablation(plan: AblationPlan, *, overwrite: bool = False, echo=print) -> 
     if threading.current_thread() is threading.main_thread():  # SIGTERM stops the ablation like Ctrl-C
         signal.signal(signal.SIGTERM, _raise_interrupt)
     rows = []
-    for i, plugins in enumerate(plan.runs, 1):
-        echo(f"== [{i}/{len(plan.runs)}] {plugins}")
-        row = run_one(plan, i, plugins)
+    for i, run in enumerate(plan.runs, 1):
+        echo(f"== [{i}/{len(plan.runs)}] {run.name}")
+        row = run_one(plan, i, run)
         rows.append(row)
         echo("   " + summary_line(row))
         write_json(plan, rows, started)  # after every run, so a killed ablation keeps what it measured
@@ -428,9 +438,9 @@ def table_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     for r in rows:
         if r.get("status") != "ok":
             err = str(r.get("error", "failed")).replace("|", "\\|").replace("\n", " ")
-            body.append([f"`{r['plugins']}`", f"FAILED: {err[:200]}"] + [""] * (len(header) - 2))
+            body.append([f"`{label(r)}`", f"FAILED: {err[:200]}"] + [""] * (len(header) - 2))
             continue
-        body.append([f"`{r['plugins']}`", f"{r['samples_per_s']:,.1f}", f"{r['tokens_per_s']:,.0f}",
+        body.append([f"`{label(r)}`", f"{r['samples_per_s']:,.1f}", f"{r['tokens_per_s']:,.0f}",
                      _fmt_tflops(r["tflops"]), _pct(r["mfu"]), f"{r['peak_mem_gib']:.2f}", f"{r['final_loss']:.4f}",
                      *[f"{r['eval'][k]:.4f}" if k in r.get("eval", {}) else "" for k in evals],
                      f"{r['samples_per_s'] / base['samples_per_s']:.2f}x"])
@@ -488,7 +498,7 @@ def render_report(data: dict, plots: list[Path]) -> str:
     if failed:
         lines += ["## Failures", ""]
         for r in failed:
-            lines += [f"**`{r['plugins']}`**: {r.get('error', '')}", ""]
+            lines += [f"**`{label(r)}`**: {r.get('error', '')}", ""]
             if r.get("log_tail"):
                 lines += ["```", r["log_tail"], "```", ""]
     lines += ["## Machine and versions", "",
@@ -549,7 +559,7 @@ def cmd_ablate(args) -> int:
     data = run_ablation(plan, overwrite=args.overwrite, echo=lambda s: print(s, flush=True))
     print()
     print(markdown_table(data))
-    failed = [r["plugins"] for r in data["rows"] if r.get("status") != "ok"]
+    failed = [label(r) for r in data["rows"] if r.get("status") != "ok"]
     if failed:
         print(f"\n{len(failed)} of {len(data['rows'])} plugin sets failed: {', '.join(failed)} (see report.md)")
     return 1 if len(failed) == len(data["rows"]) else 0  # some sets failing is a result, not an error

@@ -407,28 +407,66 @@ def _deepcopy(raw: dict) -> dict:
 # ------------------------------------------------------------------------------------------ ablations
 @dataclass
 class Ablation:
-    """One config trained under several plugin sets (configs/ablations/*.toml; run by bench/e2e.py)."""
+    """One config trained under several plugin sets (configs/ablations/*.toml; run by ``gemzoo ablate``).
+
+    ``runs`` lists plugin sets, each a string (``"jfa,bf16"``) or a table that also changes options for that
+    run alone: ``{ plugins = "block-attention,bf16", set = ["model.attention_block_size=64"], name = "block 64" }``
+    (``name`` defaults to the plugins, plus the overrides when there are any). After loading, every entry is
+    an :class:`AblationRun`."""
 
     config: str
-    runs: list[str]
+    runs: list
     steps: int = 50
     warmup: int = 5
     set: list[str] = field(default_factory=list)  # --set overrides applied to every run
 
 
+@dataclass
+class AblationRun:
+    """One row of an ablation: a plugin set, the overrides of this run only, and its unique name."""
+
+    plugins: str
+    set: list[str] = field(default_factory=list)
+    name: str = ""
+
+    def __post_init__(self):
+        if not self.name:
+            self.name = self.plugins + "".join(f" + {o}" for o in self.set)
+
+
+def _ablation_run(item, where: str) -> AblationRun:
+    if isinstance(item, str):
+        return AblationRun(item)
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where} must be a plugin set such as \"jfa,bf16\" or a table "
+                          f"{{ plugins = \"...\", set = [...], name = \"...\" }}, got {item!r}")
+    run = build_dataclass(AblationRun, item, where.split(": ", 1)[-1], where.split(": ", 1)[0])
+    if not isinstance(run.plugins, str):
+        raise ConfigError(f"{where}.plugins must be a string such as \"jfa,bf16\", got {run.plugins!r}")
+    if not all(isinstance(o, str) for o in run.set):
+        raise ConfigError(f"{where}.set must list overrides such as \"model.attention_block_size=64\", got {run.set!r}")
+    return run
+
+
 def load_ablation(path: str | Path, registry=None) -> Ablation:
-    """Read an ablation file and check every run's plugin set against the registries."""
+    """Read an ablation file and check every run's plugin set and overrides against the registries."""
     p = Path(path)
     raw = read_toml(p, "ablation file", "configs/ablations/")
     ablation = build_dataclass(Ablation, raw, "ablation", str(path))
     if not ablation.runs:
         raise ConfigError(f"{path}: runs is empty; list plugin sets such as \"jfa,bf16\"")
+    ablation.runs = [_ablation_run(item, f"{path}: runs[{i}]") for i, item in enumerate(ablation.runs)]
+    names = [r.name for r in ablation.runs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"{path}: runs {', '.join(map(repr, twice))} appear more than once; give each a "
+                          "different name (runs = [{ plugins = ..., set = [...], name = \"...\" }])")
     if not Path(ablation.config).is_file() and (p.parent / ablation.config).is_file():
         ablation.config = str(p.parent / ablation.config)
     for run in ablation.runs:
         try:
-            load_config(ablation.config, overrides=ablation.set, plugins=run, registry=registry)
+            load_config(ablation.config, overrides=[*ablation.set, *run.set], plugins=run.plugins, registry=registry)
         except (ConfigError, PluginError) as exc:
-            raise ConfigError(f"{path}: run {run!r}: {exc}") from None
+            raise ConfigError(f"{path}: run {run.name!r}: {exc}") from None
     return ablation
 

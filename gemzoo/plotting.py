@@ -101,7 +101,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] 
 # --------------------------------------------------------------------------------------------- ablations
 def _bars(ax, rows: list[dict], key: str, *, scale: float = 1.0, fmt: str = "{:.3g}", ylabel: str = "",
           title: str = ""):
-    names = [r["plugins"] for r in rows]
+    names = [r.get("name") or r["plugins"] for r in rows]  # a run's name: its plugins (+ its own overrides)
     xs = list(range(len(rows)))
     values = [r[key] * scale if r.get("status") == "ok" and key in r else 0.0 for r in rows]
     colors = [COLORS[i % len(COLORS)] for i in xs]
@@ -167,7 +167,7 @@ def ablation_plots(data: dict, out: str | Path) -> list[Path]:
         records = read_metrics_or_empty(out, r)
         xs, ys = _series(records, "loss")
         style = "-" if r.get("status") == "ok" else ":"
-        label = r["plugins"] + ("" if r.get("status") == "ok" else " (failed)")
+        label = (r.get("name") or r["plugins"]) + ("" if r.get("status") == "ok" else " (failed)")
         color = COLORS[i % len(COLORS)]
         if len(xs) > SMOOTH_ABOVE:  # noisy per-step losses: faint raw curve, solid moving average on top
             ax.plot(xs, ys, ls=style, color=color, lw=0.8, alpha=0.25)

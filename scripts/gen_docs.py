@@ -84,7 +84,8 @@ MEANINGS = {
     },
     "ablation": {
         "config": "the config every run trains (relative to the working directory)",
-        "runs": "plugin sets, one run each, as --plugins takes them (e.g. \"jfa,bf16\")",
+        "runs": "plugin sets, one run each, as --plugins takes them (e.g. \"jfa,bf16\"), or tables "
+                "{ plugins = \"...\", set = [overrides of this run], name = \"...\" }; names are unique",
         "steps": "steps per run (gemzoo ablate --steps overrides)",
         "warmup": "first steps left out of the throughput medians",
         "set": "--set overrides applied to every run",

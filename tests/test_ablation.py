@@ -190,3 +190,43 @@ def test_report_without_matplotlib_then_redrawn_elsewhere(tmp_path, monkeypatch,
     assert {p.name for p in tmp_path.glob("*.png")} == {"throughput.png", "memory.png", "loss.png", "eval.png"}
     assert "| `b,bf16` | 200.0 |" in capsys.readouterr().out  # the table, ratios against the first set
     assert "2.00x" in report
+
+
+def test_runs_may_change_options_for_themselves(tmp_path):
+    """A run given as a table adds overrides of its own; names are unique and what --runs, rows and plots use."""
+    f = tmp_path / "a.toml"
+    f.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\n'
+                 'runs = ["cpu,fp32", { plugins = "cpu,fp32", set = ["model.d_model=32"] },\n'
+                 '        { plugins = "cpu,fp32", set = ["model.num_heads=1"], name = "one head" }]\n')
+    runs = load_ablation(f).runs
+    assert [(r.name, r.plugins, r.set) for r in runs] == [
+        ("cpu,fp32", "cpu,fp32", []), ("cpu,fp32 + model.d_model=32", "cpu,fp32", ["model.d_model=32"]),
+        ("one head", "cpu,fp32", ["model.num_heads=1"])]
+    for text, match in [('runs = ["cpu,fp32", { plugins = "cpu,fp32" }]', "'cpu,fp32' appear more than once"),
+                        ('runs = [{ plugins = "cpu,fp32", set = ["model.d_modle=3"], name = "x" }]',
+                         "run 'x'.*d_modle"),
+                        ('runs = [{ plugin = "cpu,fp32" }]', "unknown key runs\\[0\\].plugin"),
+                        ('runs = [3]', "runs\\[0\\] must be a plugin set")]:
+        f.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\n{text}\n')
+        with pytest.raises(ConfigError, match=match):
+            load_ablation(f)
+
+
+def test_a_run_with_its_own_overrides_trains_them(tmp_path):
+    from gemzoo.ablate import make_plan, run_ablation
+
+    f = tmp_path / "a.toml"
+    f.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nsteps = 2\nwarmup = 0\n'
+                 'set = ["run.device=cpu", "data.batch_size=8", "eval.every=0"]\n'
+                 'runs = ["cpu,fp32", { plugins = "cpu,fp32", set = ["model.d_model=32"], name = "narrow" },'
+                 ' { plugins = "cpu,fp32", set = ["model.d_model=48"], name = "wider" }]\n')
+    plan = make_plan(str(f), out=str(tmp_path / "abl"), runs=["narrow", "cpu,fp32"])
+    assert [r.name for r in plan.runs] == ["narrow", "cpu,fp32"]
+    data = run_ablation(plan, echo=lambda *a: None)
+    rows = {r["name"]: r for r in data["rows"]}
+    assert [r["status"] for r in rows.values()] == ["ok", "ok"]
+    assert rows["narrow"]["set"] == ["model.d_model=32"] and rows["narrow"]["run_dir"].endswith("01-narrow")
+    assert rows["narrow"]["final_loss"] != rows["cpu,fp32"]["final_loss"]  # d_model 32 is another model
+    assert "`narrow`" in (tmp_path / "abl" / "report.md").read_text()
+    with pytest.raises(ConfigError, match="--runs nope: not in .*'narrow'"):
+        make_plan(str(f), runs=["nope"])
