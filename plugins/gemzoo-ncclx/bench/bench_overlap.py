@@ -3,22 +3,37 @@
     python plugins/gemzoo-ncclx/bench/bench_overlap.py --out $OUT/ncclx_overlap.json      # one H200, < 120 s
     python plugins/gemzoo-ncclx/bench/bench_overlap.py --dry-run --out /tmp/ncclx.json    # CPU smoke (tiny sizes)
 
-One process, one device call:
+One process, one device call, about 90 s on one H200 (estimate: the C++ build ~20 s, the GEMM rounds ~50 s,
+the 2-process check ~20 s; the previous version, with a third of the modes, took 56 s). ``--rounds 2`` or
+``--sizes-mb 256`` cut it by a third or a half.
 
-1. Build (or load) the C++/CUDA part (plugins/gemzoo-ncclx/csrc/comms); its build time is reported.
+1. Build (or load) the C++/CUDA part (plugins/gemzoo-ncclx/csrc/comms); its build time is reported, and
+   whether it has ``copy_batch_async`` (``cudaMemcpyBatchAsync``, CUDA runtime >= 12.8 at build time).
 2. A stream of 8192^3 bf16 GEMMs on the default stream, timed with CUDA events, in rounds. Each round runs, in
-   order: the GEMMs alone ("alone-before"); while a side stream moves 256 MB and then 1 GB buffers with
-   ncclx's copy-engine call (``copy_async``: the very ``cudaMemcpyAsync`` its peer pulls make, here device to
-   device on one GPU); while an SM copy kernel moves the same buffers (Triton, 32 CTAs like NCCL's channels,
-   and a full grid); while the reduce-scatter reduction kernel runs on ``reduce_blocks`` blocks; and the
-   GEMMs alone again ("alone-after"). Enough copies are queued to outlast the GEMMs (2.5x their time; the
-   JSON's ``side_covered_gemms`` says whether the side stream was busy over the whole window). Per mode the median over
-   rounds; the slowdown is against the mean of the two "alone" medians (both are reported: taking "alone"
-   only first has shown a -9% slowdown, a clock artefact).
+   order: the GEMMs alone ("alone-before"); then, per buffer size (256 MB and 1 GB), while a side stream moves
+   that buffer over and over with
+   - ``copy-engine``: ncclx's ``copy_async``, a same-device DtoD ``cudaMemcpyAsync`` (the call its peer pulls
+     make; on one device the driver may run it as a kernel: the first H200 run saw 1.5 TB/s);
+   - ``copy-batch``: ``copy_batch_async``, the same copy through ``cudaMemcpyBatchAsync`` with
+     ``cudaMemcpyFlagPreferOverlapWithCompute`` and ``cudaMemcpySrcAccessOrderStream`` (asks for a copy engine;
+     left out, and said in ``copy_batch``, where the build lacks it or the driver refuses it);
+   - ``h2d`` / ``d2h``: ``cudaMemcpyAsync`` between pinned host memory and the device: copy engines for certain
+     (PCIe, ~50 GB/s), the ground truth for what copy-engine traffic costs the GEMMs;
+   - ``sm-copy`` / ``sm-copy-full``: an SM copy kernel (Triton, 32 CTAs like NCCL's channels, and a full grid);
+   - ``sm-matched-<ref>``: the same Triton copy on as many CTAs as move the buffer alone at the GB/s of
+     copy-engine mode ``<ref>`` (h2d, d2h, copy-batch), picked by a short calibration (``rate_matched``), so
+     copy engines and SMs are compared at equal bytes per second (``comparison``);
+   then while the reduce-scatter reduction kernel runs on ``reduce_blocks`` blocks; and the GEMMs alone again
+   ("alone-after"). Enough moves are queued to outlast the GEMMs (2.5x their time; the JSON's
+   ``side_covered_gemms`` says whether the side stream was busy over the whole window). Per mode the median
+   over rounds; the slowdown is against the mean of the two "alone" medians (both are reported: taking "alone"
+   only first has shown a -9% slowdown, a clock artefact). Every row also gives the side stream's GB/s beside
+   the GEMMs and alone, and ``slowdown_pct_per_100GBps``: the slowdown per 100 GB/s moved.
 3. The reduction kernel's bandwidth by block count (8 chunks of 64 MB bf16 into one).
 4. Two processes on this one GPU form a 2-rank ncclx group: CUDA IPC staging, interprocess events and the
-   pulls run for real; every claimed collective (fp32, bf16, fp16, int64; zero, odd and even sizes; uneven
-   all-to-all) must equal the same group's CPU (gloo) transport bit for bit; a 256 MB all-gather is timed.
+   pulls run for real (``pull_path``: ``cudaMemcpyBatchAsync`` where built in, else ``cudaMemcpyAsync``);
+   every claimed collective (fp32, bf16, fp16, int64; zero, odd and even sizes; uneven all-to-all) must equal
+   the same group's CPU (gloo) transport bit for bit; a 256 MB all-gather is timed.
 
 Writes the JSON to --out and prints a table.
 """
@@ -26,6 +41,7 @@ Writes the JSON to --out and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -45,14 +61,10 @@ MB = 1 << 20
 
 
 # ----------------------------------------------------------------------------------------------- copies
-def sm_copy_fn(grid: int | None):
-    """An SM copy of ``src`` into ``dst`` (same bytes): Triton with ``grid`` programs (None: enough to cover
-    the buffer), else torch's elementwise ``neg`` (a full-grid SM kernel moving the same bytes)."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return lambda dst, src: torch.neg(src, out=dst), "torch.neg (full grid)"
+@functools.cache
+def _triton_copy():
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _copy(src, dst, n, BLOCK: tl.constexpr):
@@ -63,26 +75,53 @@ def sm_copy_fn(grid: int | None):
             mask = offs < n
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
+    return triton, _copy
+
+
+def sm_copy_fn(grid: int | None):
+    """An SM copy of ``src`` into ``dst`` (same bytes): Triton with ``grid`` programs (None: enough to cover
+    the buffer; one compiled kernel for every grid), else torch's elementwise ``neg`` (a full-grid SM kernel
+    moving the same bytes)."""
+    try:
+        triton, kernel = _triton_copy()
+    except ImportError:
+        return lambda dst, src: torch.neg(src, out=dst), "torch.neg (full grid)"
     block = 4096
 
     def run(dst, src):
         s, d = src.view(torch.int32), dst.view(torch.int32)
         n = s.numel()
         g = grid or triton.cdiv(n, block)
-        _copy[(g,)](s, d, n, BLOCK=block, num_warps=8)
+        kernel[(g,)](s, d, n, BLOCK=block, num_warps=8)
 
     return run, f"triton copy, {grid or 'full'} CTAs"
 
 
+CE_REFS = ("h2d", "d2h", "copy-batch")  # the copy-engine modes an SM copy is rate-matched to
+MOVES_ON = {"copy-engine": "driver's choice (same-device DtoD cudaMemcpyAsync)",
+            "copy-batch": "copy engine requested (cudaMemcpyBatchAsync, PreferOverlapWithCompute)",
+            "h2d": "copy engine (pinned host to device over PCIe)", "d2h": "copy engine (device to pinned host)",
+            "sm-copy": "SMs", "sm-copy-full": "SMs", "reduce": "SMs (reduce_blocks)"}
+H2D, D2H = 1, 2  # cudaMemcpyKind
+
+
 class Modes:
-    """The side-stream workloads, each a function that queues ``count`` moves of ``nbytes``."""
+    """The side-stream workloads, each a function that queues ``count`` moves of ``nbytes``. ``sm-matched-<ref>``
+    is the Triton copy with ``matched[(ref, nbytes)]`` CTAs (set by ``calibrate``)."""
 
     def __init__(self, device, ext, reduce_blocks: int, dry: bool):
         self.device, self.ext, self.blocks, self.dry = device, ext, reduce_blocks, dry
         self.side = torch.cuda.Stream(device) if not dry else None
-        self.bufs = {}
+        self.bufs, self.host = {}, {}
         self.sm32 = sm_copy_fn(32) if not dry else (lambda d, s: torch.neg(s, out=d), "torch.neg")
         self.smfull = sm_copy_fn(None) if not dry else (lambda d, s: torch.neg(s, out=d), "torch.neg")
+        self.matched = {}  # (ref, nbytes) -> CTAs
+        self.grids = {}
+
+    def sm_grid(self, grid: int):
+        if grid not in self.grids:
+            self.grids[grid] = sm_copy_fn(grid)[0] if not self.dry else (lambda d, s: torch.neg(s, out=d))
+        return self.grids[grid]
 
     def buffers(self, nbytes: int):
         if nbytes not in self.bufs:
@@ -93,6 +132,12 @@ class Modes:
                 torch.cuda.synchronize()  # the side stream reads them next
         return self.bufs[nbytes]
 
+    def pinned(self, nbytes: int):
+        """A pinned host buffer of ``nbytes`` (H2D reads it, D2H writes it; the modes never run together)."""
+        if nbytes not in self.host:
+            self.host[nbytes] = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=not self.dry).fill_(1)
+        return self.host[nbytes]
+
     def queue(self, mode: str, nbytes: int, count: int):
         """Queue ``count`` moves on the side stream (the dry run: on the host, one after another)."""
         if self.dry:
@@ -102,18 +147,34 @@ class Modes:
 
     def _queue(self, mode: str, nbytes: int, count: int):
         src, dst = self.buffers(nbytes)
+        host = self.pinned(nbytes) if mode in ("h2d", "d2h") else None
+        stream = None if self.dry else self.side.cuda_stream
         for _ in range(count):
-            if mode == "copy-engine":
-                if self.dry:
-                    dst.copy_(src)
-                else:
-                    self.ext.copy_async(dst.data_ptr(), src.data_ptr(), nbytes, self.side.cuda_stream)
+            if self.dry and mode in ("copy-engine", "copy-batch", "h2d", "d2h"):
+                (dst.copy_(host) if mode == "h2d" else host.copy_(src) if mode == "d2h" else dst.copy_(src))
+            elif mode == "copy-engine":
+                self.ext.copy_async(dst.data_ptr(), src.data_ptr(), nbytes, stream)
+            elif mode == "copy-batch":
+                self.ext.copy_batch_async(dst.data_ptr(), src.data_ptr(), nbytes, stream)
+            elif mode == "h2d":
+                self.ext.copy_async(dst.data_ptr(), host.data_ptr(), nbytes, stream, H2D)
+            elif mode == "d2h":
+                self.ext.copy_async(host.data_ptr(), src.data_ptr(), nbytes, stream, D2H)
             elif mode == "sm-copy":
                 self.sm32[0](dst, src)
             elif mode == "sm-copy-full":
                 self.smfull[0](dst, src)
+            elif mode.startswith("sm-matched-"):
+                self.sm_grid(self.matched[(mode.removeprefix("sm-matched-"), nbytes)])(dst, src)
             elif mode == "reduce":
                 self._reduce(nbytes)
+            else:
+                raise ValueError(f"bench mode {mode!r} is not one of {sorted(MOVES_ON)} or sm-matched-<ref>")
+
+    def per_move(self, mode: str, nbytes: int, reps: int = 3) -> float:
+        """Seconds one move takes alone on the side stream (after one warm-up move)."""
+        self.queue(mode, nbytes, 1)
+        return timed(lambda: self.queue(mode, nbytes, reps), self.dry, self.side) / reps
 
     def _reduce(self, nbytes: int):
         from gemzoo_ncclx import schedule as S
@@ -133,6 +194,40 @@ class Modes:
                             S.REDUCE_CODES["SUM"], 8, self.blocks, self.side.cuda_stream)
 
 
+def calibrate(modes: Modes, size: int, targets: dict[str, float], max_grid: int) -> dict:
+    """Pick, per copy-engine mode, the CTA count whose Triton copy moves ``size`` alone at that mode's alone GB/s:
+    a rate table over a few grids, interpolation, then up to two measured corrections; the closest one measured
+    wins. -> {ref: {"target_GBps", "ctas", "sm_alone_GBps", "tried"}}."""
+    def rate(g: int) -> float:
+        modes.matched[("calib", size)] = g
+        return size / modes.per_move("sm-matched-calib", size, 2) / 1e9
+
+    table = {g: rate(g) for g in (1, 2, 4, 8, 16, 32, 64) if g <= max_grid}
+    out = {}
+    for ref, target in targets.items():
+        pts = sorted(table.items())
+        g = pts[-1][0] * target / pts[-1][1]  # beyond the table: linear in CTAs
+        for (g0, r0), (g1, r1) in zip(pts, pts[1:]):
+            if r0 <= target <= r1 and r1 > r0:
+                g = g0 + (target - r0) * (g1 - g0) / (r1 - r0)
+                break
+        else:
+            if target < pts[0][1]:
+                g = 1
+        tried = {}
+        g = max(1, min(max_grid, round(g)))
+        for _ in range(3):
+            if g in tried:
+                break
+            tried[g] = table.get(g) or rate(g)
+            g = max(1, min(max_grid, round(g * target / tried[g])))
+        best = min(tried, key=lambda c: abs(math.log(tried[c] / target)))
+        out[ref] = {"target_GBps": round(target, 1), "ctas": best, "sm_alone_GBps": round(tried[best], 1),
+                    "tried": {str(c): round(r, 1) for c, r in tried.items()}}
+    modes.matched.pop(("calib", size), None)
+    return out
+
+
 def timed(fn, dry: bool, stream=None) -> float:
     """Seconds ``fn`` takes on ``stream`` (CUDA events), or on the host in a dry run."""
     if dry:
@@ -145,6 +240,11 @@ def timed(fn, dry: bool, stream=None) -> float:
     b.record(stream)
     b.synchronize()
     return a.elapsed_time(b) / 1e3
+
+
+def per_100(slowdown, gbps):
+    """Slowdown (percent) per 100 GB/s that the side stream moved beside the GEMMs."""
+    return None if slowdown is None or not gbps else round(100 * slowdown / gbps, 3)
 
 
 def gemm_rounds(args, device, ext) -> dict:
@@ -160,23 +260,45 @@ def gemm_rounds(args, device, ext) -> dict:
             torch.matmul(a, b, out=c)
 
     modes = Modes(device, ext, args.reduce_blocks, dry)
+    has_batch = dry or bool(getattr(ext, "HAS_COPY_BATCH", False))
+    ce_modes = ["copy-engine"] + (["copy-batch"] if has_batch else []) + ["h2d", "d2h"]
+    refs = [r for r in CE_REFS if r in ce_modes]
+    batch_note = None
     warm_until = time.perf_counter() + (0 if dry else args.warmup_s)
     gemms()
     while time.perf_counter() < warm_until:  # clocks and power settle
         gemms()
         torch.cuda.synchronize()
     t_gemm = timed(gemms, dry)
-    sizes = [256 * MB, 1024 * MB] if not dry else [1 * MB]
+    sizes = [s * MB for s in args.sizes_mb] if not dry else [1 * MB]
     # how long one move takes alone, to queue enough of them to outlast the GEMMs
     per_move = {}
-    for mode in ("copy-engine", "sm-copy", "sm-copy-full"):
-        for size in sizes:
-            modes.queue(mode, size, 1)
-            per_move[(mode, size)] = timed(lambda m=mode, s=size: modes.queue(m, s, 3), dry, modes.side) / 3
+    for size in sizes:
+        for mode in ce_modes + ["sm-copy", "sm-copy-full"]:
+            try:
+                per_move[(mode, size)] = modes.per_move(mode, size)
+            except RuntimeError as exc:  # cudaMemcpyBatchAsync built in but refused by this driver
+                if mode != "copy-batch":
+                    raise
+                batch_note = str(exc)[:300]
+        if batch_note and "copy-batch" in ce_modes:
+            ce_modes.remove("copy-batch")
+            refs.remove("copy-batch")
+    # the SM copy, throttled (fewer CTAs) to each copy-engine mode's alone GB/s at each size
+    matched = {}
+    max_grid = ext.sm_count(device.index or 0) if ext is not None else 132
+    for size in sizes:
+        targets = {r: size / per_move[(r, size)] / 1e9 for r in refs}
+        cal = calibrate(modes, size, targets, max_grid) if not dry else \
+            {r: {"target_GBps": round(t, 1), "ctas": 1, "sm_alone_GBps": None, "tried": {}} for r, t in targets.items()}
+        for r, v in cal.items():
+            modes.matched[(r, size)] = v["ctas"]
+            per_move[(f"sm-matched-{r}", size)] = modes.per_move(f"sm-matched-{r}", size)
+        matched[str(size // MB)] = cal
     red_size = sizes[0]
-    modes.queue("reduce", red_size, 1)
-    per_move[("reduce", red_size)] = timed(lambda: modes.queue("reduce", red_size, 3), dry, modes.side) / 3
-    plan = [("alone-before", None)] + [(m, s) for s in sizes for m in ("copy-engine", "sm-copy", "sm-copy-full")] \
+    per_move[("reduce", red_size)] = modes.per_move("reduce", red_size)
+    side_modes = ce_modes + ["sm-copy", "sm-copy-full"] + [f"sm-matched-{r}" for r in refs]
+    plan = [("alone-before", None)] + [(m, s) for s in sizes for m in side_modes] \
         + [("reduce", red_size), ("alone-after", None)]
     samples = {p: [] for p in plan}
     side_bw = {p: [] for p in plan}
@@ -209,21 +331,47 @@ def gemm_rounds(args, device, ext) -> dict:
                 side_bw[(mode, size)].append(moved / (s0.elapsed_time(s1) / 1e3) / 1e9)
             else:
                 samples[(mode, size)].append(timed(gemms, dry))
+                side_bw[(mode, size)].append(size * k / max(1e-9, per_move[(mode, size)] * k) / 1e9)
     med = {p: statistics.median(v) for p, v in samples.items()}
     tf = {p: flops / t / 1e12 for p, t in med.items()}
     alone = (tf[("alone-before", None)] + tf[("alone-after", None)]) / 2
     rows = []
     for (mode, size) in plan:
-        rows.append({"mode": mode, "bytes": size, "gemm_tflops": round(tf[(mode, size)], 2),
-                     "slowdown_pct": round(100 * (1 - tf[(mode, size)] / alone), 2),
-                     "side_GBps": round(statistics.median(side_bw[(mode, size)]), 1) if side_bw[(mode, size)] else None,
+        slow = round(100 * (1 - tf[(mode, size)] / alone), 2)
+        gbps = round(statistics.median(side_bw[(mode, size)]), 1) if side_bw[(mode, size)] else None
+        ref = mode.removeprefix("sm-matched-") if mode.startswith("sm-matched-") else None
+        ctas = {"sm-copy": 32, "sm-copy-full": "full"}.get(mode, modes.matched.get((ref, size)))
+        rows.append({"mode": mode, "bytes": size, "gemm_tflops": round(tf[(mode, size)], 2), "slowdown_pct": slow,
+                     "side_GBps": gbps, "side_alone_GBps": round(size / per_move[(mode, size)] / 1e9, 1)
+                     if (mode, size) in per_move else None,
+                     "slowdown_pct_per_100GBps": per_100(slow, gbps) if size else None,
+                     "moves_on": MOVES_ON.get(mode, f"SMs ({ctas} CTAs, rate-matched to {ref})" if ref else None),
+                     "ctas": ctas, "matched_to": ref,
                      "side_covered_gemms": all(covered[(mode, size)]) if covered[(mode, size)] else None,
                      "rounds": len(samples[(mode, size)])})
-    names = {"copy-engine": "ncclx copy_async (cudaMemcpyAsync D2D, copy engine)", "sm-copy": modes.sm32[1],
-             "sm-copy-full": modes.smfull[1], "reduce": f"ncclx reduction kernel, {args.reduce_blocks} blocks, "
-                                                       "8 bf16 chunks"}
+    by = {(r["mode"], r["bytes"]): r for r in rows}
+    comparison = []  # the decisive table: each copy-engine mode against the SM copy moving the same GB/s
+    for size in sizes:
+        for ref in refs:
+            ce, sm = by[(ref, size)], by[(f"sm-matched-{ref}", size)]
+            comparison.append({"bytes": size, "copy_engine_mode": ref, "ce_slowdown_pct": ce["slowdown_pct"],
+                               "ce_GBps": ce["side_GBps"], "sm_ctas": sm["ctas"], "sm_slowdown_pct": sm["slowdown_pct"],
+                               "sm_GBps": sm["side_GBps"], "ce_per_100GBps": ce["slowdown_pct_per_100GBps"],
+                               "sm_per_100GBps": sm["slowdown_pct_per_100GBps"]})
+    names = {"copy-engine": "ncclx copy_async (cudaMemcpyAsync D2D, same device)",
+             "copy-batch": "ncclx copy_batch_async (cudaMemcpyBatchAsync D2D, PreferOverlapWithCompute, "
+                           "SrcAccessOrderStream)",
+             "h2d": "ncclx copy_async, pinned host -> device (cudaMemcpyAsync H2D)",
+             "d2h": "ncclx copy_async, device -> pinned host (cudaMemcpyAsync D2H)",
+             "sm-copy": modes.sm32[1], "sm-copy-full": modes.smfull[1],
+             "reduce": f"ncclx reduction kernel, {args.reduce_blocks} blocks, 8 bf16 chunks"}
+    names.update({f"sm-matched-{r}": f"triton copy, CTAs rate-matched to {r}'s alone GB/s" for r in refs})
     return {"gemm": f"{n}x{n}x{n} {str(dtype).removeprefix('torch.')}, {count} per timing", "alone_tflops": round(alone, 2),
-            "rows": rows, "modes": names, "gemm_alone_s_per_timing": t_gemm}
+            "rows": rows, "modes": names, "gemm_alone_s_per_timing": t_gemm, "rate_matched": matched,
+            "comparison": comparison,
+            "copy_batch": {"built_in": bool(getattr(ext, "HAS_COPY_BATCH", False)) if ext is not None else None,
+                           "cudart_version": getattr(ext, "CUDART_VERSION", None), "ran": "copy-batch" in ce_modes,
+                           "refused": batch_note}}
 
 
 def reduce_sweep(args, device, ext) -> list[dict]:
@@ -301,6 +449,7 @@ def smoke_rank(rank: int, world: int, port: int, device_kind: str, out_dir: str,
                         bad.append(f"{name} {dtype} n={n}")
         pg = dist.distributed_c10d._get_default_group()
         transport = type(pg._cuda).__name__ if dev.type == "cuda" else "GlooTransport"
+        pull = getattr(pg._cuda, "pull_path", None) if dev.type == "cuda" else None
         timing = None
         if dev.type == "cuda" and pg._cuda:
             n = big_mb * MB // 2
@@ -316,7 +465,8 @@ def smoke_rank(rank: int, world: int, port: int, device_kind: str, out_dir: str,
             timing = {"all_gather_MB_per_rank": big_mb, "ms": round(dt * 1e3, 2),
                       "GBps_received_per_rank": round((world - 1) * n * 2 / dt / 1e9, 1)}
     Path(out_dir, f"smoke{rank}.json").write_text(json.dumps({
-        "checked": checked, "mismatches": bad, "transport": transport, "timing": timing,
+        "checked": checked, "mismatches": bad, "transport": transport, "timing": timing, "pull_path": pull,
+        "pull_fallback": getattr(pg._cuda, "pull_fallback", None) if dev.type == "cuda" else None,
         "said": [str(w.message) for w in said if "ncclx" in str(w.message)]}))
     dist.destroy_process_group()
 
@@ -355,6 +505,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test with tiny sizes (no GPU needed)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gemms", type=int, default=200, help="GEMMs per timing")
+    ap.add_argument("--sizes-mb", type=lambda v: [int(x) for x in v.split(",")], default=[256, 1024],
+                    help="buffer sizes in MB, comma-separated (default 256,1024)")
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--reduce-blocks", type=int, default=8)
     ap.add_argument("--no-smoke", action="store_true", help="skip the 2-process check on this device")
@@ -392,19 +544,27 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1))
     print(f"{result['device']}, torch {result['torch']}; GEMM {result.get('gemm')}; alone "
           f"{result.get('alone_tflops')} TFLOP/s (mean of before/after)")
-    print(f"{'mode':<14} {'MB':>6} {'GEMM TFLOP/s':>13} {'slowdown %':>11} {'side GB/s':>10} {'covered':>8}")
+    print(f"{'mode':<22} {'MB':>6} {'CTAs':>5} {'GEMM TFLOP/s':>13} {'slowdown %':>11} {'side GB/s':>10} "
+          f"{'%/100GB/s':>10} {'covered':>8}")
     for r in result["rows"]:
         mb = "" if r["bytes"] is None else r["bytes"] // MB
         cov = "" if r["side_covered_gemms"] is None else ("yes" if r["side_covered_gemms"] else "NO")
-        print(f"{r['mode']:<14} {mb:>6} {r['gemm_tflops']:>13} {r['slowdown_pct']:>11} {r['side_GBps'] or '':>10} "
-              f"{cov:>8}")
+        per = "" if r.get("slowdown_pct_per_100GBps") is None else r["slowdown_pct_per_100GBps"]
+        print(f"{r['mode']:<22} {mb:>6} {r.get('ctas') or '':>5} {r['gemm_tflops']:>13} {r['slowdown_pct']:>11} "
+              f"{r['side_GBps'] or '':>10} {per:>10} {cov:>8}")
+    for c in result.get("comparison", []):
+        print(f"rate-matched, {c['bytes'] // MB} MB: {c['copy_engine_mode']} {c['ce_slowdown_pct']}% at {c['ce_GBps']} GB/s "
+              f"({c['ce_per_100GBps']} %/100GB/s) vs SM copy on {c['sm_ctas']} CTAs {c['sm_slowdown_pct']}% at "
+              f"{c['sm_GBps']} GB/s ({c['sm_per_100GBps']} %/100GB/s)")
+    if "copy_batch" in result:
+        print(f"cudaMemcpyBatchAsync: {result['copy_batch']}")
     for r in result["reduce_sweep"]:
         print(f"reduce 8x64MB bf16, {r['blocks']:>3} blocks: {r['ms']} ms, {r['GBps']} GB/s, "
               f"bit-identical {r['bit_identical_to_cpu_order']}")
     if "two_ranks_one_device" in result:
         s = result["two_ranks_one_device"]
         print(f"2 ranks on one device: ok={s['ok']} exit={s['exit_codes']} "
-              + "; ".join(f"rank {i}: {r['transport']} checked {r['checked']} mismatches {r['mismatches']} "
+              + "; ".join(f"rank {i}: {r['transport']} ({r.get('pull_path')}) checked {r['checked']} mismatches {r['mismatches']} "
                           f"{r['timing'] or ''}" for i, r in enumerate(s["ranks"]) if r))
     print(f"wrote {out} ({result['wall_s']} s)")
     return 0 if result.get("two_ranks_one_device", {"ok": True})["ok"] else 1

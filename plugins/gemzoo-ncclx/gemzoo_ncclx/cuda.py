@@ -19,8 +19,12 @@ Per collective k (slot = k % 2, double-buffered so that a collective never waits
    goes); ``in[slot]`` is recorded.
 2. The metadata exchange over gloo is also the host barrier: after it every peer has recorded its ``in[slot]``.
 3. ``stage``: open new peer generations, wait for every peer's ``in[slot]``.
-4. ``step``: one ``cudaMemcpyAsync`` per piece from the peer's staging buffer into my output (or the
-   reduce-scatter scratch); with peer access the copy engines move it over NVLink.
+4. ``step``: one copy per piece from the peer's staging buffer into my output (or the reduce-scatter scratch);
+   with peer access the copy engines move it over NVLink. The copy is ``cudaMemcpyBatchAsync`` with
+   ``cudaMemcpyFlagPreferOverlapWithCompute`` where the C++ part was built against CUDA >= 12.8
+   (``ext.HAS_COPY_BATCH``), else ``cudaMemcpyAsync``; ``GEMZOO_NCCLX_PULL=memcpy`` forces the latter, and a
+   batch call that fails at run time (an older driver) switches the transport to it for good.
+   ``CudaTransport.pull_path`` says which.
 5. reduce-scatter: after piece j's pulls, the reduction kernel (``reduce_blocks`` blocks) adds piece j on the
    reduce stream while the copy engines fetch piece j+1.
 6. ``finish``: ``out[slot]`` is recorded; the work's event follows both streams; ``Work.wait()`` makes the
@@ -34,6 +38,7 @@ enter exchange k+2. The same argument holds for ``in[slot]``.
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import torch
@@ -142,6 +147,18 @@ def no_p2p_message(infos: list[dict], matrix: list[list[bool]], name: str) -> st
             "instead of copy engines")
 
 
+BATCH = "cudaMemcpyBatchAsync(PreferOverlapWithCompute)"
+MEMCPY = "cudaMemcpyAsync"
+
+
+def pull_path(ext) -> str:
+    """The call the peer pulls use: BATCH where the C++ part has it, unless ``GEMZOO_NCCLX_PULL=memcpy``."""
+    want = os.environ.get("GEMZOO_NCCLX_PULL", "auto")
+    if want not in ("auto", "batch", "memcpy"):
+        raise ValueError(f"GEMZOO_NCCLX_PULL={want!r}: use auto (batch where built in), batch or memcpy")
+    return BATCH if want != "memcpy" and getattr(ext, "HAS_COPY_BATCH", False) else MEMCPY
+
+
 class CudaTransport:
     def __init__(self, pg, device: torch.device, index: int, ext):
         self.pg, self.ext, self.index = pg, ext, index
@@ -161,6 +178,15 @@ class CudaTransport:
         self._slot = 0
         self._src = {}
         self._keep = []
+        self.pull_path, self.pull_fallback = pull_path(ext), None
+
+    def _pull(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        if self.pull_path == BATCH:
+            try:
+                return self.ext.copy_batch_async(dst, src, nbytes, stream)
+            except RuntimeError as exc:  # e.g. a driver older than the runtime: the plain path from now on
+                self.pull_path, self.pull_fallback = MEMCPY, str(exc)[:300]
+        self.ext.copy_async(dst, src, nbytes, stream)
 
     def handles(self) -> dict:
         """My events' IPC handles, to publish."""
@@ -265,7 +291,7 @@ class CudaTransport:
             return  # the peer pulls what it needs from my staging buffer: nothing to do for a send
         peer, view, start = recv
         n = view.numel() * view.element_size()
-        self.ext.copy_async(view.data_ptr(), self._src[peer] + start * self._esize, n, self.copy_stream.cuda_stream)
+        self._pull(view.data_ptr(), self._src[peer] + start * self._esize, n, self.copy_stream.cuda_stream)
         view.record_stream(self.copy_stream)
 
     def piece_done(self, j: int, reduce) -> None:

@@ -19,6 +19,7 @@ from gemzoo.interfaces.comms import COLLECTIVES
 from gemzoo.testing.comms import BASE_COLLECTIVES, spawn
 from gemzoo_ncclx import IMPLEMENTS, NcclxComms, NcclxOptions
 from gemzoo_ncclx import schedule as S
+from gemzoo_ncclx import cuda as C
 from gemzoo_ncclx.cuda import no_p2p_message
 
 import ncclx_cases as cases
@@ -175,6 +176,11 @@ def test_bench_dry_run_writes_its_json(tmp_path):
     assert result["dry_run"] and {r["mode"] for r in result["rows"]} >= {"alone-before", "copy-engine", "sm-copy",
                                                                          "alone-after"}
     assert "slowdown_pct" in result["rows"][1] and "GEMM" in proc.stdout
+    modes = {r["mode"] for r in result["rows"]}
+    assert {"h2d", "d2h", "copy-batch", "sm-matched-h2d", "sm-matched-d2h", "sm-matched-copy-batch"} <= modes
+    assert all("slowdown_pct_per_100GBps" in r and "moves_on" in r for r in result["rows"])
+    assert {c["copy_engine_mode"] for c in result["comparison"]} == {"h2d", "d2h", "copy-batch"}
+    assert set(result["rate_matched"]["1"]) == {"h2d", "d2h", "copy-batch"} and "rate-matched" in proc.stdout
 
 
 @pytest.mark.distributed

@@ -89,13 +89,52 @@ void stream_wait_event(int64_t stream, int64_t ev) {
 void event_destroy(int64_t ev) { check(cudaEventDestroy(as_ptr<CUevent_st>(ev)), "cudaEventDestroy"); }
 
 // The data path: one cudaMemcpyAsync, device to device (a peer's IPC-mapped buffer or a local one), on
-// `stream`. With peer access the copy engines move it over NVLink; no kernel runs.
-void copy_async(int64_t dst, int64_t src, int64_t nbytes, int64_t stream) {
+// `stream`. With peer access the copy engines move it over NVLink; no kernel runs. `kind` is a
+// cudaMemcpyKind: cudaMemcpyDefault (4) lets UVA infer it, e.g. for pinned host memory (the bench's H2D/D2H).
+void copy_async(int64_t dst, int64_t src, int64_t nbytes, int64_t stream, int kind) {
   if (nbytes <= 0) return;
+  if (kind != cudaMemcpyDeviceToDevice && kind != cudaMemcpyDefault && kind != cudaMemcpyHostToDevice &&
+      kind != cudaMemcpyDeviceToHost)
+    throw std::invalid_argument("ncclx: copy_async kind " + std::to_string(kind) +
+                                " is not a cudaMemcpyKind it takes (1 H2D, 2 D2H, 3 D2D, 4 default)");
   check(cudaMemcpyAsync(as_ptr<void>(dst), as_ptr<const void>(src), static_cast<size_t>(nbytes),
-                        cudaMemcpyDeviceToDevice, as_stream(stream)),
+                        static_cast<cudaMemcpyKind>(kind), as_stream(stream)),
         "cudaMemcpyAsync");
 }
+
+// The same copy through cudaMemcpyBatchAsync (CUDA runtime >= 12.8), a batch of one, with
+// cudaMemcpyFlagPreferOverlapWithCompute (ask the driver for a copy engine rather than a copy kernel) and
+// cudaMemcpySrcAccessOrderStream (the source is read in stream order, like cudaMemcpyAsync). Compiled in only
+// where the toolkit declares it (HAS_COPY_BATCH); the build never fails on an older toolkit. 12.8/12.9 take a
+// failIdx argument that 13.0 dropped. An old driver under a new runtime fails at run time (an exception: the
+// caller falls back to copy_async).
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+constexpr bool kHasCopyBatch = true;
+void copy_batch_async(int64_t dst, int64_t src, int64_t nbytes, int64_t stream) {
+  if (nbytes <= 0) return;
+  void* dsts[1] = {as_ptr<void>(dst)};
+  const void* srcs[1] = {as_ptr<const void>(src)};
+  size_t sizes[1] = {static_cast<size_t>(nbytes)};
+  cudaMemcpyAttributes attrs{};
+  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attrs.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attrs_idx[1] = {0};
+#if CUDART_VERSION >= 13000
+  check(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attrs, attrs_idx, 1, as_stream(stream)),
+        "cudaMemcpyBatchAsync (PreferOverlapWithCompute)");
+#else
+  size_t fail_idx = 0;
+  check(cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs), sizes, 1, &attrs, attrs_idx, 1,
+                             &fail_idx, as_stream(stream)),
+        "cudaMemcpyBatchAsync (PreferOverlapWithCompute)");
+#endif
+}
+#else
+constexpr bool kHasCopyBatch = false;
+void copy_batch_async(int64_t, int64_t, int64_t, int64_t) {
+  throw std::runtime_error("ncclx: copy_batch_async needs a CUDA runtime >= 12.8 at build time (cudaMemcpyBatchAsync)");
+}
+#endif
 
 bool can_access_peer(int device, int peer) {
   if (device == peer) return true;
@@ -124,7 +163,8 @@ int sm_count(int device) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gemzoo-ncclx copy-engine plumbing (CUDA IPC buffers and events, cudaMemcpyAsync, reduction launch)";
+  m.doc() = "gemzoo-ncclx copy-engine plumbing (CUDA IPC buffers and events, cudaMemcpyAsync, cudaMemcpyBatchAsync, "
+          "reduction launch)";
   m.def("ce_malloc", &ce_malloc);
   m.def("ce_free", &ce_free);
   m.def("ipc_mem_handle", &ipc_mem_handle);
@@ -137,7 +177,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_wait_event", &stream_wait_event);
   m.def("event_destroy", &event_destroy);
   m.def("copy_async", &copy_async, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"),
+        py::arg("kind") = static_cast<int>(cudaMemcpyDeviceToDevice), py::call_guard<py::gil_scoped_release>());
+  m.def("copy_batch_async", &copy_batch_async, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"),
         py::call_guard<py::gil_scoped_release>());
+  m.attr("HAS_COPY_BATCH") = kHasCopyBatch;
+  m.attr("CUDART_VERSION") = static_cast<int>(CUDART_VERSION);
   m.def("can_access_peer", &can_access_peer);
   m.def("reduce", &reduce, py::call_guard<py::gil_scoped_release>());
   m.def("sm_count", &sm_count);
