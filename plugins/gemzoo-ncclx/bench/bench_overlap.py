@@ -3,8 +3,9 @@
     python plugins/gemzoo-ncclx/bench/bench_overlap.py --out $OUT/ncclx_overlap.json      # one H200, < 120 s
     python plugins/gemzoo-ncclx/bench/bench_overlap.py --dry-run --out /tmp/ncclx.json    # CPU smoke (tiny sizes)
 
-One process, one device call, about 90 s on one H200 (estimate: the C++ build ~20 s, the GEMM rounds ~50 s,
-the 2-process check ~20 s; the previous version, with a third of the modes, took 56 s). ``--rounds 2`` or
+One process, one device call, about 75 s on one H200 (estimate: the C++ build ~20 s, the GEMM rounds ~35 s:
+57 timings of ~0.5 s and 6 alone ones of 0.33 s; the 2-process check and the rest ~20 s; the previous version,
+with a third of the modes, took 56 s). ``--rounds 2`` or
 ``--sizes-mb 256`` cut it by a third or a half.
 
 1. Build (or load) the C++/CUDA part (plugins/gemzoo-ncclx/csrc/comms); its build time is reported, and
@@ -24,8 +25,9 @@ the 2-process check ~20 s; the previous version, with a third of the modes, took
      copy-engine mode ``<ref>`` (h2d, d2h, copy-batch), picked by a short calibration (``rate_matched``), so
      copy engines and SMs are compared at equal bytes per second (``comparison``);
    then while the reduce-scatter reduction kernel runs on ``reduce_blocks`` blocks; and the GEMMs alone again
-   ("alone-after"). Enough moves are queued to outlast the GEMMs (2.5x their time; the JSON's
-   ``side_covered_gemms`` says whether the side stream was busy over the whole window). Per mode the median
+   ("alone-after"). The side stream's moves are queued in batches while the GEMMs run, so it is busy from
+   before they start until one batch after they end (``beside``; the JSON's ``side_covered_gemms`` says
+   whether it was busy over the whole window). Per mode the median
    over rounds; the slowdown is against the mean of the two "alone" medians (both are reported: taking "alone"
    only first has shown a -9% slowdown, a clock artefact). Every row also gives the side stream's GB/s beside
    the GEMMs and alone, and ``slowdown_pct_per_100GBps``: the slowdown per 100 GB/s moved.
@@ -242,6 +244,40 @@ def timed(fn, dry: bool, stream=None) -> float:
     return a.elapsed_time(b) / 1e3
 
 
+def beside(modes: Modes, mode: str, size: int, per_move: float, t_gemm: float, gemms) -> tuple:
+    """One timing of the GEMMs while the side stream moves ``size`` in ``mode`` without a gap from before they
+    start until after they end. The moves go in batches of about a quarter of the GEMMs' alone time; two are
+    queued before the GEMMs, and one more whenever the side stream has started its last queued batch, until the
+    GEMMs are done. So the side stream stops one batch after the GEMMs however much either slows the other
+    (the first version queued 2.5x the GEMMs' time up front). -> (GEMM seconds, side seconds, moves, covered)."""
+    side, ev = modes.side, lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    batch = max(1, math.ceil(0.25 * t_gemm / max(per_move, 1e-9)))
+    side.wait_stream(torch.cuda.current_stream())  # the side stream starts after the work so far
+    s0, s1, g0, g1 = ev(), ev(), ev(), ev()
+    s0.record(side)
+    ends = []
+
+    def more():
+        modes.queue(mode, size, batch)
+        ends.append(torch.cuda.Event())
+        ends[-1].record(side)
+
+    more()
+    more()
+    g0.record()
+    gemms()
+    g1.record()
+    while not g1.query():
+        if ends[-2].query():
+            more()
+        else:
+            time.sleep(2e-4)
+    s1.record(side)
+    torch.cuda.synchronize()
+    covered = s0.elapsed_time(g0) >= 0 and g1.elapsed_time(s1) >= 0
+    return g0.elapsed_time(g1) / 1e3, s0.elapsed_time(s1) / 1e3, batch * len(ends), covered
+
+
 def per_100(slowdown, gbps):
     """Slowdown (percent) per 100 GB/s that the side stream moved beside the GEMMs."""
     return None if slowdown is None or not gbps else round(100 * slowdown / gbps, 3)
@@ -308,30 +344,15 @@ def gemm_rounds(args, device, ext) -> dict:
             if size is None:
                 samples[(mode, size)].append(timed(gemms, dry))
                 continue
-            # 2.5x the GEMMs' time: queueing thousands of launches takes host time while the first ones run
-            k = max(2, math.ceil(2.5 * t_gemm / max(per_move[(mode, size)], 1e-9)))
             if dry:
-                k = 2
-            side = modes.side
-            if not dry:  # the side stream starts after the GEMMs so far, then runs beside the next batch
-                side.wait_stream(torch.cuda.current_stream())
-                s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s0.record(side)
-            modes.queue(mode, size, k)
-            if not dry:
-                s1.record(side)
-                g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                g0.record()
-                gemms()
-                g1.record()
-                torch.cuda.synchronize()
-                samples[(mode, size)].append(g0.elapsed_time(g1) / 1e3)
-                covered[(mode, size)].append(s0.elapsed_time(g0) >= 0 and g1.elapsed_time(s1) >= 0)
-                moved = (size * k) if mode != "reduce" else size * 9 / 8 * k
-                side_bw[(mode, size)].append(moved / (s0.elapsed_time(s1) / 1e3) / 1e9)
-            else:
+                modes.queue(mode, size, 2)
                 samples[(mode, size)].append(timed(gemms, dry))
-                side_bw[(mode, size)].append(size * k / max(1e-9, per_move[(mode, size)] * k) / 1e9)
+                side_bw[(mode, size)].append(size / max(1e-9, per_move[(mode, size)]) / 1e9)
+                continue
+            gemm_s, side_s, moves, cov = beside(modes, mode, size, per_move[(mode, size)], t_gemm, gemms)
+            samples[(mode, size)].append(gemm_s)
+            covered[(mode, size)].append(cov)
+            side_bw[(mode, size)].append(size * moves * (9 / 8 if mode == "reduce" else 1) / side_s / 1e9)
     med = {p: statistics.median(v) for p, v in samples.items()}
     tf = {p: flops / t / 1e12 for p, t in med.items()}
     alone = (tf[("alone-before", None)] + tf[("alone-after", None)]) / 2

@@ -130,6 +130,42 @@ def _semantics(tmp_path, world, conformance=False):
     return out
 
 
+class _PullExt:
+    """copy_async / copy_batch_async that record their calls; the batch call can be built in and can fail."""
+
+    def __init__(self, has_batch: bool, batch_fails: bool):
+        self.HAS_COPY_BATCH, self.fails, self.calls = has_batch, batch_fails, []
+
+    def copy_batch_async(self, *args):
+        if self.fails:
+            raise RuntimeError("ncclx: cudaMemcpyBatchAsync (PreferOverlapWithCompute) failed: driver too old")
+        self.calls.append(("batch", *args))
+
+    def copy_async(self, *args):
+        self.calls.append(("memcpy", *args))
+
+
+def test_peer_pulls_use_the_batch_copy_where_built_in_and_fall_back(monkeypatch):
+    monkeypatch.delenv("GEMZOO_NCCLX_PULL", raising=False)
+    assert C.pull_path(_PullExt(True, False)) == C.BATCH and C.pull_path(_PullExt(False, False)) == C.MEMCPY
+    assert C.pull_path(object()) == C.MEMCPY  # a C++ part built before copy_batch_async existed
+    monkeypatch.setenv("GEMZOO_NCCLX_PULL", "memcpy")
+    assert C.pull_path(_PullExt(True, False)) == C.MEMCPY
+    monkeypatch.setenv("GEMZOO_NCCLX_PULL", "fast")
+    with pytest.raises(ValueError, match="GEMZOO_NCCLX_PULL='fast'"):
+        C.pull_path(_PullExt(True, False))
+    monkeypatch.delenv("GEMZOO_NCCLX_PULL")
+    for fails, want in ((False, ["batch", "batch"]), (True, ["memcpy", "memcpy"])):
+        t = C.CudaTransport.__new__(C.CudaTransport)  # only the pull path: no device, no group
+        t.ext = _PullExt(True, fails)
+        t.pull_path, t.pull_fallback = C.pull_path(t.ext), None
+        t._pull(8, 16, 32, 7)
+        t._pull(8, 16, 32, 7)
+        assert [c[0] for c in t.ext.calls] == want and all(c[1:] == (8, 16, 32, 7) for c in t.ext.calls)
+        assert t.pull_path == (C.MEMCPY if fails else C.BATCH)
+        assert (t.pull_fallback is not None and "driver too old" in t.pull_fallback) == fails
+
+
 @pytest.mark.distributed
 @pytest.mark.usefixtures("cpu_ranks")
 def test_two_ranks_bit_identical_to_gloo_and_conformance(tmp_path):
