@@ -307,7 +307,7 @@ def gemm_rounds(args, device, ext) -> dict:
         torch.cuda.synchronize()
     t_gemm = timed(gemms, dry)
     sizes = [s * MB for s in args.sizes_mb] if not dry else [1 * MB]
-    # how long one move takes alone, to queue enough of them to outlast the GEMMs
+    # how long one move takes alone: it sizes the side stream's batches and is the rate the SM copies match
     per_move = {}
     for size in sizes:
         for mode in ce_modes + ["sm-copy", "sm-copy-full"]:
