@@ -296,15 +296,19 @@ def run_ablation(plan: AblationPlan, *, overwrite: bool = False, echo=print) -> 
     """Run every plugin set of ``plan``; write ablation.json/.csv, the plots and report.md into ``plan.out``."""
     prepare_out(plan.out, overwrite)
     started = time.time()
-    if threading.current_thread() is threading.main_thread():  # SIGTERM stops the ablation like Ctrl-C
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None  # SIGTERM stops it like Ctrl-C
     rows = []
-    for i, run in enumerate(plan.runs, 1):
-        echo(f"== [{i}/{len(plan.runs)}] {run.name}")
-        row = run_one(plan, i, run)
-        rows.append(row)
-        echo("   " + summary_line(row))
-        write_json(plan, rows, started)  # after every run, so a killed ablation keeps what it measured
+    try:
+        for i, run in enumerate(plan.runs, 1):
+            echo(f"== [{i}/{len(plan.runs)}] {run.name}")
+            row = run_one(plan, i, run)
+            rows.append(row)
+            echo("   " + summary_line(row))
+            write_json(plan, rows, started)  # after every run, so a killed ablation keeps what it measured
+    finally:
+        if main:  # the caller's handler back (a script or test calling run_ablation keeps its own)
+            signal.signal(signal.SIGTERM, previous)
     data = write_json(plan, rows, started)
     write_report(data, plan.out, echo)
     return data

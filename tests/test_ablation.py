@@ -222,7 +222,11 @@ def test_a_run_with_its_own_overrides_trains_them(tmp_path):
                  ' { plugins = "cpu,fp32", set = ["model.d_model=48"], name = "wider" }]\n')
     plan = make_plan(str(f), out=str(tmp_path / "abl"), runs=["narrow", "cpu,fp32"])
     assert [r.name for r in plan.runs] == ["narrow", "cpu,fp32"]
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
     data = run_ablation(plan, echo=lambda *a: None)
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
     rows = {r["name"]: r for r in data["rows"]}
     assert [r["status"] for r in rows.values()] == ["ok", "ok"]
     assert rows["narrow"]["set"] == ["model.d_model=32"] and rows["narrow"]["run_dir"].endswith("01-narrow")

@@ -504,8 +504,13 @@ def smoke(args, out_dir: Path) -> dict:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=smoke_rank, args=(r, 2, port, kind, str(out_dir), 1 if args.dry_run else 256))
              for r in range(2)]
-    for p in procs:
-        p.start()
+    previous = os.environ.get("GEMZOO_NCCLX_PULL")
+    os.environ["GEMZOO_NCCLX_PULL"] = args.pull  # the spawned ranks read it: which pull path this check runs
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.pop("GEMZOO_NCCLX_PULL") if previous is None else os.environ.update(GEMZOO_NCCLX_PULL=previous)
     for p in procs:
         p.join(timeout=args.smoke_timeout)
     codes = [p.exitcode for p in procs]
@@ -532,6 +537,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reduce-blocks", type=int, default=8)
     ap.add_argument("--no-smoke", action="store_true", help="skip the 2-process check on this device")
     ap.add_argument("--smoke-timeout", type=float, default=45)
+    ap.add_argument("--pull", choices=("batch", "memcpy"), default="batch",
+                    help="the 2-process check's pull path (GEMZOO_NCCLX_PULL); default batch, the path that is "
+                         "opt-in until checked here (memcpy, the default of training runs, passed on the H200)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out)

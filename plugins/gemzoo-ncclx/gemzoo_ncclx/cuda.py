@@ -20,11 +20,12 @@ Per collective k (slot = k % 2, double-buffered so that a collective never waits
 2. The metadata exchange over gloo is also the host barrier: after it every peer has recorded its ``in[slot]``.
 3. ``stage``: open new peer generations, wait for every peer's ``in[slot]``.
 4. ``step``: one copy per piece from the peer's staging buffer into my output (or the reduce-scatter scratch);
-   with peer access the copy engines move it over NVLink. The copy is ``cudaMemcpyBatchAsync`` with
+   with peer access the copy engines move it over NVLink. The copy is ``cudaMemcpyAsync`` (the path checked
+   bit for bit on the H200); ``GEMZOO_NCCLX_PULL=batch`` asks for ``cudaMemcpyBatchAsync`` with
    ``cudaMemcpyFlagPreferOverlapWithCompute`` where the C++ part was built against CUDA >= 12.8
-   (``ext.HAS_COPY_BATCH``), else ``cudaMemcpyAsync``; ``GEMZOO_NCCLX_PULL=memcpy`` forces the latter, and a
-   batch call that fails at run time (an older driver) switches the transport to it for good.
-   ``CudaTransport.pull_path`` says which.
+   (``ext.HAS_COPY_BATCH``; not yet run on a GPU, so not the default), and a batch call that fails at run time
+   (an older driver) switches the transport to ``cudaMemcpyAsync`` for good. ``CudaTransport.pull_path`` says
+   which.
 5. reduce-scatter: after piece j's pulls, the reduction kernel (``reduce_blocks`` blocks) adds piece j on the
    reduce stream while the copy engines fetch piece j+1.
 6. ``finish``: ``out[slot]`` is recorded; the work's event follows both streams; ``Work.wait()`` makes the
@@ -152,11 +153,13 @@ MEMCPY = "cudaMemcpyAsync"
 
 
 def pull_path(ext) -> str:
-    """The call the peer pulls use: BATCH where the C++ part has it, unless ``GEMZOO_NCCLX_PULL=memcpy``."""
-    want = os.environ.get("GEMZOO_NCCLX_PULL", "auto")
-    if want not in ("auto", "batch", "memcpy"):
-        raise ValueError(f"GEMZOO_NCCLX_PULL={want!r}: use auto (batch where built in), batch or memcpy")
-    return BATCH if want != "memcpy" and getattr(ext, "HAS_COPY_BATCH", False) else MEMCPY
+    """The call the peer pulls use: MEMCPY, or BATCH with ``GEMZOO_NCCLX_PULL=batch`` where the C++ part has it
+    (opt-in until a GPU run has checked it bit for bit and measured it)."""
+    want = os.environ.get("GEMZOO_NCCLX_PULL", "memcpy")
+    if want not in ("batch", "memcpy"):
+        raise ValueError(f"GEMZOO_NCCLX_PULL={want!r}: use memcpy (the default) or batch "
+                         "(cudaMemcpyBatchAsync, where the C++ part was built against CUDA >= 12.8)")
+    return BATCH if want == "batch" and getattr(ext, "HAS_COPY_BATCH", False) else MEMCPY
 
 
 class CudaTransport:

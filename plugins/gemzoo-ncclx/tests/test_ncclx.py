@@ -145,16 +145,16 @@ class _PullExt:
         self.calls.append(("memcpy", *args))
 
 
-def test_peer_pulls_use_the_batch_copy_where_built_in_and_fall_back(monkeypatch):
+def test_peer_pulls_use_the_batch_copy_when_asked_and_fall_back(monkeypatch):
     monkeypatch.delenv("GEMZOO_NCCLX_PULL", raising=False)
+    assert C.pull_path(_PullExt(True, False)) == C.MEMCPY  # the default: the path checked on the H200
+    monkeypatch.setenv("GEMZOO_NCCLX_PULL", "batch")
     assert C.pull_path(_PullExt(True, False)) == C.BATCH and C.pull_path(_PullExt(False, False)) == C.MEMCPY
     assert C.pull_path(object()) == C.MEMCPY  # a C++ part built before copy_batch_async existed
-    monkeypatch.setenv("GEMZOO_NCCLX_PULL", "memcpy")
-    assert C.pull_path(_PullExt(True, False)) == C.MEMCPY
     monkeypatch.setenv("GEMZOO_NCCLX_PULL", "fast")
     with pytest.raises(ValueError, match="GEMZOO_NCCLX_PULL='fast'"):
         C.pull_path(_PullExt(True, False))
-    monkeypatch.delenv("GEMZOO_NCCLX_PULL")
+    monkeypatch.setenv("GEMZOO_NCCLX_PULL", "batch")
     for fails, want in ((False, ["batch", "batch"]), (True, ["memcpy", "memcpy"])):
         t = C.CudaTransport.__new__(C.CudaTransport)  # only the pull path: no device, no group
         t.ext = _PullExt(True, fails)
