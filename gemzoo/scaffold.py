@@ -664,6 +664,11 @@ class ${cls}Model(nn.Module):
         attention = 4 * d * pairs  # QK^T and PV, all heads
         return 3 * (linears + attention)
 
+    def cost_model(self, batch) -> torch.Tensor:
+        """Each sample's share of ``flops`` (float64, sums to it): what a batching policy balances across ranks."""
+        d, n = self.cfg.d_model, batch.lengths.to(torch.float64)
+        return 3 * ((2 * d * (3 * d) + 2 * d * d) * n + 4 * d * (n * (n + 1) / 2))
+
     def evaluator(self):
         return ClickAUC(self)
 

@@ -170,13 +170,14 @@ def test_a_signal_finishes_the_step_checkpoints_and_resumes_bit_exact(toy, tmp_p
             if step == 3 and not trainer.resume:
                 os.kill(os.getpid(), getattr(signal, signame))
 
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # SIG_IGN under `cmd &`
     straight = train(_cfg(tmp_path / "straight", run={"steps": 6}), progress=False)
     toy.host().register(SignalAtStep3(), name="signal-at-step-3")
     with pytest.raises(TrainingInterrupted) as exc:
         train(_cfg(tmp_path / "stopped", run={"steps": 6}), progress=False)
     assert exc.value.step == 3 and exc.value.signal_name == signame
     assert exc.value.checkpoint.name == "step-00000003"  # checkpoint.every is 10: written for the signal
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # the process's own handlers restored
     rows = [json.loads(l) for l in (tmp_path / "stopped" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["event"] == "interrupted" and rows[-1]["signal"] == signame
     resumed = train(_cfg(tmp_path / "stopped", run={"steps": 6}), resume=True, progress=False)
