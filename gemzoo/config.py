@@ -38,6 +38,9 @@ class RunConfig:
     device: str = bounded("auto", pattern=r"auto|cpu|cuda(:\d+)?", means="auto, cpu, cuda or cuda:N")
     log_every: int = bounded(10, min=1)
     compile: bool = False
+    # what run.compile compiles: "blocks" compiles each transformer block on its own (regional compilation: the
+    # blocks share one compiled graph, so compile time does not grow with depth); "model" the whole forward
+    compile_scope: str = bounded("blocks", choices=("blocks", "model"))
     peak_tflops: float | None = bounded(None, min=1e-9)  # overrides the device table for MFU
     # several ranks: "fsdp" shards transformer blocks (FSDP2), "ddp" replicates them
     dense_parallel: str = bounded("fsdp", choices=("fsdp", "ddp"))

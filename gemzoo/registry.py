@@ -49,6 +49,9 @@ class Registry:
             return self._host
 
     def _load(self, strict: bool = True) -> dict[str, dict[str, Entry]]:
+        entries = self._entries
+        if entries is not None and not (strict and self._clashes):
+            return entries  # loaded: no lock (a lookup inside a torch.compile graph cannot enter one)
         with self._lock:
             if self._entries is None:
                 self._clashes = []

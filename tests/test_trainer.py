@@ -1,5 +1,6 @@
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +209,34 @@ def test_compiled_gem_with_sparse_table_gradients_trains_on_cuda(tmp_path, monke
     trainer = Trainer(cfg, progress=False).assemble()
     assert trainer.model.sparse_arch.ebc.sparse_grad
     assert torch.isfinite(torch.tensor(trainer.fit().final_loss))
+
+
+_GEM_TINY = Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"
+
+
+def _compiled_gem_tiny(tmp_path, layers: int, scope: str):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = load_config(_GEM_TINY, plugins="cpu,fp32", overrides=[
+        "run.steps=2", "eval.every=0", "checkpoint.every=0", f"model.num_layers={layers}", "run.compile=true",
+        f"run.compile_scope='{scope}'", "run.device=cpu", f"run.out_dir='{tmp_path / f'{scope}{layers}'}'"])
+    trainer = Trainer(cfg, progress=False).assemble()
+    loss = trainer.fit().final_loss
+    return trainer, loss, counters["stats"]["unique_graphs"]
+
+
+def test_regional_compile_shares_one_graph_across_blocks(tmp_path):
+    """run.compile_scope = "blocks": each block's forward is compiled in place (names and hooks unchanged), and a
+    deeper model compiles no more graphs (the blocks share them); the loss is the eager one."""
+    trainer, loss1, graphs1 = _compiled_gem_tiny(tmp_path, 1, "blocks")
+    blocks = trainer.model.transformer_blocks()
+    assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)
+    assert trainer.forward is trainer.model
+    _, loss3, graphs3 = _compiled_gem_tiny(tmp_path, 3, "blocks")
+    assert graphs3 == graphs1 > 0
+    eager = load_config(_GEM_TINY, plugins="cpu,fp32", overrides=[
+        "run.steps=2", "eval.every=0", "checkpoint.every=0", "model.num_layers=1", "run.device=cpu",
+        f"run.out_dir='{tmp_path / 'eager'}'"])
+    assert loss1 == pytest.approx(train(eager, progress=False).final_loss, rel=1e-5)

@@ -130,15 +130,22 @@ class FunctionKernel:
     capabilities: AttentionCapabilities = field(default_factory=AttentionCapabilities)
     description: str = ""
     cpu_fallback: str | None = None
+    _cpu_kernel: object = field(default=None, init=False, repr=False, compare=False)
 
     def __call__(self, q, k, v, q_offsets, k_offsets=None, **kw):
         if self.cpu_fallback is not None and q.device.type == "cpu":
             check_inputs(q, k, v, q_offsets, k_offsets, capabilities=self.capabilities, kernel=self, **kw)
+            return self._fallback()(q, k, v, q_offsets, k_offsets, **kw)
+        return self.fn(q, k, v, q_offsets, k_offsets, **kw)
+
+    def _fallback(self):
+        """The CPU kernel, looked up in the registry once."""
+        if self._cpu_kernel is None:
             from gemzoo import registry
 
             name = self.cpu_fallback if self.cpu_fallback in registry.names("attention") else "reference"
-            return registry.get("attention", name)(q, k, v, q_offsets, k_offsets, **kw)
-        return self.fn(q, k, v, q_offsets, k_offsets, **kw)
+            self._cpu_kernel = registry.get("attention", name)
+        return self._cpu_kernel
 
 
 def pair_allowed(i: torch.Tensor, j: torch.Tensor, *, causal: bool, window: int | None,

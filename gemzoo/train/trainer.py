@@ -35,6 +35,7 @@ from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingErr
 from gemzoo.interfaces.attention import attention_sites, kernels_that_serve
 from gemzoo.interfaces.batching import DataParallelGroup
 from gemzoo.interfaces.memory import needs_compile, policy_report
+from gemzoo.interfaces.models import transformer_blocks
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.interfaces.precision import PrecisionConfig
 from gemzoo.train import checkpoint as ckpt
@@ -128,6 +129,20 @@ def loss_terms(batch) -> int:
     if n is None and isinstance(targets, torch.Tensor):
         n = int((targets >= 0).sum())
     return int(batch.num_samples if n is None else n)
+
+
+def compile_model(model: nn.Module, scope: str):
+    """What the step calls under ``run.compile``. ``"blocks"`` (regional compilation, as torchtitan does) compiles
+    each transformer block's forward in place and leaves the rest eager: the blocks run one code object, so
+    they share one compiled graph and compile time does not grow with depth; module hooks (FSDP2's) stay
+    outside the graph and state-dict names do not change. ``"model"``, or a model that declares no blocks,
+    compiles the whole forward."""
+    blocks = transformer_blocks(model) if scope == "blocks" else []
+    if not blocks:
+        return torch.compile(model)
+    for block in blocks:
+        block.forward = torch.compile(block.forward)
+    return model
 
 
 def configured(kind: str, name: str, cfg: Config):
@@ -341,7 +356,7 @@ class Trainer:
         for policy in self.memory:
             model = policy.apply(model, cfg)
         self.model = model
-        self.forward = torch.compile(model) if cfg.run.compile else model
+        self.forward = compile_model(model, cfg.run.compile_scope) if cfg.run.compile else model
         self.hook.gemzoo_model_built(model=model, config=cfg)
 
         # 9. Optimizers: sparse tables and dense AdamW. Unsharded plain-torch tables get sparse gradients,
