@@ -12,7 +12,7 @@ from torch import nn
 
 import gemzoo
 from gemzoo.interfaces import Batch, Configurable, Dataset, OptimizerStepHook, RecModel, transformer_blocks
-from gemzoo.interfaces.options import check_configurable
+from gemzoo.interfaces.options import TakesOptions, check_configurable
 from gemzoo.interfaces.precision import after_optimizer_step
 from gemzoo.kinds import KINDS, kind
 
@@ -59,6 +59,24 @@ def test_options_pair_errors_name_the_fix():
         check_configurable(NoConfigure(), "p")
     with pytest.raises(gemzoo.errors.PluginError, match="must be a dataclass"):
         check_configurable(NotADataclass(), "p")
+
+
+def test_takes_options_gives_defaults_copies_and_a_typed_error():
+    @dataclasses.dataclass
+    class Opts:
+        x: int = 1
+
+    class Entry(TakesOptions):
+        options_cls = Opts
+
+    entry = Entry()
+    assert entry.options == Opts()
+    configured = entry.configure(Opts(x=3))
+    assert type(configured) is Entry and configured is not entry and configured.options.x == 3
+    assert entry.options.x == 1
+    check_configurable(entry, "entry")
+    with pytest.raises(gemzoo.errors.ConfigError, match="Entry options must be Opts, got dict"):
+        entry.configure({"x": 3})
 
 
 def test_protocols_reject_what_lacks_a_member():

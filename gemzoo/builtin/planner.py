@@ -19,6 +19,7 @@ from gemzoo.distributed import whole_parameters
 from gemzoo.distributed.state import gather_pieces, load_full_state, scatter_pieces
 from gemzoo.embedding import torchrec_available
 from gemzoo.errors import PluginError
+from gemzoo.interfaces.options import TakesOptions
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.plugins import hookimpl
 
@@ -58,16 +59,10 @@ class TorchrecPlannerOptions:
     sharding_types: list[str] = field(default_factory=list)  # restrict every table, e.g. ["table_wise"]
 
 
-class TorchrecPlanner:
+class TorchrecPlanner(TakesOptions):
     """``plan`` runs torchrec's planner on a meta copy of the tables; ``shard`` wraps the EBC in DMP."""
 
     options_cls = TorchrecPlannerOptions
-
-    def __init__(self, options: TorchrecPlannerOptions | None = None):
-        self.options = options or TorchrecPlannerOptions()
-
-    def configure(self, options: TorchrecPlannerOptions) -> "TorchrecPlanner":
-        return TorchrecPlanner(options)
 
     def mesh_dims(self, topology: Topology) -> dict[str, int]:
         return {"dp": topology.world_size}  # 1D: every table's shards spread over every rank

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
-from gemzoo.errors import PluginError
+from gemzoo.errors import ConfigError, PluginError
 
 
 @runtime_checkable
@@ -21,6 +21,25 @@ class Configurable(Protocol):
 
     def configure(self, options: Any) -> Any:
         """A copy of this entry configured with ``options`` (an ``options_cls`` instance)."""
+
+
+class TakesOptions:
+    """The pair written once: ``self.options`` (``options_cls()`` when none are given, a ConfigError naming the
+    expected class for anything else) and ``configure(options)``, which returns a new instance. An entry
+    that sets more up in ``__init__`` calls ``super().__init__(options)`` first."""
+
+    options_cls: type
+
+    def __init__(self, options: Any = None):
+        if options is None:
+            options = self.options_cls()
+        elif not isinstance(options, self.options_cls):
+            raise ConfigError(f"{type(self).__name__} options must be {self.options_cls.__name__}, got "
+                              f"{type(options).__name__}")
+        self.options = options
+
+    def configure(self, options: Any) -> Any:
+        return type(self)(options)
 
 
 def options_cls(entry: Any) -> type | None:

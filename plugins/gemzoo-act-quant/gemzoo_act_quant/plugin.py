@@ -40,6 +40,7 @@ from torch import nn
 
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import attention_sites
+from gemzoo.interfaces.options import TakesOptions
 from gemzoo.plugins import hookimpl
 from gemzoo_act_quant.quant import ELEMS, FP8_DTYPES, SCALES, Packed, dequantize, mx_api, quantize, resolve_scale
 
@@ -127,7 +128,7 @@ class _Stats:
         return sum(r[2] for r in self.by_key.values())
 
 
-class ActQuantPolicy:
+class ActQuantPolicy(TakesOptions):
     """Saved activations in fp8 through saved_tensors_hooks (see the module docstring)."""
 
     options_cls = ActQuantOptions
@@ -135,7 +136,7 @@ class ActQuantPolicy:
     description = "tensors saved for backward stored in fp8 (e4m3, power-of-two row or MX block scales)"
 
     def __init__(self, options: ActQuantOptions | None = None):
-        self.options = options or ActQuantOptions()
+        super().__init__(options)
         self.elem = ELEMS[self.options.elem]
         self.compiled = False
         self.said: set[str] = set()
@@ -145,11 +146,6 @@ class ActQuantPolicy:
         self._attention: set[str] = set()
         self.last = _Stats()
         self.steps = 0
-
-    def configure(self, options: ActQuantOptions) -> "ActQuantPolicy":
-        if not isinstance(options, ActQuantOptions):
-            raise ConfigError(f"act-quant options must be ActQuantOptions, got {type(options).__name__}")
-        return ActQuantPolicy(options)
 
     # -- MemoryPolicy -------------------------------------------------------------------------------
     def apply(self, model: nn.Module, cfg=None) -> nn.Module:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from gemzoo.errors import ConfigError
+from gemzoo.interfaces.options import TakesOptions
 from gemzoo.plugins import hookimpl
 
 GIB = 2**30
@@ -254,7 +255,7 @@ def _storages(model: nn.Module) -> tuple[set[int], int]:
 
 
 # ------------------------------------------------------------------------------------------ the policy
-class AutoACPolicy:
+class AutoACPolicy(TakesOptions):
     """Compiler-chosen activation checkpointing: a fixed ``budget`` or one searched to meet ``target_gib``."""
 
     options_cls = AutoACOptions
@@ -262,7 +263,7 @@ class AutoACPolicy:
     description = "compiler-chosen recompute under torch._functorch activation_memory_budget (budget or target_gib)"
 
     def __init__(self, options: AutoACOptions | None = None):
-        self.options = options or AutoACOptions()
+        super().__init__(options)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -280,11 +281,6 @@ class AutoACPolicy:
         self.device = torch.device("cpu")
         self._param_keys: set[int] = set()
         self._static_bytes = 0
-
-    def configure(self, options: AutoACOptions) -> "AutoACPolicy":
-        if not isinstance(options, AutoACOptions):
-            raise ConfigError(f"auto-ac options must be AutoACOptions, got {type(options).__name__}")
-        return AutoACPolicy(options)
 
     # -- MemoryPolicy -------------------------------------------------------------------------------
     def apply(self, model: nn.Module, cfg=None) -> nn.Module:

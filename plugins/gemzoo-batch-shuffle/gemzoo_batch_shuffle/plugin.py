@@ -38,6 +38,7 @@ import torch
 
 from gemzoo.data.exchange import WORKERS
 from gemzoo.errors import ConfigError
+from gemzoo.interfaces.options import TakesOptions
 from gemzoo.plugins import hookimpl
 from gemzoo_batch_shuffle.partition import METHODS, partition
 
@@ -65,20 +66,12 @@ class BatchShuffleOptions:
                               "method = \"bldm\", \"lpt\" or \"auto\"")
 
 
-class BatchShuffle:
+class BatchShuffle(TakesOptions):
     """Balance the cost model's work across data-parallel ranks (LPT and Karmarkar–Karp, then a local
     search); deterministic, every sample exactly once."""
 
     options_cls = BatchShuffleOptions
     description = "balance jagged work across dp ranks: LPT / Karmarkar-Karp on the model's per-sample cost"
-
-    def __init__(self, options: BatchShuffleOptions | None = None):
-        self.options = options or BatchShuffleOptions()
-
-    def configure(self, options: BatchShuffleOptions) -> "BatchShuffle":
-        if not isinstance(options, BatchShuffleOptions):
-            raise ConfigError(f"base-batch-shuffle options must be BatchShuffleOptions, got {type(options).__name__}")
-        return BatchShuffle(options)
 
     @property
     def overlap(self) -> bool:

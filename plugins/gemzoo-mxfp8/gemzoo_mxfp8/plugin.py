@@ -23,6 +23,7 @@ from torch import nn
 
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import attention_sites
+from gemzoo.interfaces.options import TakesOptions
 from gemzoo.interfaces.precision import BF16Linear, PrecisionCapabilities, PrecisionConfig, swap_linears
 from gemzoo.plugins import hookimpl
 from gemzoo_mxfp8.linear import BACKENDS, MXLinear, MXLinearConfig
@@ -76,7 +77,7 @@ class MXFP8Options:
                               f"e.g. [\"tower.blocks.*\"], got {self.attention_layers!r}")
 
 
-class MXFP8Policy:
+class MXFP8Policy(TakesOptions):
     """Every nn.Linear not kept runs as an MXLinear; kept ones (precision.keep + DEFAULT_KEEP) in bf16."""
 
     options_cls = MXFP8Options
@@ -84,16 +85,11 @@ class MXFP8Policy:
     capabilities = PrecisionCapabilities(linear_rtol=0.06, compute_dtype=torch.bfloat16)
 
     def __init__(self, options: MXFP8Options | None = None):
-        self.options = options or MXFP8Options()
+        super().__init__(options)
         o = self.options
         self.linear_cfg = MXLinearConfig(grad_elem=ELEM_NAMES[o.grad_elem], rht=o.rht, rht_block=o.rht_block,
                                          rht_seed=o.rht_seed, backend=o.backend,
                                          out_dtype=torch.bfloat16)
-
-    def configure(self, options: MXFP8Options) -> "MXFP8Policy":
-        if not isinstance(options, MXFP8Options):
-            raise ConfigError(f"mxfp8 options must be MXFP8Options, got {type(options).__name__}")
-        return MXFP8Policy(options)
 
     def keep_patterns(self, model: nn.Module, cfg: PrecisionConfig) -> list[str]:
         keep = list(cfg.keep)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from gemzoo.config import bounded
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.comms import CommsCapabilities
+from gemzoo.interfaces.options import TakesOptions
 from gemzoo.plugins import hookimpl
 
 BACKEND = "ncclx"
@@ -45,21 +46,13 @@ class NcclxOptions:
                 raise ConfigError(f"{where}.{name} must be an integer >= {low}, got {value!r}")
 
 
-class NcclxComms:
+class NcclxComms(TakesOptions):
     """SM-free collectives: copy-engine pulls over NVLink on CUDA, gloo point-to-point on CPU; the rest is c10d."""
 
     capabilities = CommsCapabilities(sm_free=True, implements=IMPLEMENTS)
     options_cls = NcclxOptions
     description = ("SM-free all-gather / all-to-all / reduce-scatter: copy-engine P2P pulls (CUDA IPC), "
                    "gloo p2p on CPU; the rest is c10d")
-
-    def __init__(self, options: NcclxOptions | None = None):
-        self.options = options or NcclxOptions()
-
-    def configure(self, options: NcclxOptions) -> "NcclxComms":
-        if not isinstance(options, NcclxOptions):
-            raise ConfigError(f"ncclx options must be NcclxOptions, got {type(options).__name__}")
-        return NcclxComms(options)
 
     def backend_for(self, device_type: str) -> str:
         return BACKEND

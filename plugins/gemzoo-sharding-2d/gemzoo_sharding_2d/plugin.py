@@ -36,6 +36,7 @@ from torch import nn
 
 from gemzoo.config import bounded
 from gemzoo.errors import CheckpointError, ConfigError, PluginError
+from gemzoo.interfaces.options import TakesOptions
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.plugins import hookimpl
 from gemzoo_sharding_2d.engine import Groups, ShardedTables
@@ -93,19 +94,11 @@ def _weight_prefix(model: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules() if isinstance(m, ShardedTables)}
 
 
-class Sharding2D:
+class Sharding2D(TakesOptions):
     """2D embedding sharding: tables sharded within groups of G ranks, replicated or fully sharded across."""
 
     options_cls = Sharding2DOptions
     description = "2D embedding sharding: tables sharded within groups of G ranks, replicated/fully sharded across"
-
-    def __init__(self, options: Sharding2DOptions | None = None):
-        self.options = options or Sharding2DOptions()
-
-    def configure(self, options: Sharding2DOptions) -> "Sharding2D":
-        if not isinstance(options, Sharding2DOptions):
-            raise ConfigError(f"sharding-2d options must be Sharding2DOptions, got {type(options).__name__}")
-        return Sharding2D(options)
 
     def mesh_dims(self, topology: Topology) -> dict[str, int]:
         g = group_size_for(self.options, topology.world_size)
