@@ -1,25 +1,66 @@
 #!/usr/bin/env bash
-# The README's test command on a GPU machine (the device tool's H200), in one process, as one device call:
-# install core + every plugin from this checkout without network, then pytest with a per-test timeout, every
-# outcome and failure written to $OUT as it happens (gemzoo.testing.eager_log), so a call cut off by its time
-# limit still says how far it got and what failed.
-#   bash bench/h200_suite.sh                      # the whole suite
+# The README's test command on a GPU machine (the device tool's H200), in one process: install core + every plugin
+# from this checkout without network, then pytest with a per-test timeout, every outcome and failure written as
+# it happens (gemzoo.testing.eager_log), so a run cut off by its time limit still says how far it got.
+#   bash bench/h200_suite.sh                      # the whole suite, in this call
 #   bash bench/h200_suite.sh plugins/ -x          # any pytest arguments instead
-# Env: OUT (default /tmp/h200_suite), SUITE_S (overall limit, default 540), TEST_S (per test, default 90).
+# The whole suite takes longer than one device call (600 s). A process that starts a new session outlives the
+# call while the machine stays warm (the next call within its idle window), so one pytest process can span calls:
+#   DETACH=1 bash bench/h200_suite.sh             # call 1: start pytest under setsid, wait up to WAIT_S, report
+#   bash bench/h200_suite.sh --collect            # call 2, 3, ...: wait up to WAIT_S more; logs to $OUT when done
+# Env: OUT (default /tmp/h200_suite), SUITE_S (overall pytest limit; default 540, or 1700 detached),
+#      TEST_S (per test, default 90), WAIT_S (how long a detached call waits, default 540).
 set -o pipefail
 export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=1
 OUT=${OUT:-/tmp/h200_suite}; mkdir -p "$OUT"
+RUN=/tmp/gemzoo_h200_suite  # a detached run's logs: $OUT is emptied before every device call
 t0=$(date +%s)
+
+report() {  # $1: the log folder
+  echo "$(grep -c ' passed ' "$1/progress.txt" 2>/dev/null) passed, $(grep -c ' failed ' "$1/progress.txt" 2>/dev/null)" \
+       "failed, $(grep -c ' skipped ' "$1/progress.txt" 2>/dev/null) skipped so far; last: $(tail -1 "$1/progress.txt" 2>/dev/null)"
+}
+
+wait_detached() {
+  local deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
+  while [ ! -f "$RUN/rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+  cp "$RUN"/*.txt "$RUN"/*.log "$OUT"/ 2>/dev/null
+  if [ -f "$RUN/rc" ]; then
+    echo "pytest finished: rc=$(cat "$RUN/rc") after $(cat "$RUN/wall_s") s in one process"; report "$RUN"
+    tail -15 "$RUN/pytest.log"; exit "$(cat "$RUN/rc")"
+  fi
+  echo "pytest still running (pid $(cat "$RUN/pid")); $(report "$RUN")"
+  echo "call again within the machine's idle window: bash bench/h200_suite.sh --collect"
+  exit 0
+}
+
+if [ "${1:-}" = "--collect" ]; then
+  [ -f "$RUN/pid" ] || { echo "no detached run on this machine (it went back, or DETACH=1 never ran here)"; exit 1; }
+  wait_detached
+fi
+
 plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
 # shellcheck disable=SC2086
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$OUT/install.log" 2>&1 \
   || { tail -30 "$OUT/install.log"; exit 1; }
 echo "installed in $(( $(date +%s) - t0 )) s"
 timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_S:-90}")
+
+if [ -n "${DETACH:-}" ]; then
+  rm -rf "$RUN"; mkdir -p "$RUN"
+  # shellcheck disable=SC2086
+  setsid bash -c 'start=$(date +%s); GEMZOO_TEST_LOG="$0" timeout "$1" python3 -m pytest -q -c pyproject.toml \
+      -p gemzoo.testing.eager_log $2 -rfE "${@:3}" > "$0/pytest.log" 2>&1; rc=$?; \
+      echo $(( $(date +%s) - start )) > "$0/wall_s"; echo $rc > "$0/rc"' \
+    "$RUN" "${SUITE_S:-1700}" "$timeout_opt" "$@" < /dev/null > /dev/null 2>&1 &
+  echo $! > "$RUN/pid"
+  echo "pytest started detached (pid $!), logs in $RUN"
+  wait_detached
+fi
+
 GEMZOO_TEST_LOG=$OUT timeout "${SUITE_S:-540}" python3 -m pytest -q -c pyproject.toml -p gemzoo.testing.eager_log \
   $timeout_opt -rfE "$@" > "$OUT/pytest.log" 2>&1
 rc=$?
-echo "pytest rc=$rc after $(( $(date +%s) - t0 )) s; $(grep -c ' passed ' "$OUT/progress.txt" 2>/dev/null) passed," \
-     "$(grep -c ' failed ' "$OUT/progress.txt" 2>/dev/null) failed (progress.txt, failures.txt in $OUT)"
+echo "pytest rc=$rc after $(( $(date +%s) - t0 )) s; $(report "$OUT") (progress.txt, failures.txt in $OUT)"
 tail -15 "$OUT/pytest.log"
 exit $rc
