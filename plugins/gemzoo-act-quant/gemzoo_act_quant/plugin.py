@@ -262,7 +262,7 @@ class ActQuantPolicy(TakesOptions):
         if hit is not None and hit[0]() is t:
             return hit[1]
         before = t.numel() * t.element_size()
-        with torch.no_grad():
+        with torch.no_grad(), torch.profiler.record_function("act_quant.pack"):
             packed = quantize(t.detach(), self.elem, self.options.scale)
         cache[key] = (weakref.ref(t), packed)
         where = self._module() if not self.compiled else "<compiled>"
@@ -273,7 +273,7 @@ class ActQuantPolicy(TakesOptions):
     @staticmethod
     def _unpack(p):
         if isinstance(p, Packed):
-            with torch.no_grad():
+            with torch.no_grad(), torch.profiler.record_function("act_quant.unpack"):
                 return dequantize(p)
         return p
 

@@ -1,0 +1,106 @@
+"""Where an act-quant step's time goes: torch.profiler over compiled training steps, with and without the policy.
+
+    python plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --out $OUT/act_quant_profile.json
+
+Each plugin set trains ``--steps`` compiled steps (``run.compile = true``); the last ``--profile`` steps run
+under torch.profiler. Per set: step wall time, GPU kernel time grouped (GEMM, attention, the fp8 casts of
+saved tensors, copies and elementwise, other), the top kernels, and the host time spent in the
+saved-tensor hooks (``act_quant.pack`` / ``act_quant.unpack`` record_function ranges where present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import torch
+
+GROUPS = (  # first match wins; names of CUDA kernels as the profiler reports them
+    ("fp8 cast (saved tensors)", re.compile(r"mx|quant|fp8|e4m3|_cast|scale", re.I)),
+    ("attention", re.compile(r"attn|attention|_fwd_kernel|_bwd_|jfa|flash", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|sm90_xmma|nvjet|matmul|wgmma", re.I)),
+    ("copy / elementwise", re.compile(r"copy|elementwise|vectorized|fill|triton_poi|triton_red|triton_per|reduce", re.I)),
+)
+
+
+def group_of(name: str) -> str:
+    for group, pattern in GROUPS:
+        if pattern.search(name):
+            return group
+    return "other"
+
+
+def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list[str]) -> dict:
+    from gemzoo.config import load_config
+    from gemzoo.train.flops import peak_flops
+    from gemzoo.train.trainer import Trainer
+
+    cfg = load_config(config, plugins=plugins, overrides=[
+        f"run.steps={steps}", "run.log_every=1", "eval.every=0", "checkpoint.every=0", "run.compile=true", *sets])
+    torch._dynamo.config.assume_static_by_default = False
+    tr = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="aq-prof-"), progress=False).assemble()
+    tr.peak, _ = peak_flops(tr.device, cfg.run.peak_tflops)  # what fit() sets before its loop
+    t0 = time.perf_counter()
+    for step in range(steps - profiled):
+        tr.train_step(step)
+    warm_s = time.perf_counter() - t0
+    walls = []
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for step in range(steps - profiled, steps):
+            t = time.perf_counter()
+            tr.train_step(step)
+            walls.append(time.perf_counter() - t)
+    kernels: dict[str, float] = {}
+    host: dict[str, float] = {}
+    for e in prof.key_averages():
+        cuda_us = getattr(e, "self_device_time_total", None)
+        if cuda_us is None:
+            cuda_us = getattr(e, "self_cuda_time_total", 0.0)
+        if cuda_us and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.key] = kernels.get(e.key, 0.0) + cuda_us / profiled / 1e3
+        if "act_quant" in e.key or "saved_tensors" in e.key:
+            host[e.key] = e.cpu_time_total / profiled / 1e3
+    groups: dict[str, float] = {}
+    for name, ms in kernels.items():
+        groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    row = {"plugins": plugins, "set": sets, "step_ms": 1e3 * statistics.median(walls), "warm_s": warm_s,
+           "gpu_ms_per_step": sum(kernels.values()), "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+           "top_kernels_ms": top, "host_ranges_ms": host,
+           "memory": tr.memory_reports() if hasattr(tr, "memory_reports") else {}}
+    del tr, prof
+    torch._dynamo.reset()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/gem-bench.toml")
+    p.add_argument("--sets", default="jfa,bf16;jfa,bf16,act-quant", help="plugin sets, ';'-separated")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile", type=int, default=3, help="last steps profiled")
+    p.add_argument("--set", action="append", default=[], help="extra config overrides")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "act_quant_profile.json"))
+    args = p.parse_args()
+    rows = []
+    for plugins in args.sets.split(";"):
+        try:
+            row = profile_set(args.config, plugins, args.steps, args.profile, args.set)
+        except Exception as exc:  # keep the other set
+            row = {"plugins": plugins, "error": f"{type(exc).__name__}: {exc}"[:600]}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels_ms", "memory")}), flush=True)
+        for name, ms in row.get("top_kernels_ms", [])[:12]:
+            print(f"    {ms:8.2f} ms  {name[:110]}", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"config": args.config, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
