@@ -100,6 +100,7 @@ class BudgetSearch:
         self.trials: list[Trial] = []
         self.chosen: float | None = None
         self._next: float | None = 0.0
+        self.revisions = 0
 
     @property
     def done(self) -> bool:
@@ -143,6 +144,26 @@ class BudgetSearch:
             self.chosen = lo.budget
             return
         self._next = nxt
+
+
+    def revise(self, peak_bytes: int, step: int = -1) -> bool:
+        """After the search, a step at the chosen budget peaked above the target: a larger batch than the
+        trials saw (jagged batches vary in tokens, and activations scale with them). That peak becomes the
+        chosen budget's, and every larger budget's, measured peak; the search measures once more below it and
+        chooses again. At most ``trials`` revisions a run; True when the search goes on."""
+        if not self.done or peak_bytes <= self.target or self.revisions >= self.max_trials or self.chosen == 0.0:
+            return False
+        self.revisions += 1
+        hi = self.chosen
+        for t in self.trials:
+            if t.budget >= hi:
+                t.peak_bytes = max(t.peak_bytes, int(peak_bytes))
+        self.trials.append(Trial(hi, int(peak_bytes), step))
+        lo = max((t for t in self.trials if t.peak_bytes <= self.target), key=lambda t: t.budget)
+        span = peak_bytes - lo.peak_bytes
+        frac = min(max((self.target - lo.peak_bytes) / span if span > 0 else 0.5, 0.1), 0.9)
+        self.chosen, self._next = None, lo.budget + frac * (hi - lo.budget)
+        return True
 
 
 # ------------------------------------------------------------------------------------------ compiler glue
@@ -335,6 +356,14 @@ class AutoACPolicy(TakesOptions):
         if not measuring:
             if search is None or search.done:
                 self.peak_after = max(self.peak_after or 0, peak)
+            if search is not None and search.done and cuda and search.revise(peak, step):
+                print(f"auto-ac: step {step} peaked at {peak / GIB:.2f} GiB at budget {self.current:.3f}, over "
+                      f"target_gib = {self.options.target_gib:g} (a larger batch than the trials saw); measuring "
+                      f"budget {search.budget():.3f}", flush=True)
+                self.peak_after = None
+                self.current = search.budget()
+                set_budget(self.current)
+                recompile()
             return
         search.record(peak, step)
         nxt = search.chosen if search.done else search.budget()

@@ -65,6 +65,41 @@ def test_search_keeps_budget_one_when_it_fits():
     assert _run(s, lambda b: 30 + 40 * b) == 1.0 and len(s.trials) == 2
 
 
+def test_a_larger_batch_over_the_target_lowers_the_chosen_budget():
+    """Trials see small batches; a later, larger batch at the chosen budget peaks over the target (what the
+    H200 run showed: 36 GiB in the trial, 45.6 later). The search measures below and chooses a budget whose
+    peak on that batch fits; revisions stop at ``trials``."""
+    def peak(b, scale):  # activations scale with the batch's tokens; 20 GiB of parameters and optimizer state
+        return 20 + scale * (10 + 30 * b)
+
+    s = BudgetSearch(45 * GIB, trials=3, tolerance_bytes=1 * GIB)
+    chosen = _run(s, lambda b: peak(b, 1.0))
+    assert peak(chosen, 1.0) <= 45 < peak(chosen, 1.3)
+    assert not s.revise(int(peak(chosen, 0.9) * GIB), step=10)  # a peak that fits changes nothing
+    revisions = 0
+    while s.revise(int(peak(s.chosen, 1.3) * GIB), step=11 + revisions):
+        revisions += 1
+        s.record(int(peak(s.budget(), 1.3) * GIB), step=11 + revisions)
+        assert s.done
+    assert peak(s.chosen, 1.3) <= 45 and s.chosen < chosen
+    assert 1 <= revisions <= 3 and s.revisions == revisions
+    # the revised budgets carry the larger peak, so no later choice goes back above them
+    assert all(t.peak_bytes > 45 * GIB for t in s.trials if t.budget >= chosen)
+
+
+def test_revisions_stop_at_the_trials():
+    s = BudgetSearch(45 * GIB, trials=2)
+    _run(s, lambda b: 30 + 10 * b)  # budget 1 fits: chosen 1.0 after two trials
+    for i in range(2):
+        assert s.revise(60 * GIB, step=10 + i)
+        s.record(40 * GIB, step=10 + i)  # fits on this batch: chosen, until a larger batch comes again
+    assert s.chosen == pytest.approx(0.25) and not s.revise(60 * GIB, step=20)
+    # budget 0 (the floor) is never revised: nothing recomputes more
+    floor = BudgetSearch(45 * GIB, trials=3)
+    assert _run(floor, lambda b: 40 + 100 * b) == 0.0  # 0.1 already peaks at 50
+    assert not floor.revise(60 * GIB)
+
+
 def test_unreachable_target_names_the_smallest_peak():
     s = BudgetSearch(20 * GIB)
     with pytest.raises(ConfigError, match=r"target_gib = 20.00 is unreachable: the smallest peak reached was 31.50 GiB"):
