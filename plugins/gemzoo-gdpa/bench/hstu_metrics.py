@@ -65,7 +65,8 @@ def write_synthetic_ml1m(folder: Path, users: int = 6040, items: int = 3706, gen
     return folder / "ratings.dat"
 
 
-def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, threads: int | None) -> dict:
+def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, threads: int | None,
+              seed: int = 0) -> dict:
     import torch
 
     from gemzoo.config import load_config
@@ -76,13 +77,13 @@ def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, t
     cfg = load_config(CONFIG, plugins=plugins, overrides=[
         f"data.path='{ratings}'", f"data.movies_path='{ratings.parent / 'movies.dat'}'", "model.relative_bias='none'",
         f"run.steps={steps}", f"run.device='{device}'", f"eval.every={steps}", "checkpoint.every=0",
-        f"run.out_dir='{out}'"])
+        f"run.out_dir='{out}'", f"run.seed={seed}"])
     t0 = time.perf_counter()
     trainer = Trainer(cfg, progress=False).assemble()
     result = trainer.fit()
     wall = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in result.eval.items()}
-    return {"plugins": plugins, "device": device, "steps": steps, "wall_s": wall,
+    return {"plugins": plugins, "device": device, "seed": seed, "steps": steps, "wall_s": wall,
             "final_loss": result.final_loss, "metrics": metrics}
 
 
@@ -91,6 +92,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--runs", default="gdpa:cuda,reference:cuda,cpu:cpu", help="plugins:device, comma-separated")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the cpu run")
+    p.add_argument("--seed", type=int, default=0, help="run.seed of every run (the data stays seed 0)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hstu_metrics.json"))
     args = p.parse_args()
 
@@ -100,7 +102,8 @@ def main() -> None:
     for spec in args.runs.split(","):
         plugins, device = spec.split(":")
         try:
-            row = train_one(ratings, plugins, device, args.steps, work / f"{plugins}-{device}", args.threads)
+            row = train_one(ratings, plugins, device, args.steps, work / f"{plugins}-{device}", args.threads,
+                            args.seed)
         except Exception as e:  # one kernel's failure is a row, not the end of the comparison
             row = {"plugins": plugins, "device": device, "error": f"{type(e).__name__}: {e}"}
         rows.append(row)
