@@ -63,6 +63,43 @@ def load_shard(dataset, step: int, rank: int, world_size: int):
     return batch.select(torch.arange(start, stop, dtype=torch.int64))
 
 
+class ShardPrefetcher:
+    """``load_shard`` of the next step on one host thread while this step trains: the host builds step t+1's
+    part (synthetic generation, a file's rows) while the device runs step t. The Dataset protocol makes
+    ``train_batch`` a pure function of (seed, step), so the thread changes when a part is built, never what
+    it holds. ``get`` returns the part prefetched for exactly (dataset, step, rank, world), else loads it now;
+    an error raised in the thread is raised by ``get``."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[tuple, Any] | None = None
+
+    def get(self, dataset, step: int, rank: int, world_size: int):
+        key = (id(dataset), step, rank, world_size)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if pending[0] == key:
+                return pending[1].result()
+            pending[1].cancel()
+        return load_shard(dataset, step, rank, world_size)
+
+    def prefetch(self, dataset, step: int, rank: int, world_size: int) -> None:
+        if self._pending is not None:
+            self._pending[1].cancel()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-prefetch")
+        self._pending = ((id(dataset), step, rank, world_size),
+                         self._pool.submit(load_shard, dataset, step, rank, world_size))
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending[1].cancel()
+            self._pending = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
 def _comm_device(batch) -> torch.device:
     for f in dataclasses.fields(batch) if dataclasses.is_dataclass(batch) else ():
         v = getattr(batch, f.name)
@@ -312,6 +349,10 @@ class Lookahead:
     ``assign_s`` when computed now)``}``; NaN where not measured (a policy that moves samples itself).
     ``close()`` (or leaving ``with``) drops a partition computed for a step that will not run and stops the
     worker; a later ``batch`` call starts a new one.
+
+    Whatever the policy, this rank's part of the next step is built on a host thread (``ShardPrefetcher``)
+    while this step trains, where nothing else loads it ahead (an overlapping policy loads and prices it on
+    the main thread, since its costs are all-gathered).
     """
 
     def __init__(self, policy, *, name: str | None = None):
@@ -321,11 +362,12 @@ class Lookahead:
         self.last: dict = {}
         self._ahead: Planned | None = None
         self._worker: PartitionWorker | None = None
+        self._loader = ShardPrefetcher()
         if self.overlap and overlap_worker(policy) == "process" and _world_size() > 1:
             self._worker = PartitionWorker("process")  # spawned now: it starts while the trainer builds the model
 
     def _load(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable):
-        part = load_shard(dataset, step, dp.rank, dp.size).to(device)
+        part = self._loader.get(dataset, step, dp.rank, dp.size).to(device)
         return part, cost_model(part)
 
     def batch(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable, *,
@@ -336,10 +378,16 @@ class Lookahead:
         ahead, self._ahead = self._ahead, None
         if dp.size == 1:  # one rank never calls the policy
             self.last = {"step": step, "ahead": False, "assign_s": 0.0, "wait_s": 0.0}
-            return load_shard(dataset, step, 0, 1).to(device)
+            part = self._loader.get(dataset, step, 0, 1).to(device)
+            if next_step is not None:  # built on the host while this step trains
+                self._loader.prefetch(dataset, next_step, 0, 1)
+            return part
         if custom_rebalance(self.policy) is not None:  # it moves samples itself: as rebalance does
             self.last = {"step": step, "ahead": False, "assign_s": math.nan, "wait_s": math.nan}
-            return rebalance(self.policy, *self._load(dataset, step, dp, device, cost_model), dp, name=self.name)
+            got = rebalance(self.policy, *self._load(dataset, step, dp, device, cost_model), dp, name=self.name)
+            if next_step is not None:
+                self._loader.prefetch(dataset, next_step, dp.rank, dp.size)
+            return got
         if self.overlap and next_step is not None and self._worker is None:  # a process starts meanwhile
             self._worker = PartitionWorker(overlap_worker(self.policy))
         if ahead is None or ahead.step != step or ahead.dp != dp:  # nothing ahead (or not this step's): now
@@ -356,12 +404,15 @@ class Lookahead:
         if next_step is not None and self.overlap:
             self._ahead = plan(self.policy, *self._load(dataset, next_step, dp, device, cost_model), dp,
                                name=self.name, step=next_step, worker=self._worker)
+        elif next_step is not None:
+            self._loader.prefetch(dataset, next_step, dp.rank, dp.size)
         return mine
 
     def close(self) -> None:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.future is not None:
             ahead.future.cancel()
+        self._loader.close()
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None

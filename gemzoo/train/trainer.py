@@ -441,6 +441,11 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
+        # The step's time runs from here (the previous step's end) to its last synchronize: loading this rank's
+        # samples counts, as MFU's definition asks (the next step's part is built on a host thread meanwhile).
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
         # This rank loads its own part of the global batch; the batching policy, given the model's per-sample
         # costs and the data-parallel group, returns the samples this rank trains. A policy with overlap = True
         # gets the next step's partition computed in a worker (thread or process) while this step trains
@@ -468,9 +473,6 @@ class Trainer:
             for group in opt.param_groups:
                 group.setdefault("base_lr", group["lr"])
                 group["lr"] = group["base_lr"] * lr_factor(step, cfg)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
         self.model.train()
         contexts = [p.step_context() for p in self.memory]
         for c in contexts:
