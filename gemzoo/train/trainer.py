@@ -479,13 +479,7 @@ class Trainer:
             c.__enter__()
         try:
             out = self.forward(batch)
-            loss = out.loss
-            if not torch.isfinite(loss):
-                raise TrainingError(
-                    f"loss is {loss.item()} at step {step}. Lower optim.lr (now {cfg.optim.lr}), set "
-                    f"optim.grad_clip, or try precision = \"fp32\"; checkpoints in {self.out_dir / 'checkpoints'} "
-                    "are untouched (resume with --resume)."
-                )
+            loss = out.loss  # checked once the step is done: a check here would wait for the forward
             (loss if share == 1.0 else loss * share).backward()
         finally:
             for c in reversed(contexts):
@@ -518,6 +512,11 @@ class Trainer:
             means = {k: v / world for k, v in reduce_across_ranks(means, "sum", self.device).items()}
             sums = reduce_across_ranks(sums, "sum", self.device)
             maxes = reduce_across_ranks(maxes, "max", self.device)
+        if not math.isfinite(means["loss"]):  # the global loss, so every rank stops here together
+            raise TrainingError(
+                f"loss is {means['loss']} at step {step}. Lower optim.lr (now {cfg.optim.lr}), set "
+                f"optim.grad_clip, or try precision = \"fp32\"; checkpoints in {self.out_dir / 'checkpoints'} "
+                "are untouched (resume with --resume).")
         metrics = step_metrics(loss=means.pop("loss"), seconds=maxes["seconds"], samples=int(sums["samples"]),
                                tokens=int(sums["tokens"]), flops=sums["flops"], peak_flops=self.peak * world,
                                device=self.device, peak_mem_bytes=maxes["peak_mem_bytes"])

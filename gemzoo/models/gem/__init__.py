@@ -178,6 +178,11 @@ class GemModel(nn.Module):
                 f"a history has {max_hist} events but the model was built for max_len={self.max_len}; "
                 "raise [data] max_len or truncate the histories"
             )
+        # The sparse lookups first: splitting their ids per feature is a host sync, which here waits only for the
+        # batch's copy; after the tower it would wait for the whole tower and leave the device idle meanwhile.
+        pooled = None
+        if self.sparse_arch is not None:
+            pooled = self.sparse_arch(batch.sparse_keys, batch.sparse_values, batch.sparse_lengths).to(dtype)
         x = self.tower.input(self.item_emb(hist)).to(dtype)
         x = self.dropout(x + self.pos_emb(reverse_positions(hist_off, t, self.max_len)))
         for block in self.tower.blocks:
@@ -187,8 +192,7 @@ class GemModel(nn.Module):
         ce = self.cand_proj(self.item_emb(cand)).to(dtype)
         cross = self.cross(ce, h, cand_off, hist_off, max_cand, max_hist)
         feats = [ce, cross, ce * cross]
-        if self.sparse_arch is not None:
-            pooled = self.sparse_arch(batch.sparse_keys, batch.sparse_values, batch.sparse_lengths).to(dtype)
+        if pooled is not None:
             # index_select, not s[ids]: its CPU backward (index_add) is deterministic, so resume is bit-exact
             s = self.sparse_proj(pooled).to(dtype).index_select(0, seq_ids(cand_off, c))
             feats += [s, ce * s]
