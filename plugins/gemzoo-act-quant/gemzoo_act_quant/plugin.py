@@ -14,6 +14,9 @@ needs it. Options (``[plugins.options.act-quant]``, validated by ``ActQuantOptio
                           # token-major ones, [>= 1024, ..., >= 32], so statistics like lse [H, T] stay)
     attention = false     # also what attention sites save (q, k, v): their backward recomputes P and
                           # rowsum(dO * O), where fp8 error in v and O does not average out
+    inline = true         # compiled graphs: the casts run inside the graphs (PT2 inlines GraphModule
+                          # saved-tensor hooks into the forward's epilogue and the backward's prologue, so
+                          # Inductor fuses them); false: eager hooks between the graphs, as outside them
 
 Never quantized: integer and bool tensors (offsets, indices, masks), sparse tensors and tensor subclasses,
 tensors already in 8 bits (mxfp8's saved MX data and scales: no double quantization), parameters and
@@ -42,7 +45,8 @@ from gemzoo.errors import ConfigError
 from gemzoo.interfaces.attention import attention_sites
 from gemzoo.interfaces.options import TakesOptions
 from gemzoo.plugins import hookimpl
-from gemzoo_act_quant.quant import ELEMS, FP8_DTYPES, SCALES, Packed, dequantize, mx_api, quantize, resolve_scale
+from gemzoo_act_quant.quant import (ELEMS, FP8_DTYPES, SCALES, Packed, dequantize, mx_api, quantize,
+                                    quantize_blocks, quantize_rows, resolve_scale)
 
 GIB = 2**30
 MIN_ROW = 32
@@ -62,6 +66,7 @@ class ActQuantOptions:
     scale: str = "auto"
     fp32: str = "auto"
     attention: bool = False
+    inline: bool = True
 
     def __post_init__(self):
         where = "plugins.options.act-quant"
@@ -108,6 +113,46 @@ def _derived_from_parameter(t: torch.Tensor, depth: int = 4) -> bool:
     return False
 
 
+def inline_supported() -> bool:
+    """Whether this torch inlines GraphModule saved-tensor hooks into compiled graphs (AOTAutograd)."""
+    utils = getattr(getattr(torch._functorch, "_aot_autograd", None), "utils", None)
+    return callable(getattr(utils, "saved_tensors_hooks_are_inlineable", None))
+
+
+def _hook_module(fn, cache_hash: str) -> torch.fx.GraphModule:
+    """A saved-tensor hook AOTAutograd can inline: a GraphModule whose one node calls ``fn`` (plain Python,
+    traced on fake tensors once per saved tensor of each graph when a graph compiles, and run as is by eager
+    autograd outside the graphs). The node is marked as an fx.wrap call with ``cache_hash``, so compiled
+    graphs stay cacheable and a change of options or of this file compiles anew rather than reusing a graph
+    made with other casts."""
+    graph = torch.fx.Graph()
+    out = graph.call_function(fn, (graph.placeholder("x"),))
+    out.meta["is_wrapped"] = True
+    out.meta["user_cache_hash"] = cache_hash
+    graph.output(out)
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+def _source_hash() -> str:
+    import hashlib
+    import pathlib
+
+    return hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def _hint(v) -> int | None:
+    """A size as the traced example has it, without a guard on it (None: symbolic with no example)."""
+    if isinstance(v, torch.SymInt):
+        return None if v.node.hint is None else int(v.node.hint)
+    return int(v)
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(t, torch.Tensor) and is_fake(t)
+
+
 class _Stats:
     def __init__(self):
         self.by_key: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # tensors, bytes before, bytes after
@@ -146,12 +191,23 @@ class ActQuantPolicy(TakesOptions):
         self._attention: set[str] = set()
         self.last = _Stats()
         self.steps = 0
+        self.inlined = False
+        self.traced = _Stats()  # what the inlined hooks put into compiled graphs (per graph, at trace time)
+        self._step_state: tuple | None = None
+        o = self.options
+        key = f"act-quant {_source_hash()} {o.elem} {resolve_scale(o.scale)} {o.min_numel} {o.fp32}"
+        self._hooks = (_hook_module(self._pack_hook, key + " pack"), _hook_module(self._unpack_hook, key + " unpack"))
 
     # -- MemoryPolicy -------------------------------------------------------------------------------
     def apply(self, model: nn.Module, cfg=None) -> nn.Module:
         run = getattr(cfg, "run", None)
         self.compiled = bool(getattr(run, "compile", False))
         self.said, self.last, self.steps = set(), _Stats(), 0  # a new run: its own report, its own notes
+        self.traced = _Stats()
+        self.inlined = self.compiled and self.options.inline and inline_supported()
+        if self.compiled and self.options.inline and not self.inlined:
+            self._say("inline", f"act-quant: torch {torch.__version__} does not inline saved-tensor hooks into "
+                                "compiled graphs; the casts run as eager hooks between them")
         self._param_keys = {p.untyped_storage().data_ptr() for p in model.parameters()
                             if p.device.type != "meta" and p.layout == torch.strided}
         for h in self._handles:
@@ -185,14 +241,66 @@ class ActQuantPolicy(TakesOptions):
         stats = _Stats()
         cache: dict[tuple, tuple] = {}
         kept: dict[int, weakref.ref] = {}
-        pack = torch.compiler.disable(lambda t: self._pack(t, stats, cache, kept))
-        unpack = torch.compiler.disable(self._unpack)
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
+        if self.inlined:  # the same two GraphModules every step: the compiled graphs keep their inlined casts
+            self._step_state = (stats, cache, kept)
+            pack, unpack = self._hooks
+        else:
+            pack = torch.compiler.disable(lambda t: self._pack(t, stats, cache, kept))
+            unpack = torch.compiler.disable(self._unpack)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            self._step_state = None
         cache.clear()
         kept.clear()
         self.last = stats
         self.steps += 1
+
+    # -- the inlined hooks (compiled graphs) ------------------------------------------------------------
+    def _pack_hook(self, t):
+        if not _is_fake(t):  # eager autograd outside the compiled graphs: the ordinary hook
+            if self._step_state is None:
+                return t
+            return self._pack(t, *self._step_state)
+        # tracing a graph's saved tensor (fake): only what the metadata tells; the graph keeps it every step
+        reason = self._skip_reason_traced(t)
+        if reason is not None:
+            self.traced.skipped[reason] += 1
+            return t
+        scale = resolve_scale(self.options.scale)
+        packed = quantize_rows(t, self.elem) if scale == "row" else quantize_blocks(t, self.elem)
+        self.traced.add(f"<graph> {str(t.dtype).removeprefix('torch.')}[{t.dim()}d x{t.shape[-1]}]", 0, 0)
+        # dtype and layout travel as an empty tensor (a hook gives tensors, symbolic scalars or constants):
+        # 1-D for row scales, 2-D for blocks of 32, whose [..., n / 32, 32] data unpacks back to [..., n]
+        like = torch.empty((0,) if scale == "row" else (0, MIN_ROW), dtype=t.dtype, device=t.device)
+        return packed.data, packed.scale, like
+
+    def _unpack_hook(self, p):
+        if isinstance(p, tuple):
+            data, e, like = p
+            y = data.float() * torch.exp2(e.float())
+            return (y.flatten(-2) if like.dim() == 2 else y).to(like.dtype)
+        return self._unpack(p)
+
+    def _skip_reason_traced(self, t: torch.Tensor) -> str | None:
+        """The eager rules that metadata can decide, on the example sizes (no guards: a graph decides once)."""
+        if not t.is_floating_point():
+            return "integer"
+        if t.dtype in FP8_DTYPES or t.element_size() < 2:
+            return "8-bit"
+        if t.dim() < 2 or isinstance(t.shape[-1], torch.SymInt):
+            return "small"
+        rows, numel = _hint(t.shape[0]), _hint(t.numel())
+        if t.shape[-1] < MIN_ROW or t.shape[-1] % MIN_ROW or (numel is not None and numel < max(self.options.min_numel, 1)):
+            return "small"
+        if t.dtype == torch.float32:
+            mode = self.options.fp32
+            if mode == "never" or (mode == "auto" and (rows is None or rows < 1024)):
+                return "fp32"
+        if not t.is_contiguous():
+            return "strided"
+        return None
 
     # -- hooks --------------------------------------------------------------------------------------
     def _say(self, key: str, message: str) -> None:
@@ -289,7 +397,14 @@ class ActQuantPolicy(TakesOptions):
         summary = (f"{sum(v[0] for v in s.by_key.values())} saved tensors a step in {self.options.elem} "
                    f"({cast}): {s.before / GIB:.3f} -> {s.after / GIB:.3f} GiB, {saved / GIB:.3f} GiB saved per step"
                    + (f"; skipped {dict(s.skipped)}" if s.skipped else ""))
+        inlined = {k: v[0] for k, v in sorted(self.traced.by_key.items())}
+        if self.inlined:
+            counted = (f"{sum(inlined.values())} saved tensors are cast (counted per graph compiled)" if inlined
+                       else "the saved tensors are cast (graphs from the compile cache: not counted)")
+            summary = (f"inside the compiled graphs {counted}, torch power-of-two {scale} fused by Inductor; "
+                       "outside them " + summary)
         return {"elem": self.options.elem, "scale": scale, "cast": cast, "compiled": self.compiled,
+                "inlined": self.inlined, "inlined_per_graph": inlined, "inlined_skipped": dict(self.traced.skipped),
                 "bytes_before_per_step": s.before, "bytes_after_per_step": s.after, "bytes_saved_per_step": saved,
                 "quantized": quantized, "skipped": dict(s.skipped), "steps": self.steps, "summary": summary}
 
