@@ -227,6 +227,7 @@ def _mesh_rank(rank: int, world: int, port: int, tmp: str) -> None:
         json.dump({"dims": list(mesh.mesh_dim_names), "shape": list(mesh.mesh.shape), "dp": world_.dp_mesh.size(),
                    "dp_name": list(world_.dp_mesh.mesh_dim_names), "grad": p.grad.tolist(), "shard_sum": shard.item()},
                   f)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it (SIGABRT in CI once)
     dist.destroy_process_group()
 
 

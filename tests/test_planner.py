@@ -69,6 +69,7 @@ def _rank(rank: int, world: int, port: int, tmp: str, sharding: str) -> None:
     torch.testing.assert_close(got, want)
     kinds = sorted({o.sharding_type for o in plan["plan"].plan[""].values()})
     torch.save(kinds, os.path.join(tmp, f"kinds{rank}.pt"))
+    dist.barrier()
     dist.destroy_process_group()
 
 
