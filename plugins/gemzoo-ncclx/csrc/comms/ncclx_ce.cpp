@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -39,18 +40,29 @@ int64_t ce_malloc(int64_t nbytes) {
 
 void ce_free(int64_t ptr) { check(cudaFree(as_ptr<void>(ptr)), "cudaFree"); }
 
+// An IPC handle crosses to the peer process as the bytes of its struct.
+template <typename Handle>
+py::bytes handle_bytes(const Handle& h) { return py::bytes(reinterpret_cast<const char*>(&h), sizeof(h)); }
+
+template <typename Handle>
+Handle handle_from_bytes(const std::string& bytes, const char* what) {
+  if (bytes.size() != sizeof(Handle)) throw std::runtime_error(std::string("ncclx: bad IPC ") + what + " handle size");
+  Handle h;
+  memcpy(&h, bytes.data(), sizeof(h));
+  return h;
+}
+
 py::bytes ipc_mem_handle(int64_t ptr) {
   cudaIpcMemHandle_t h;
   check(cudaIpcGetMemHandle(&h, as_ptr<void>(ptr)), "cudaIpcGetMemHandle");
-  return py::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
+  return handle_bytes(h);
 }
 
 int64_t ipc_open_mem(const std::string& handle) {
-  if (handle.size() != sizeof(cudaIpcMemHandle_t)) throw std::runtime_error("ncclx: bad IPC memory handle size");
-  cudaIpcMemHandle_t h;
-  memcpy(&h, handle.data(), sizeof(h));
   void* p = nullptr;
-  check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  check(cudaIpcOpenMemHandle(&p, handle_from_bytes<cudaIpcMemHandle_t>(handle, "memory"),
+                             cudaIpcMemLazyEnablePeerAccess),
+        "cudaIpcOpenMemHandle");
   return as_int(p);
 }
 
@@ -66,15 +78,12 @@ int64_t event_create(bool interprocess) {
 py::bytes ipc_event_handle(int64_t ev) {
   cudaIpcEventHandle_t h;
   check(cudaIpcGetEventHandle(&h, as_ptr<CUevent_st>(ev)), "cudaIpcGetEventHandle");
-  return py::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
+  return handle_bytes(h);
 }
 
 int64_t ipc_open_event(const std::string& handle) {
-  if (handle.size() != sizeof(cudaIpcEventHandle_t)) throw std::runtime_error("ncclx: bad IPC event handle size");
-  cudaIpcEventHandle_t h;
-  memcpy(&h, handle.data(), sizeof(h));
   cudaEvent_t e;
-  check(cudaIpcOpenEventHandle(&e, h), "cudaIpcOpenEventHandle");
+  check(cudaIpcOpenEventHandle(&e, handle_from_bytes<cudaIpcEventHandle_t>(handle, "event")), "cudaIpcOpenEventHandle");
   return as_int(e);
 }
 
