@@ -310,6 +310,7 @@ class Trainer:
         build_mesh(self.world, device_type, self.planner.mesh_dims(self.topology),
                    dense_dims(cfg.run.mesh, self.world.world_size), comms=self.comms)
         self.device = pick_device(cfg.run.device, self.world)
+        self.peak, self.peak_source = peak_flops(self.device, cfg.run.peak_tflops)  # MFU's denominator, per device
         if self.world.is_main:
             if self.overwrite and run_folder.clear_run_folder(self.out_dir):
                 print(f"--overwrite: deleted the previous run's files in {self.out_dir}", flush=True)
@@ -574,7 +575,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.cfg
         # 11. Loop: step; metrics; eval; atomic checkpoint.
-        self.peak, peak_source = peak_flops(self.device, cfg.run.peak_tflops)
+        peak_source = self.peak_source
         main = self.world.is_main
         metrics_path = self.out_dir / run_folder.METRICS
         log = MetricsLog(metrics_path, append=self.start_step > 0) if main else None

@@ -37,14 +37,12 @@ def group_of(name: str) -> str:
 
 def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list[str]) -> dict:
     from gemzoo.config import load_config
-    from gemzoo.train.flops import peak_flops
     from gemzoo.train.trainer import Trainer
 
     cfg = load_config(config, plugins=plugins, overrides=[
         f"run.steps={steps}", "run.log_every=1", "eval.every=0", "checkpoint.every=0", "run.compile=true", *sets])
     torch._dynamo.config.assume_static_by_default = False
     tr = Trainer(cfg, out_dir=tempfile.mkdtemp(prefix="aq-prof-"), progress=False).assemble()
-    tr.peak, _ = peak_flops(tr.device, cfg.run.peak_tflops)  # what fit() sets before its loop
     t0 = time.perf_counter()
     for step in range(steps - profiled):
         tr.train_step(step)
