@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import sys
 import weakref
 from collections import defaultdict
@@ -133,11 +134,21 @@ def _hook_module(fn, cache_hash: str) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(nn.Module(), graph)
 
 
+@functools.cache
 def _source_hash() -> str:
     import hashlib
     import pathlib
 
     return hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def _dtype_skip(t: torch.Tensor) -> str | None:
+    """The dtype rules, eager and traced alike: no integers or bools, nothing already in 8 bits."""
+    if not t.is_floating_point():
+        return "integer"
+    if t.dtype in FP8_DTYPES or t.element_size() < 2:
+        return "8-bit"
+    return None
 
 
 def _hint(v) -> int | None:
@@ -285,10 +296,9 @@ class ActQuantPolicy(TakesOptions):
 
     def _skip_reason_traced(self, t: torch.Tensor) -> str | None:
         """The eager rules that metadata can decide, on the example sizes (no guards: a graph decides once)."""
-        if not t.is_floating_point():
-            return "integer"
-        if t.dtype in FP8_DTYPES or t.element_size() < 2:
-            return "8-bit"
+        dtype_reason = _dtype_skip(t)
+        if dtype_reason is not None:
+            return dtype_reason
         if t.dim() < 2 or isinstance(t.shape[-1], torch.SymInt):
             return "small"
         rows, numel = _hint(t.shape[0]), _hint(t.numel())
@@ -313,10 +323,9 @@ class ActQuantPolicy(TakesOptions):
             return "subclass"
         if t.layout != torch.strided:
             return "sparse"
-        if not t.is_floating_point():
-            return "integer"
-        if t.dtype in FP8_DTYPES or t.element_size() < 2:
-            return "8-bit"
+        dtype_reason = _dtype_skip(t)
+        if dtype_reason is not None:
+            return dtype_reason
         if t.device.type == "meta":
             return "meta"
         if t.untyped_storage().data_ptr() in self._param_keys or _derived_from_parameter(t):
