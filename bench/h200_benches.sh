@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
-# One device call (about 560 s) of the benchmarks still to run on the H200, each written to $OUT as it goes:
-#   the gdpa table in one run (issue 11), where act-quant's step time goes (issue 15), ncclx's overlap (issue 14).
-#   bash bench/h200_benches.sh            # from the repository root on the device machine
+# One device call of the benchmarks still to run on the H200, each written to $OUT as it goes, in order of need:
+#   gdpa's whole table in one run and its 50-step gem-bench cross row (issue 11), ncclx's overlap (issue 14),
+#   the compiled memory rows (issue 15), act-quant's step profile (issue 15). A step starts only while time is left.
+#   LIMIT_S=560 bash bench/h200_benches.sh        # from the repository root on the device machine
 set -o pipefail
 export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=1
 OUT=${OUT:-/tmp/h200_benches}; mkdir -p "$OUT"
+LOGS=/tmp/h200_bench_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"  # one logs.tgz in $OUT: the device tool returns 8 files
 t0=$(date +%s)
+left() { echo $(( ${LIMIT_S:-560} - ($(date +%s) - t0) )); }
+step() {  # step NAME MAX_S CMD...: runs CMD under min(MAX_S, time left) if at least 40 s are left
+  local name=$1 max=$2; shift 2; local l; l=$(left); [ "$l" -lt 40 ] && { echo "$name skipped: ${l} s left"; return; }
+  [ "$l" -lt "$max" ] && max=$l
+  timeout "$max" "$@" > "$LOGS/$name.log" 2>&1; echo "$name rc=$? at $(( $(date +%s) - t0 )) s"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .
+}
 plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
 # shellcheck disable=SC2086
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$OUT/install.log" 2>&1 \
-  || { tail -20 "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$LOGS/install.log" 2>&1 \
+  || { tail -20 "$LOGS/install.log"; exit 1; }
 echo "installed at $(( $(date +%s) - t0 )) s"
-timeout 240 python3 plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$OUT" > "$OUT/gdpa.log" 2>&1
-echo "gdpa rc=$? at $(( $(date +%s) - t0 )) s"; grep -v -e Warning -e create_block_mask "$OUT/gdpa.log" | tail -34
-timeout 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --steps 10 \
-  --profile 3 --out "$OUT/act_quant_profile.json" > "$OUT/aq_profile.log" 2>&1
-echo "act-quant profile rc=$? at $(( $(date +%s) - t0 )) s"; grep -E '^\{|^    ' "$OUT/aq_profile.log" | cut -c1-1200
-left=$(( 560 - ($(date +%s) - t0) ))
-timeout "$left" python3 plugins/gemzoo-ncclx/bench/bench_overlap.py --out "$OUT/ncclx_overlap.json" > "$OUT/ncclx.log" 2>&1
-echo "ncclx rc=$? at $(( $(date +%s) - t0 )) s"; tail -24 "$OUT/ncclx.log"
+step gdpa 240 python3 plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$LOGS"
+cp "$LOGS/bench_gdpa.json" "$OUT/" 2>/dev/null
+grep -v -e Warning -e create_block_mask "$LOGS/gdpa.log" | tail -34
+step cross50 100 gemzoo ablate configs/ablations/gem-bench.toml --runs "gdpa cross silu" --steps 50 \
+  --warmup 10 --out /tmp/cross50
+cp /tmp/cross50/ablation.json "$OUT/cross50.json" 2>/dev/null; tail -5 "$LOGS/cross50.log"
+step ncclx 100 python3 plugins/gemzoo-ncclx/bench/bench_overlap.py --out "$OUT/ncclx_overlap.json"
+tail -24 "$LOGS/ncclx.log"
+step memory 200 python3 plugins/gemzoo-auto-ac/bench/bench_memory.py --steps 50 --warmup 10 \
+  --rows bf16,act-quant,target,combo --budget-s $(( $(left) - 45 )) --json "$OUT/bench_memory.json"
+tail -12 "$LOGS/memory.log"
+step aq_profile 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --steps 10 \
+  --profile 3 --out "$OUT/act_quant_profile.json"
+grep -E '^\{|^    ' "$LOGS/aq_profile.log" | cut -c1-1200
