@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable
@@ -232,8 +233,43 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _ready() -> None:
-    """A no-op: submitted when a process worker is created, so it starts (and imports torch) at once."""
+def available_cpus() -> set[int]:
+    """The CPUs this process may use, whatever one thread's mask: the cgroup's cpuset where it says, else all.
+    (``os.sched_getaffinity(0)`` is the calling thread's mask, which OpenMP may have bound to one core.)"""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        cpus = set()
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        if cpus:
+            return cpus
+    return set(range(os.cpu_count() or 1))
+
+
+def _process_worker_init(avoid: frozenset[int]) -> None:
+    """A process worker's start: one intra-op thread, and off the trainer's CPUs when the trainer's main thread
+    is bound to some (a spawned process inherits the mask of the thread that started it: with OpenMP's binding
+    that is the trainer's one core, and the partition would take it from the kernel launches)."""
+    _one_thread()
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    mine = os.sched_getaffinity(0)
+    cpus = available_cpus()
+    if avoid and avoid < cpus and cpus - avoid:
+        try:
+            os.sched_setaffinity(0, cpus - avoid)
+        except OSError:  # a cpuset narrower than it says: keep the inherited mask
+            os.sched_setaffinity(0, mine)
+
+
+def _ready() -> dict:
+    """Submitted when a process worker is created, so it starts (and imports torch) at once; says where it runs."""
+    return {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "threads": torch.get_num_threads()}
 
 
 def _partition_arrays(policy, costs: np.ndarray, world_size: int, name: str):
@@ -268,28 +304,50 @@ class PartitionWorker:
       measures it on the GPU).
 
     Either way the worker's torch ops run on one intra-op thread (torch's OpenMP thread count is per calling
-    thread): a second OpenMP team beside the trainer's would compete with it for the cores.
+    thread): a second OpenMP team beside the trainer's would compete with it for the cores. On GPU runs the
+    trainer's team leaves the worker one core (``leave_a_core``, restored at ``shutdown``), and a process
+    worker leaves the CPUs the trainer's main thread is bound to, if it is bound (``where()`` says where).
     """
 
     def __init__(self, kind: str = "thread"):
         if kind not in WORKERS:
             raise PluginError(f"partition worker must be one of {', '.join(WORKERS)}, got {kind!r}")
         self.kind = kind
+        self._threads = None  # the trainer's intra-op threads before leave_a_core
         if kind == "thread":
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-partition",
                                             initializer=_one_thread)
         else:
+            avoid = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_one_thread)
-            self._pool.submit(_ready)
+                                             initializer=_process_worker_init, initargs=(avoid,))
+            self._started = self._pool.submit(_ready)
+
+    def where(self) -> dict:
+        """Where the worker runs: its pid, its CPUs and its intra-op threads (a process: once it has started)."""
+        if self.kind == "thread":
+            return {"pid": os.getpid(), "cpus": None, "threads": 1}
+        return self._started.result()
 
     def submit(self, policy, costs: torch.Tensor, world_size: int, name: str) -> Pending:
         if self.kind == "thread":
             return Pending(self._pool.submit(partition_checked, policy, costs, world_size, name), arrays=False)
         return Pending(self._pool.submit(_partition_arrays, policy, costs.numpy(), world_size, name), arrays=True)
 
+    def leave_a_core(self) -> None:
+        """Shrink the caller's intra-op team by one thread while this worker lives, if it fills every core: an
+        OpenMP team on every core waits at each barrier for the thread the worker displaced. For GPU training
+        (the host's ops are data preparation); on a CPU device it would change the reduction order of the math."""
+        cores = len(available_cpus())
+        if self._threads is None and torch.get_num_threads() >= cores > 1:
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(cores - 1)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
 
 def plan(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name: str, step: int = -1,
@@ -390,6 +448,8 @@ class Lookahead:
             return got
         if self.overlap and next_step is not None and self._worker is None:  # a process starts meanwhile
             self._worker = PartitionWorker(overlap_worker(self.policy))
+        if self._worker is not None and torch.device(device).type != "cpu":
+            self._worker.leave_a_core()
         if ahead is None or ahead.step != step or ahead.dp != dp:  # nothing ahead (or not this step's): now
             if ahead is not None and ahead.future is not None:
                 ahead.future.cancel()

@@ -105,15 +105,46 @@ def sync(tr):
         torch.cuda.synchronize(tr.device)
 
 
-def timed_step(tr, step: int, before=None, after=None) -> float:
+def _runq_wait_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (``/proc/thread-self/schedstat``): it grows
+    when another process takes the trainer's core; NaN where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return math.nan
+
+
+def timed_step(tr, step: int, before=None, after=None, host: list | None = None) -> float:
+    """One ``train_step`` between synchronizations; ``host`` gets the main thread's CPU and run-queue wait
+    seconds and the whole process's CPU seconds (its OpenMP team's included: spinning at barriers shows there)."""
     sync(tr)
-    t0 = time.perf_counter()
+    t0, c0, q0, p0 = time.perf_counter(), time.thread_time(), _runq_wait_s(), time.process_time()
     handle = before() if before else None
     tr.train_step(step)
     if after:
         after(handle)
     sync(tr)
+    if host is not None:
+        host.append((time.thread_time() - c0, _runq_wait_s() - q0, time.process_time() - p0))
     return time.perf_counter() - t0
+
+
+def host_summary(host: list) -> dict:
+    """Where the main thread's time went, medians over steps: on a CPU, and runnable but off one."""
+    med = lambda k: round(1e3 * statistics.median(h[k] for h in host), 3)  # noqa: E731
+    return {"main_cpu_median_ms": med(0), "main_runq_wait_median_ms": med(1), "process_cpu_median_ms": med(2)}
+
+
+def cpu_facts(workers: dict) -> dict:
+    """The facts that decide whether a worker can slow the trainer's thread: CPUs, masks, thread counts."""
+    from gemzoo.data.exchange import available_cpus
+
+    return {"available_cpus": len(available_cpus()),
+            "main_thread_cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "torch_threads": torch.get_num_threads(),
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP_", "MKL_"))},
+            "workers": {kind: w.where() for kind, w in workers.items()}}
 
 
 def global_costs(tr, world: int, per_rank: int, seed: int) -> torch.Tensor:
@@ -132,7 +163,7 @@ def global_costs(tr, world: int, per_rank: int, seed: int) -> torch.Tensor:
 def overlapped(tr, worker, policy, draws: dict, world: int, measured, base: list[float], base_med: float) -> dict:
     """Each measured step with the partition of ``draws[step]`` over ``world`` ranks submitted to ``worker``
     before it and waited for after it (as step t+1 would, before its all-to-all)."""
-    waits, in_worker, times = [], [], []
+    waits, in_worker, times, host = [], [], [], []
 
     def wait(pending):
         t = time.perf_counter()
@@ -142,14 +173,15 @@ def overlapped(tr, worker, policy, draws: dict, world: int, measured, base: list
 
     for s in measured:
         submit = lambda s=s: worker.submit(policy, draws[s], world, "base-batch-shuffle")
-        times.append(timed_step(tr, s, before=submit, after=wait))
+        times.append(timed_step(tr, s, before=submit, after=wait, host=host))
     paired = statistics.median(t - b for t, b in zip(times, base))
     wait_med = statistics.median(waits)
     return {"step_ms": ms(times), "median_step_ms": round(1e3 * statistics.median(times), 3),
             "overhead_ms": round(1e3 * paired, 3), "overhead_pct": round(100 * paired / base_med, 3),
             "wait_ms": ms(waits), "wait_median_ms": round(1e3 * wait_med, 3), "wait_max_ms": round(1e3 * max(waits), 3),
             "assign_in_worker_median_ms": round(1e3 * statistics.median(in_worker), 3),
-            "hidden": bool(wait_med < 0.01 * base_med), "within_target": bool(paired <= TARGET_PCT / 100 * base_med)}
+            "hidden": bool(wait_med < 0.01 * base_med), "within_target": bool(paired <= TARGET_PCT / 100 * base_med),
+            **host_summary(host)}
 
 
 def ms(xs) -> list[float]:
@@ -181,19 +213,25 @@ def main(argv=None) -> int:
 
     tr = build_trainer(a)
     workers = {kind: PartitionWorker(kind) for kind in a.workers}  # a process starts (imports torch) meanwhile
+    if tr.device.type != "cpu":  # as the trainer's Lookahead does on a GPU run
+        for w in workers.values():
+            w.leave_a_core()
     out["device"] = torch.cuda.get_device_name(tr.device) if tr.device.type == "cuda" else str(tr.device)
     out["assemble_s"] = round(time.perf_counter() - t_start, 1)
+    out["cpu"] = cpu_facts(workers)
     measured = range(a.warmup, a.steps)
     t0 = time.perf_counter()
     for step in range(a.warmup):
         timed_step(tr, step)
     out["warmup_s"] = round(time.perf_counter() - t0, 1)
+    print(f"CPUs: {out['cpu']}", flush=True)
     print(f"assembled in {out['assemble_s']} s, {a.warmup} warmup steps in {out['warmup_s']} s", flush=True)
 
     def phase(label: str, **hooks) -> list[float]:
-        times = [timed_step(tr, s, **hooks) for s in measured]
+        host: list = []
+        times = [timed_step(tr, s, host=host, **hooks) for s in measured]
         med = statistics.median(times)
-        out["phases"][label] = {"step_ms": ms(times), "median_ms": round(1e3 * med, 3)}
+        out["phases"][label] = {"step_ms": ms(times), "median_ms": round(1e3 * med, 3), **host_summary(host)}
         print(f"{label:28s} median step {1e3 * med:9.2f} ms", flush=True)
         write()
         return times
@@ -231,7 +269,9 @@ def main(argv=None) -> int:
                 row[kind] = overlapped(tr, worker, policy, draws, w, measured, base, base_med)
                 r = row[kind]
                 print(f"{'':20s}overlapped in a {kind:7s}: wait {r['wait_median_ms']:7.2f} ms (max "
-                      f"{r['wait_max_ms']:.2f}), step overhead {r['overhead_ms']:+8.2f} ms ({r['overhead_pct']:+.2f}%)",
+                      f"{r['wait_max_ms']:.2f}), step overhead {r['overhead_ms']:+8.2f} ms ({r['overhead_pct']:+.2f}%); main thread "
+                      f"CPU {r['main_cpu_median_ms']:.1f} ms, run-queue wait {r['main_runq_wait_median_ms']:.2f} ms, "
+                      f"process CPU {r['process_cpu_median_ms']:.1f} ms",
                       flush=True)
                 write()
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -181,6 +182,39 @@ def test_partition_workers_give_the_synchronous_answer_and_its_errors():
             worker.shutdown()
     with pytest.raises(PluginError, match="partition worker must be one of thread, process, got 'gpu'"):
         PartitionWorker("gpu")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs sched_setaffinity and two CPUs")
+def test_a_process_worker_leaves_the_trainers_bound_core():
+    """A spawned worker inherits the mask of the thread that starts it; when OpenMP has bound the trainer's main
+    thread to one core, the worker moves to the others rather than take that core from the kernel launches.
+    On a GPU run the trainer's intra-op team leaves it a core while it lives, and is whole again after shutdown."""
+    from gemzoo.data.exchange import PartitionWorker, available_cpus
+
+    before = os.sched_getaffinity(0)
+    first = min(before)
+    try:
+        os.sched_setaffinity(0, {first})
+        worker = PartitionWorker("process")
+        try:
+            where = worker.where()
+        finally:
+            worker.shutdown()
+    finally:
+        os.sched_setaffinity(0, before)
+    assert where["threads"] == 1 and first not in where["cpus"]
+    assert set(where["cpus"]) == available_cpus() - {first}
+    threads = torch.get_num_threads()
+    worker = PartitionWorker("process")  # unbound: the worker keeps the whole mask
+    try:
+        assert set(worker.where()["cpus"]) == before
+        worker.leave_a_core()  # what a GPU run's Lookahead does: the OpenMP team leaves the worker a core
+        worker.leave_a_core()  # once
+        assert torch.get_num_threads() == (len(available_cpus()) - 1 if threads >= len(available_cpus()) else threads)
+    finally:
+        worker.shutdown()
+    assert torch.get_num_threads() == threads
 
 
 def test_overhead_bench_runs_on_cpu(tmp_path):
