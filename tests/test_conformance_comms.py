@@ -21,6 +21,22 @@ ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = str(ROOT / "tests" / "support")
 
 
+def _say_cuda_env(rank, world, port, out):
+    Path(out, f"env{rank}.json").write_text(json.dumps(os.environ.get("CUDA_VISIBLE_DEVICES")))
+
+
+def test_spawn_can_hide_cuda_from_the_ranks(tmp_path, monkeypatch):
+    """The comms suite's ranks are CPU ranks on a GPU machine too: spawned with CUDA_VISIBLE_DEVICES="" (with a
+    GPU visible, ncclx's ranks would share one GPU's NCCL group); the caller's environment is left as it was."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    spawn(_say_cuda_env, 2, str(tmp_path), hide_cuda=True)
+    assert [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(2)] == ["", ""]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    spawn(_say_cuda_env, 1, str(tmp_path), hide_cuda=True)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
 @pytest.mark.distributed
 def test_every_backend_gives_c10d_answers(tmp_path):
     from toy_kinds import ToyGlooComms

@@ -18,8 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "gem-tiny.toml")
 STEPS = 5
 # gem-tiny's model on a smaller batch, without its torchrec tables (dense parallelism alone: the planner owns
-# them), evaluated never, a checkpoint after step 3 and at the end (step 5)
-BASE = [f"run.steps={STEPS}", "eval.every=0", "checkpoint.every=3", "checkpoint.keep=0", "run.log_every=1",
+# them), evaluated never, a checkpoint after step 3 and at the end (step 5); on the CPU on a GPU machine too (4
+# gloo ranks on one GPU would ask for more GPUs than there are, and the one-process reference must match them)
+BASE = [f"run.steps={STEPS}", "run.device='cpu'", "eval.every=0", "checkpoint.every=3", "checkpoint.keep=0", "run.log_every=1",
         "data.num_sparse_tables=0", "data.batch_size=16", "data.max_len=32", "data.median_len=8",
         "data.max_candidates=4"]
 # with the embedding tables, sharded by the 2D planner when it is installed (plugins/gemzoo-sharding-2d)

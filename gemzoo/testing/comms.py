@@ -37,14 +37,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(target, world: int, *args, timeout: float = 240) -> None:
-    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes; fail naming the ranks that did."""
+def spawn(target, world: int, *args, timeout: float = 240, hide_cuda: bool = False) -> None:
+    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes; fail naming the ranks that did.
+    ``hide_cuda``: the ranks start with ``CUDA_VISIBLE_DEVICES=""``, so on a GPU machine they are the CPU ranks
+    they are on CI (not ``world`` ranks sharing one GPU)."""
     import torch.multiprocessing as mp
 
     ctx, port = mp.get_context("spawn"), free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide_cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a spawned child copies the environment at start()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if hide_cuda and saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        elif hide_cuda:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
     for p in procs:
         p.join(timeout=timeout)
     bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
@@ -259,10 +270,10 @@ def comms_rank(rank: int, world: int, port: int, backends: dict, out_dir: str) -
 
 
 def check_comms_on_gloo(backends, tmp_path, world: int = 2) -> dict:
-    """Spawn ``world`` CPU ranks that check each comms backend (registered names, or a dict name -> backend
-    object, which must pickle); returns rank 0's summary."""
+    """Spawn ``world`` CPU ranks (CUDA hidden from them on a GPU machine) that check each comms backend
+    (registered names, or a dict name -> backend object, which must pickle); returns rank 0's summary."""
     if isinstance(backends, str):
         backends = [backends]
     backends = dict(backends) if isinstance(backends, dict) else {n: None for n in backends}
-    spawn(comms_rank, world, backends, str(tmp_path))
+    spawn(comms_rank, world, backends, str(tmp_path), hide_cuda=True)
     return json.loads(Path(tmp_path, "comms0.json").read_text())

@@ -6,7 +6,7 @@ summary that never prints. Enable it with ``-p gemzoo.testing.eager_log`` and a 
     GEMZOO_TEST_LOG=$OUT python -m pytest -q -p gemzoo.testing.eager_log --timeout 90
 
 ``progress.txt`` gets one line per test (seconds since start, outcome, phase, duration, node id) and
-``failures.txt`` the report of each failure, both flushed at every line.
+``failures.txt`` the report of each failure with its captured output, both flushed at every line.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def pytest_runtest_logreport(report) -> None:
         progress.write(f"{time.time() - _t0:8.1f} {report.outcome:7s} {report.when:8s} {report.duration:7.2f} "
                        f"{report.nodeid}\n")
     if report.outcome == "failed":
-        _open("failures.txt").write(f"===== {report.nodeid} [{report.when}]\n{report.longreprtext[-6000:]}\n")
+        # the captured output too: a spawned rank's traceback is only there (it writes to the test's stderr)
+        captured = "".join(f"----- {title}\n{text[-4000:]}\n" for title, text in report.sections if text.strip())
+        _open("failures.txt").write(f"===== {report.nodeid} [{report.when}]\n{report.longreprtext[-6000:]}\n"
+                                    f"{captured}")
 
 
 def pytest_unconfigure(config) -> None:
