@@ -9,7 +9,7 @@
 #   DETACH=1 bash bench/h200_suite.sh             # call 1: start pytest under setsid, wait up to WAIT_S, report
 #   bash bench/h200_suite.sh --collect            # call 2, 3, ...: wait up to WAIT_S more; logs to $OUT when done
 # Env: OUT (default /tmp/h200_suite), SUITE_S (overall pytest limit; default 540, or 1700 detached),
-#      TEST_S (per test, default 90), WAIT_S (how long a detached call waits, default 540).
+#      TEST_S (per test, default 300: a hang, not a slow test on the 16-core host), WAIT_S (how long a detached call waits, default 540).
 set -o pipefail
 export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=1
 OUT=${OUT:-/tmp/h200_suite}; mkdir -p "$OUT"
@@ -44,7 +44,7 @@ plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$OUT/install.log" 2>&1 \
   || { tail -30 "$OUT/install.log"; exit 1; }
 echo "installed in $(( $(date +%s) - t0 )) s"
-timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_S:-90}")
+timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_S:-300}")
 
 if [ -n "${DETACH:-}" ]; then
   rm -rf "$RUN"; mkdir -p "$RUN"

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from gemzoo.errors import ConfigError
+from gemzoo.testing.comms import share_cores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "gem-tiny.toml")
@@ -132,6 +133,7 @@ def _blocks_under_tp() -> dict:
 def _phases(rank: int, world: int, port: int, tmp: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    share_cores(world)
     import torch.distributed as dist
 
     out = {}

@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from gemzoo.testing import skip_unless_torchrec
+from gemzoo.testing.comms import share_cores
 
 pytestmark = pytest.mark.distributed
 SUPPORT = os.path.join(os.path.dirname(__file__), "support")
@@ -25,6 +26,7 @@ def _free_port() -> int:
 def _train_rank(rank: int, world: int, port: int, tmp: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    share_cores(world)
     sys.path.insert(0, SUPPORT)
     import torch.distributed as dist
 
@@ -73,6 +75,7 @@ def _gem_rank(rank: int, world: int, port: int, tmp: str, steps: int, resume: bo
               sharding: str = "table_wise") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    share_cores(world)
     import json
 
     import torch.distributed as dist
@@ -162,6 +165,7 @@ def _logging_rank(rank: int, world: int, port: int, tmp: str) -> None:
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    share_cores(world)
     sys.path.insert(0, SUPPORT)
     import torch.distributed as dist
 
@@ -211,6 +215,7 @@ def _mesh_rank(rank: int, world: int, port: int, tmp: str) -> None:
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    share_cores(world)
     import torch.distributed as dist
 
     from gemzoo.distributed import World, all_reduce_gradients, build_mesh

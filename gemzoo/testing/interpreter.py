@@ -52,7 +52,8 @@ class _GroupRun:
     def _run(self) -> None:
         try:
             with _slots:
-                env = dict(os.environ, TRITON_INTERPRET="1")
+                # one intra-op thread: the groups run side by side, one per spare core, beside the other tests
+                env = {"OMP_NUM_THREADS": "1", **os.environ, "TRITON_INTERPRET": "1"}
                 proc = subprocess.Popen([sys.executable, "-c", _BOOT, self.script, self.group], env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 _live.add(proc)
