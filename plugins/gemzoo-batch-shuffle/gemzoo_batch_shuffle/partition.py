@@ -148,23 +148,49 @@ def _block_lpt(c: np.ndarray, w: int) -> list[list[int]]:
     start, block = 0, max(1, w // 4)
     while start < c.size:
         chunk = order[start:start + (w if start == 0 else block)]
-        ranks = np.argsort(loads, kind="stable")[:chunk.size]
+        ranks = _lightest(loads, chunk.size)
         owner[chunk] = ranks
         np.add.at(loads, ranks, c[chunk])
         start += chunk.size
-    groups: list[list[int]] = [[] for _ in range(w)]
-    for i, r in zip(order.tolist(), owner[order].tolist()):
-        groups[r].append(i)
-    return groups
+    return _by_owner(order, owner[order], w)
 
 
-def _refine(c: np.ndarray, groups: list[list[int]], equal_count: bool, max_steps: int) -> list[list[int]]:
+def _by_owner(placed: np.ndarray, owner: np.ndarray, w: int) -> list[np.ndarray]:
+    """Rank r's members, in the order they were placed: ``placed`` (sample indices in placement order) split by
+    ``owner`` (the rank each went to) with one stable sort."""
+    by_rank = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=w)
+    return np.split(placed[by_rank], np.cumsum(counts)[:-1])
+
+
+def _loads(c: np.ndarray, groups) -> np.ndarray:
+    """Each rank's summed cost (one bincount over all members)."""
+    sizes = [len(g) for g in groups]
+    if not sum(sizes):
+        return np.zeros(len(groups))
+    members = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])
+    return np.bincount(np.repeat(np.arange(len(groups)), sizes), weights=c[members], minlength=len(groups))
+
+
+def _lightest(loads: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` least-loaded ranks, lightest first, ties by rank: ``np.argsort(loads, kind="stable")[:k]``
+    without sorting all of them (a partial selection, then a sort of the ``k``)."""
+    if k >= loads.size:
+        return np.argsort(loads, kind="stable")
+    v = loads[np.argpartition(loads, k - 1)[:k]].max()  # the k-th smallest load
+    less = np.flatnonzero(loads < v)
+    chosen = np.concatenate([less, np.flatnonzero(loads == v)[:k - less.size]])
+    chosen.sort()
+    return chosen[np.argsort(loads[chosen], kind="stable")]
+
+
+def _refine(c: np.ndarray, groups, equal_count: bool, max_steps: int) -> list[np.ndarray]:
     """Move or swap one sample between the heaviest and the lightest rank while that lowers the heaviest."""
     w = len(groups)
     if w < 2:
         return groups
     arrs = [np.asarray(g, dtype=np.int64) for g in groups]
-    loads = np.array([c[a].sum() for a in arrs])
+    loads = _loads(c, arrs)
     for _ in range(max_steps):
         h, l = int(np.argmax(loads)), int(np.argmin(loads))
         gap = loads[h] - loads[l]
@@ -205,23 +231,26 @@ def _refine(c: np.ndarray, groups: list[list[int]], equal_count: bool, max_steps
         arrs[l] = np.append(arrs[l], moved_in)
         loads[h] -= delta
         loads[l] += delta
-    return [a.tolist() for a in arrs]
+    return arrs
 
 
-def _fill_empty(c: np.ndarray, groups: list[list[int]]) -> list[list[int]]:
+def _fill_empty(c: np.ndarray, groups) -> list[np.ndarray]:
     """Free counts with N >= W: no rank is left without samples (its loss would be a mean over nothing);
-    an empty rank takes the cheapest sample of the rank with the most samples."""
+    an empty rank takes the cheapest sample of the rank with the most samples (ties: the lowest index)."""
+    groups = [np.asarray(g, dtype=np.int64) for g in groups]
     for r in range(len(groups)):
-        if not groups[r]:
-            donor = max(range(len(groups)), key=lambda k: (len(groups[k]), -k))
-            if len(groups[donor]) < 2:
+        if not groups[r].size:
+            donor = max(range(len(groups)), key=lambda k: (groups[k].size, -k))
+            if groups[donor].size < 2:
                 break
-            j = min(range(len(groups[donor])), key=lambda t: (c[groups[donor][t]], groups[donor][t]))
-            groups[r] = [groups[donor].pop(j)]
+            g = groups[donor]
+            j = int(np.lexsort((g, c[g]))[0])
+            groups[r] = g[j:j + 1]
+            groups[donor] = np.delete(g, j)
     return groups
 
 
-def _keep_local(groups: list[list[int]], n: int, w: int) -> list[list[int]]:
+def _keep_local(groups, n: int, w: int) -> list:
     """Give each subset to a rank so that the most samples stay where they were loaded (greedy matching on
     the overlap counts, largest first, ties by subset then rank)."""
     base, extra = divmod(n, w)
@@ -264,16 +293,20 @@ def partition(costs, world_size: int, *, equal_count: bool = False, method: str 
         tries = [{"kk": _kk, "bldm": _bldm}[method](c, w) if method != "lpt" else _lpt(c, w, equal_count)]
     if refine:
         tries = [_refine(c, g, equal_count, max_steps=REFINE_STEPS) for g in tries]
-    groups = min(tries, key=lambda g: max(c[x].sum() if x else 0.0 for x in g))  # first of the best on ties
+    groups = min(tries, key=lambda g: _loads(c, g).max())  # first of the best on ties
     if not equal_count and n >= w:
         groups = _fill_empty(c, groups)
     if keep_local:
-        loaded = [t.tolist() for t in torch.arange(n).tensor_split(w)]
-        if max(c[g].sum() for g in loaded) <= max(c[g].sum() if g else 0.0 for g in groups):
+        loaded = np.array_split(np.arange(n), w)  # what rank r loaded (shard_range: the first N % W get one more)
+        if _loads(c, loaded).max() <= _loads(c, groups).max():
             groups = loaded  # the parts the ranks loaded are already as balanced: nothing moves
         else:
             groups = _keep_local(groups, n, w)
-    return [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
+    # each rank's indices in increasing order: one stable sort of the owners, then views of it
+    owner = np.empty(n, dtype=np.int64)
+    sizes = [len(g) for g in groups]
+    owner[np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])] = np.repeat(np.arange(w), sizes)
+    return list(torch.from_numpy(np.argsort(owner, kind="stable")).split(sizes))
 
 
 def imbalance(costs, groups) -> float:
