@@ -266,18 +266,28 @@ def hadamard_transform(x: torch.Tensor, block: int = 32, signs: torch.Tensor | N
 # ------------------------------------------------------------------------------------------ attention
 
 
+@torch.compiler.disable
+def _reference_eager(*args, **kwargs):
+    """The fallback without the C++ op runs eager under torch.compile: traced, its per-sequence loop over
+    data-dependent lengths makes a graph whose symbolic shapes took the compiler over 10 minutes for gem-tiny
+    (a graph break instead; the op itself, when built, is one opaque node)."""
+    from gemzoo.interfaces.attention import reference_attention
+
+    return reference_attention(*args, **kwargs)
+
+
 def jagged_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
                      norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None):
     """Jagged attention (DESIGN.md semantics) with the C++ CPU kernel; other devices use ``reference``."""
-    from gemzoo.interfaces.attention import check_inputs, reference_attention
+    from gemzoo.interfaces.attention import check_inputs
 
     q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation, causal=causal, scale=scale,
                                         norm=norm, max_q_len=max_q_len, max_k_len=max_k_len,
                                         block_size=block_size, window=window)
     if not _use_extension("jagged_attention_fwd", q) or q.dtype == torch.float64:
-        return reference_attention(q, k, v, q_offsets, k_offsets, causal=causal, activation=activation,
-                                   scale=scale, norm=norm, block_size=block_size, window=window,
-                                   max_q_len=max_q_len, max_k_len=max_k_len)
+        return _reference_eager(q, k, v, q_offsets, k_offsets, causal=causal, activation=activation,
+                                scale=scale, norm=norm, block_size=block_size, window=window,
+                                max_q_len=max_q_len, max_k_len=max_k_len)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = torch.ops.gemzoo.jagged_attention_fwd(
         q, k, v, q_offsets, k_offsets, causal, ACTIVATION_CODES[activation], scale,
