@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the benchmarks still to run on the H200, each written to $OUT as it goes, in order of need:
 #   gdpa's whole table in one run and its 50-step gem-bench cross row (issue 11), ncclx's overlap (issue 14),
-#   the compiled memory rows (issue 15), act-quant's step profile (issue 15). A step starts only while time is left.
+#   the compiled memory rows (issue 15), batch-shuffle's overhead with the worker's core fix (issue 16),
+#   act-quant's step profile (issue 15). A step starts only while time is left.
 #   LIMIT_S=560 bash bench/h200_benches.sh        # from the repository root on the device machine
 set -o pipefail
 export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=1
@@ -31,6 +32,9 @@ tail -24 "$LOGS/ncclx.log"
 step memory 200 python3 plugins/gemzoo-auto-ac/bench/bench_memory.py --steps 50 --warmup 10 \
   --rows bf16,act-quant,target,combo --budget-s $(( $(left) - 45 )) --json "$OUT/bench_memory.json"
 tail -12 "$LOGS/memory.log"
+step shuffle 120 python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml \
+  --plugins jfa,bf16 --steps 20 --warmup 5 --worlds 8,64,512 --budget-s 90 --out "$OUT/overhead.json"
+grep -E "CPUs|median step|assign alone|overlapped" "$LOGS/shuffle.log" | cut -c1-300
 step aq_profile 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --steps 10 \
   --profile 3 --out "$OUT/act_quant_profile.json"
 grep -E '^\{|^    ' "$LOGS/aq_profile.log" | cut -c1-1200
