@@ -8,12 +8,16 @@
 # call while the machine stays warm (the next call within its idle window), so one pytest process can span calls:
 #   DETACH=1 bash bench/h200_suite.sh             # call 1: start pytest under setsid, wait up to WAIT_S, report
 #   bash bench/h200_suite.sh --collect            # call 2, 3, ...: wait up to WAIT_S more; logs to $OUT when done
+# Triton's compile cache can travel between sessions (bench/gpu_cache.py): a run packs it into $OUT when pytest is
+# done (triton.tgz.NN); copy those to .bench/gpu-cache/, carry that folder, and set GPU_CACHE=<its path from here>
+# for the next run, which unpacks it before pytest starts, so most kernel variants need no compile.
 # Env: OUT (default /tmp/h200_suite), SUITE_S (overall pytest limit; default 540, or 1700 detached),
 #      TEST_S (per test, default 300: a hang, not a slow test on the 16-core host), WAIT_S (how long a detached call waits, default 540).
 set -o pipefail
 export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=1
 OUT=${OUT:-/tmp/h200_suite}; mkdir -p "$OUT"
 RUN=/tmp/gemzoo_h200_suite  # a detached run's logs: $OUT is emptied before every device call
+HERE=$(cd "$(dirname "$0")" && pwd)
 t0=$(date +%s)
 
 report() {  # $1: the log folder
@@ -26,6 +30,7 @@ wait_detached() {
   while [ ! -f "$RUN/rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
   cp "$RUN"/*.txt "$RUN"/*.log "$OUT"/ 2>/dev/null
   if [ -f "$RUN/rc" ]; then
+    python3 "$HERE/gpu_cache.py" pack "$OUT" 2>&1 | tail -3
     echo "pytest finished: rc=$(cat "$RUN/rc") after $(cat "$RUN/wall_s") s in one process"; report "$RUN"
     tail -15 "$RUN/pytest.log"; exit "$(cat "$RUN/rc")"
   fi
@@ -44,6 +49,7 @@ plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$OUT/install.log" 2>&1 \
   || { tail -30 "$OUT/install.log"; exit 1; }
 echo "installed in $(( $(date +%s) - t0 )) s"
+if [ -n "${GPU_CACHE:-}" ]; then python3 "$HERE/gpu_cache.py" unpack "$GPU_CACHE"; fi
 timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_S:-300}")
 
 if [ -n "${DETACH:-}" ]; then
@@ -61,6 +67,7 @@ fi
 GEMZOO_TEST_LOG=$OUT timeout "${SUITE_S:-540}" python3 -m pytest -q -c pyproject.toml -p gemzoo.testing.eager_log \
   $timeout_opt -rfE "$@" > "$OUT/pytest.log" 2>&1
 rc=$?
+python3 "$HERE/gpu_cache.py" pack "$OUT" 2>&1 | tail -3
 echo "pytest rc=$rc after $(( $(date +%s) - t0 )) s; $(report "$OUT") (progress.txt, failures.txt in $OUT)"
 tail -15 "$OUT/pytest.log"
 exit $rc

@@ -85,3 +85,24 @@ def test_bench_scripts_do_not_eval_or_exec(path):
     calls = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("eval", "exec")]
     assert not calls, f"{path.relative_to(ROOT)} calls eval/exec at lines {calls}"
+
+
+def test_gpu_cache_round_trips_the_triton_cache_in_parts(tmp_path):
+    """bench/gpu_cache.py: Triton's cache packed into parts of at most --part-mib and unpacked elsewhere, file
+    for file (how the H200 suite's compiled kernels travel to the next session)."""
+    src, dst, out = tmp_path / "src", tmp_path / "dst", tmp_path / "out"
+    (src / "abc").mkdir(parents=True)
+    blob = os.urandom(3 << 20)  # incompressible: 3 MiB gives 3+ parts of 1 MiB
+    (src / "abc" / "k.cubin").write_bytes(blob)
+    (src / "abc" / "__grp__k.json").write_text('{"child_paths": {}}')
+    script = str(ROOT / "bench" / "gpu_cache.py")
+    run = lambda cache, *args: subprocess.run(  # noqa: E731
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, TRITON_CACHE_DIR=str(cache)), check=True).stdout
+    assert "triton:" in run(src, "pack", str(out), "--part-mib", "1")
+    parts = sorted(p.name for p in out.iterdir())
+    assert parts[:2] == ["triton.tgz.00", "triton.tgz.01"] and len(parts) >= 3
+    assert all(p.stat().st_size <= 1 << 20 for p in out.iterdir())
+    run(dst, "unpack", str(out))
+    assert (dst / "abc" / "k.cubin").read_bytes() == blob
+    assert (dst / "abc" / "__grp__k.json").read_text() == '{"child_paths": {}}'
