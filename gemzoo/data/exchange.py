@@ -257,13 +257,12 @@ def _process_worker_init(avoid: frozenset[int]) -> None:
     _one_thread()
     if not hasattr(os, "sched_setaffinity"):
         return
-    mine = os.sched_getaffinity(0)
     cpus = available_cpus()
-    if avoid and avoid < cpus and cpus - avoid:
+    if avoid and avoid < cpus:
         try:
             os.sched_setaffinity(0, cpus - avoid)
         except OSError:  # a cpuset narrower than it says: keep the inherited mask
-            os.sched_setaffinity(0, mine)
+            pass
 
 
 def _ready() -> dict:
