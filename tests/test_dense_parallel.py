@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from gemzoo.errors import ConfigError
-from gemzoo.testing.comms import share_cores
+from gemzoo.testing.comms import rank_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "gem-tiny.toml")
@@ -131,9 +131,7 @@ def _blocks_under_tp() -> dict:
 
 
 def _phases(rank: int, world: int, port: int, tmp: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    share_cores(world)
+    rank_env(rank, world, port, quiet=False)
     import torch.distributed as dist
 
     out = {}

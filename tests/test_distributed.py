@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from gemzoo.testing import skip_unless_torchrec
-from gemzoo.testing.comms import share_cores
+from gemzoo.testing.comms import rank_env
 
 pytestmark = pytest.mark.distributed
 SUPPORT = os.path.join(os.path.dirname(__file__), "support")
@@ -24,9 +24,7 @@ def _free_port() -> int:
 
 
 def _train_rank(rank: int, world: int, port: int, tmp: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    share_cores(world)
+    rank_env(rank, world, port, quiet=False)
     sys.path.insert(0, SUPPORT)
     import torch.distributed as dist
 
@@ -73,9 +71,7 @@ def test_data_parallel_replicas_stay_identical(tmp_path, world):
 
 def _gem_rank(rank: int, world: int, port: int, tmp: str, steps: int, resume: bool, dense: str = "fsdp",
               sharding: str = "table_wise") -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    share_cores(world)
+    rank_env(rank, world, port, quiet=False)
     import json
 
     import torch.distributed as dist
@@ -163,9 +159,7 @@ def test_fsdp_and_replicated_dense_parts_train_alike(tmp_path):
 def _logging_rank(rank: int, world: int, port: int, tmp: str) -> None:
     import json
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    share_cores(world)
+    rank_env(rank, world, port, quiet=False)
     sys.path.insert(0, SUPPORT)
     import torch.distributed as dist
 
@@ -213,9 +207,7 @@ def test_two_ranks_log_the_global_loss_and_throughput(tmp_path):
 def _mesh_rank(rank: int, world: int, port: int, tmp: str) -> None:
     import json
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    share_cores(world)
+    rank_env(rank, world, port, quiet=False)
     import torch.distributed as dist
 
     from gemzoo.distributed import World, all_reduce_gradients, build_mesh

@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 
 from gemzoo.testing import skip_unless_torchrec
-from gemzoo.testing.comms import share_cores
+from gemzoo.testing.comms import rank_env
 
 pytestmark = pytest.mark.distributed
 
@@ -20,8 +20,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, world: int, port: int, tmp: str, sharding: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    share_cores(world)
+    rank_env(rank, world, port, quiet=False)
     import torch.distributed as dist
     from torch import nn
 

@@ -73,9 +73,10 @@ def share_cores(world: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
 
 
-def rank_env(rank: int, world: int, port: int) -> None:
+def rank_env(rank: int, world: int, port: int, quiet: bool = True) -> None:
+    """A spawned rank's torch.distributed environment (``quiet``: GEMZOO_QUIET=1) and its share of the cores."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), GEMZOO_QUIET="1")
+                      MASTER_PORT=str(port), **({"GEMZOO_QUIET": "1"} if quiet else {}))
     share_cores(world)
 
 

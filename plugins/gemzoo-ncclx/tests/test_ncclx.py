@@ -104,15 +104,10 @@ def test_a_pair_without_peer_access_is_named():
     assert "ranks 1 (cuda:1 on a) and 2 (cuda:2 on a)" in msg and "uses NCCL" in msg and "0 (cuda:0" not in msg
 
 
-@pytest.fixture
-def cpu_ranks(monkeypatch):
-    """These ranks test the CPU transport (gloo point-to-point): on a GPU machine they are spawned with CUDA
-    hidden, as on CI (with CUDA visible, 2-4 ranks would share one GPU's NCCL group and say nothing of gloo)."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-
-
 def _semantics(tmp_path, world, conformance=False):
-    spawn(cases.semantics_rank, world, str(tmp_path), conformance)
+    # the CPU transport (gloo point-to-point): on a GPU machine the ranks start with CUDA hidden, as on CI (with
+    # CUDA visible, 2-4 ranks would share one GPU's NCCL group and say nothing of gloo)
+    spawn(cases.semantics_rank, world, str(tmp_path), conformance, hide_cuda=True)
     out = [json.loads((tmp_path / f"sem{r}.json").read_text()) for r in range(world)]
     for r, o in enumerate(out):
         assert o["checked"] == out[0]["checked"] >= 190
@@ -167,7 +162,6 @@ def test_peer_pulls_use_the_batch_copy_when_asked_and_fall_back(monkeypatch):
 
 
 @pytest.mark.distributed
-@pytest.mark.usefixtures("cpu_ranks")
 def test_two_ranks_bit_identical_to_gloo_and_conformance(tmp_path):
     _semantics(tmp_path, 2, conformance=True)
     summary = json.loads((tmp_path / "comms0.json").read_text())["ncclx"]
@@ -181,18 +175,16 @@ def test_two_ranks_bit_identical_to_gloo_and_conformance(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.usefixtures("cpu_ranks")
 def test_four_ranks_bit_identical_to_gloo(tmp_path):
     _semantics(tmp_path, 4)
 
 
 @pytest.mark.distributed
-@pytest.mark.usefixtures("cpu_ranks")
 def test_gem_tiny_two_ranks_losses_equal_the_default_backend(tmp_path):
     """3 steps of gem-tiny on 2 gloo ranks with comms = "torch", then "ncclx": the same losses bit for bit (FSDP2's
     all-gathers and reduce-scatters and torchrec's all-to-alls run through ncclx), and the start row logs ncclx's
     sm_free, claims and groups."""
-    spawn(cases.train_rank, 2, str(tmp_path), [("torch", "torch", 3), ("ncclx", "ncclx", 3)])
+    spawn(cases.train_rank, 2, str(tmp_path), [("torch", "torch", 3), ("ncclx", "ncclx", 3)], hide_cuda=True)
     ranks = [json.loads((tmp_path / f"train{r}.json").read_text()) for r in range(2)]
     torch_run, ncclx_run = ranks[0]["torch"], ranks[0]["ncclx"]
     assert len(ncclx_run["losses"]) == 3 and ncclx_run["losses"] == torch_run["losses"]
