@@ -4,6 +4,7 @@
 #   the compiled memory rows (issue 15), batch-shuffle's overhead with the worker's core fix (issue 16),
 #   act-quant's step profile (issue 15). A step starts only while time is left.
 #   LIMIT_S=560 bash bench/h200_benches.sh        # from the repository root on the device machine
+#   ONLY="memory shuffle aq_profile" LIMIT_S=560 bash bench/h200_benches.sh   # a second call: only these steps
 set -o pipefail
 export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=1
 OUT=${OUT:-/tmp/h200_benches}; mkdir -p "$OUT"
@@ -11,7 +12,9 @@ LOGS=/tmp/h200_bench_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"  # one logs.tgz in $
 t0=$(date +%s)
 left() { echo $(( ${LIMIT_S:-560} - ($(date +%s) - t0) )); }
 step() {  # step NAME MAX_S CMD...: runs CMD under min(MAX_S, time left) if at least 40 s are left
-  local name=$1 max=$2; shift 2; local l; l=$(left); [ "$l" -lt 40 ] && { echo "$name skipped: ${l} s left"; return; }
+  local name=$1 max=$2; shift 2; local l; l=$(left)
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  [ "$l" -lt 40 ] && { echo "$name skipped: ${l} s left"; return; }
   [ "$l" -lt "$max" ] && max=$l
   timeout "$max" "$@" > "$LOGS/$name.log" 2>&1; echo "$name rc=$? at $(( $(date +%s) - t0 )) s"
   tar czf "$OUT/logs.tgz" -C "$LOGS" .
