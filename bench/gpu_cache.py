@@ -22,6 +22,13 @@ import tarfile
 from pathlib import Path
 
 SUFFIX = ".tgz."  # triton.tgz.00, triton.tgz.01, inductor.tgz.00, ...
+# Triton loads a cached kernel from its group's metadata .json and binary (.cubin) alone and skips group members
+# that are missing (FileCacheManager.get_group), so the intermediate IRs stay home: most of the cache's bytes.
+IR_SUFFIXES = (".source", ".ttir", ".ttgir", ".llir", ".ptx", ".amdgcn")
+
+
+def _lean(info: tarfile.TarInfo):
+    return None if info.name.endswith(IR_SUFFIXES) else info
 ORDER = ("triton", "inductor")
 
 
@@ -47,7 +54,7 @@ def pack(out: Path, part_mib: int, total_mib: int, names=("triton",)) -> list[Pa
             continue
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-            tar.add(folder, arcname=".")
+            tar.add(folder, arcname=".", filter=_lean if name == "triton" else None)
         data = buf.getvalue()
         if used + len(data) > total_mib << 20:
             print(f"{name}: {len(data) / 2**20:.1f} MiB compressed, over --total-mib {total_mib}: left out", flush=True)
