@@ -11,7 +11,11 @@ signal). Runs, each from the same seed and batches:
 - ``reference`` on CUDA (the torch definition), the same RNG streams on the same device: only the kernel
   differs, so this pair bounds gdpa's numerical effect on training;
 - ``cpu`` on CPU (the C++ kernel), the issue's comparison: another device draws other dropout masks and
-  negatives, so it also carries run-to-run noise.
+  negatives, so it also carries run-to-run noise;
+- ``cpu-host`` on CUDA: the same C++ ``cpu`` kernel called from the CUDA run (q, k, v copied to the host and
+  the output back, autograd through the copies), so the model, its RNG streams and every other op stay on
+  the GPU and only the attention kernel differs from the gdpa run: the issue's comparison without the
+  device's noise. Each row records whether ``gemzoo._C`` was built (without it ``cpu`` runs the reference).
 
 Every run evaluates every user once at the end; the JSON holds each run's metrics and the relative
 difference of each metric from the gdpa run. MovieLens-1M itself is not used (nothing downloads here).
@@ -65,13 +69,36 @@ def write_synthetic_ml1m(folder: Path, users: int = 6040, items: int = 3706, gen
     return folder / "ratings.dat"
 
 
+def register_cpu_host() -> None:
+    """Attention kernel ``cpu-host``: the registered ``cpu`` kernel run on host copies of CUDA tensors."""
+    import dataclasses
+
+    from gemzoo import registry
+    from gemzoo.interfaces.attention import FunctionKernel
+
+    if "cpu-host" in registry.names("attention"):
+        return
+    cpu = registry.get("attention", "cpu")
+
+    def on_host(q, k, v, q_offsets, k_offsets=None, **kw):
+        out = cpu(q.cpu(), k.cpu(), v.cpu(), q_offsets.cpu(), None if k_offsets is None else k_offsets.cpu(), **kw)
+        return out.to(q.device)
+
+    devices = cpu.capabilities.devices | {"cuda"}
+    caps = dataclasses.replace(cpu.capabilities, devices=devices, backward_devices=devices)
+    registry.register("attention", "cpu-host", FunctionKernel(on_host, caps, "the cpu kernel on host copies"),
+                      distribution="hstu_metrics.py")
+
+
 def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, threads: int | None,
               seed: int = 0) -> dict:
     import torch
 
+    from gemzoo import ops
     from gemzoo.config import load_config
     from gemzoo.train.trainer import Trainer
 
+    register_cpu_host()
     if threads:
         torch.set_num_threads(threads)
     cfg = load_config(CONFIG, plugins=plugins, overrides=[
@@ -84,13 +111,15 @@ def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, t
     wall = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in result.eval.items()}
     return {"plugins": plugins, "device": device, "seed": seed, "steps": steps, "wall_s": wall,
+            "extension": ops.extension_available(),
             "final_loss": result.final_loss, "metrics": metrics}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--runs", default="gdpa:cuda,reference:cuda,cpu:cpu", help="plugins:device, comma-separated")
+    p.add_argument("--runs", default="gdpa:cuda,reference:cuda,cpu-host:cuda,cpu:cpu",
+                   help="plugins:device, comma-separated")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the cpu run")
     p.add_argument("--seed", type=int, default=0, help="run.seed of every run (the data stays seed 0)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hstu_metrics.json"))
