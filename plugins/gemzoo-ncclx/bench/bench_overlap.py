@@ -534,7 +534,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes-mb", type=lambda v: [int(x) for x in v.split(",")], default=[256, 1024],
                     help="buffer sizes in MB, comma-separated (default 256,1024)")
     ap.add_argument("--warmup-s", type=float, default=2.0)
-    ap.add_argument("--reduce-blocks", type=int, default=8)
+    from gemzoo_ncclx.plugin import NcclxOptions
+
+    ap.add_argument("--reduce-blocks", type=int, default=NcclxOptions().reduce_blocks, help="the plugin's default")
     ap.add_argument("--no-smoke", action="store_true", help="skip the 2-process check on this device")
     ap.add_argument("--smoke-timeout", type=float, default=45)
     ap.add_argument("--pull", choices=("batch", "memcpy"), default="batch",
