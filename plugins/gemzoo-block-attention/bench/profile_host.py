@@ -10,6 +10,7 @@ time is host-bound (launch overhead), not kernel-bound.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -48,8 +49,12 @@ def cases():
     k_off = lengths_to_offsets(hist).cuda()
     q2, k2, v2, g2 = leaves(int(q_off[-1]), int(k_off[-1]), 1)
     norm = float(hist.max())
-    yield "gdpa_cross64", (lambda: gdpa_triton(q2, k2, v2, q_off, k_off, causal=False, activation="silu",
-                                                norm=norm)), (q2, k2, v2), g2
+    cross = lambda: gdpa_triton(q2, k2, v2, q_off, k_off, causal=False, activation="silu", norm=norm)  # noqa: E731
+    yield "gdpa_cross64", cross, (q2, k2, v2), g2
+
+    from gemzoo_jfa.ops import using
+
+    yield "gdpa_cross64_unsplit", cross, (q2, k2, v2), g2, lambda: using(split=0)  # forward and backward unsplit
 
 
 def main() -> int:
@@ -57,40 +62,46 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
-    from torch.profiler import ProfilerActivity, profile
-
     report = {}
-    for name, fn, ls, grad in cases():
-        def step():
-            fn().backward(grad)
-            for t in ls:
-                t.grad = None
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            step()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) / args.iters * 1e3
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                step()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / args.iters
-        kernels = sorted(((e.key, e.self_device_time_total / 1e3 / args.iters, e.count // args.iters)
-                          for e in events if e.self_device_time_total > 0), key=lambda r: -r[1])
-        report[name] = {"wall_ms_per_fwd_bwd": wall_ms, "gpu_ms_per_fwd_bwd": gpu_ms,
-                        "kernels": [{"name": n[:90], "ms": round(ms, 4), "launches": c} for n, ms, c in kernels[:15]]}
-        print(f"== {name}: wall {wall_ms:.3f} ms per fwd+bwd, GPU busy {gpu_ms:.3f} ms "
-              f"({'host-bound' if wall_ms > 1.5 * gpu_ms else 'GPU-bound'})")
-        for n, ms, c in kernels[:15]:
-            print(f"   {ms:8.4f} ms  x{c:<3d} {n[:100]}")
+    for name, fn, ls, grad, *around in cases():  # around: a context every call of the case runs in
+        with (around[0]() if around else contextlib.nullcontext()):
+            report[name] = profile_case(name, fn, ls, grad, args.iters)
     if args.out:
         with open(os.path.join(args.out, "profile_host.json"), "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def profile_case(name, fn, ls, grad, iters: int) -> dict:
+    """Wall time per fwd+bwd of ``fn`` against the GPU time of its kernels (torch.profiler), top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        fn().backward(grad)
+        for t in ls:
+            t.grad = None
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / iters * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / iters
+    kernels = sorted(((e.key, e.self_device_time_total / 1e3 / iters, e.count // iters)
+                      for e in events if e.self_device_time_total > 0), key=lambda r: -r[1])
+    print(f"== {name}: wall {wall_ms:.3f} ms per fwd+bwd, GPU busy {gpu_ms:.3f} ms "
+          f"({'host-bound' if wall_ms > 1.5 * gpu_ms else 'GPU-bound'})")
+    for n, ms, c in kernels[:15]:
+        print(f"   {ms:8.4f} ms  x{c:<3d} {n[:100]}")
+    return {"wall_ms_per_fwd_bwd": wall_ms, "gpu_ms_per_fwd_bwd": gpu_ms,
+            "kernels": [{"name": n[:90], "ms": round(ms, 4), "launches": c} for n, ms, c in kernels[:15]]}
 
 
 if __name__ == "__main__":
