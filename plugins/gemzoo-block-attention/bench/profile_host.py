@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where a short attention call spends its time: torch.profiler over fwd+bwd of block-attention (block 64,
-one sequence of L tokens) and of gdpa's cross path (64 candidates per user over gem_lognormal histories),
+one sequence of L tokens) and of gdpa's cross path (64 candidates per user over gem_lognormal histories; split-K,
+unsplit, and compiled FlexAttention, the bench's baseline, on the same tensors),
 GPU kernel time beside the host's wall time per call. A call whose wall time is well above its kernels'
 time is host-bound (launch overhead), not kernel-bound.
 
@@ -55,6 +56,21 @@ def cases():
     from gemzoo_jfa.ops import using
 
     yield "gdpa_cross64_unsplit", cross, (q2, k2, v2), g2, lambda: using(split=0)  # forward and backward unsplit
+    yield "flex_cross64", flex_cross(q2, k2, v2, q_off, k_off), (q2, k2, v2), g2  # the bench's baseline
+
+
+def flex_cross(q, k, v, q_off, k_off):
+    """Compiled FlexAttention (softmax) with the per-user block mask of bench_gdpa's cross rows."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from gemzoo.jagged import seq_ids
+
+    tq, tk = q.shape[0], k.shape[0]
+    qd, kd = seq_ids(q_off, tq), seq_ids(k_off, tk)
+    mask = create_block_mask(lambda b, h, i, j: qd[i] == kd[j], None, None, tq, tk, device="cuda", _compile=True)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    heads_first = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    return lambda: compiled(heads_first(q), heads_first(k), heads_first(v), block_mask=mask).squeeze(0).transpose(0, 1)
 
 
 def main() -> int:
