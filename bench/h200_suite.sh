@@ -11,10 +11,15 @@
 # Triton's compile cache can travel between sessions (bench/gpu_cache.py): a run packs it into $OUT when pytest is
 # done (triton.tgz.NN); copy those to .bench/gpu-cache/, carry that folder, and set GPU_CACHE=<its path from here>
 # for the next run, which unpacks it before pytest starts, so most kernel variants need no compile.
+# The C++ extension: the install never builds it (a minute); pytest runs without it unless GEMZOO_NO_EXTENSION=0,
+# which uses a gemzoo/_C*.so already in the tree (bench/h200_extension.sh returns one built on this image; copy it
+# into the exported tree before the call), so the extension's tests run too.
 # Env: OUT (default /tmp/h200_suite), SUITE_S (overall pytest limit; default 540, or 1700 detached),
 #      TEST_S (per test, default 300: a hang, not a slow test on the 16-core host), WAIT_S (how long a detached call waits, default 540).
 set -o pipefail
-export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=1
+export PYTHONUNBUFFERED=1
+TEST_NO_EXTENSION=${GEMZOO_NO_EXTENSION:-1}
+export GEMZOO_NO_EXTENSION=1  # for the install; pytest gets TEST_NO_EXTENSION
 OUT=${OUT:-/tmp/h200_suite}; mkdir -p "$OUT"
 RUN=/tmp/gemzoo_h200_suite  # a detached run's logs: $OUT is emptied before every device call
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -51,6 +56,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugin
 echo "installed in $(( $(date +%s) - t0 )) s"
 if [ -n "${GPU_CACHE:-}" ]; then python3 "$HERE/gpu_cache.py" unpack "$GPU_CACHE"; fi
 timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_S:-300}")
+export GEMZOO_NO_EXTENSION=$TEST_NO_EXTENSION
+python3 -c "from gemzoo import ops; print('gemzoo._C loaded:', ops.extension_available())"
 
 if [ -n "${DETACH:-}" ]; then
   rm -rf "$RUN"; mkdir -p "$RUN"
