@@ -54,16 +54,12 @@ def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list
             t = time.perf_counter()
             tr.train_step(step)
             walls.append(time.perf_counter() - t)
-    kernels: dict[str, float] = {}
-    host: dict[str, float] = {}
-    for e in prof.key_averages():
-        cuda_us = getattr(e, "self_device_time_total", None)
-        if cuda_us is None:
-            cuda_us = getattr(e, "self_cuda_time_total", 0.0)
-        if cuda_us and e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.key] = kernels.get(e.key, 0.0) + cuda_us / profiled / 1e3
-        if "act_quant" in e.key or "saved_tensors" in e.key:
-            host[e.key] = e.cpu_time_total / profiled / 1e3
+    from gemzoo.profiling import annotations_ms, kernel_ms
+
+    events = prof.key_averages()
+    kernels = kernel_ms(events, profiled)  # each kernel once: record_function spans are not kernels
+    host = {e.key: e.cpu_time_total / profiled / 1e3 for e in events
+            if e.device_type == torch.autograd.DeviceType.CPU and ("act_quant" in e.key or "saved_tensors" in e.key)}
     groups: dict[str, float] = {}
     for name, ms in kernels.items():
         groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
@@ -71,6 +67,7 @@ def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list
     row = {"plugins": plugins, "set": sets, "step_ms": 1e3 * statistics.median(walls), "warm_s": warm_s,
            "gpu_ms_per_step": sum(kernels.values()), "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
            "top_kernels_ms": top, "host_ranges_ms": host,
+           "annotated_ranges_gpu_ms": annotations_ms(events, profiled),
            "memory": tr.memory_reports() if hasattr(tr, "memory_reports") else {}}
     del tr, prof
     torch._dynamo.reset()

@@ -108,10 +108,13 @@ def profile_case(name, fn, ls, grad, iters: int) -> dict:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
+    from gemzoo.profiling import kernel_ms
+
     events = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / iters
-    kernels = sorted(((e.key, e.self_device_time_total / 1e3 / iters, e.count // iters)
-                      for e in events if e.self_device_time_total > 0), key=lambda r: -r[1])
+    per_call = kernel_ms(events, iters)
+    gpu_ms = sum(per_call.values())
+    launches = {e.key: e.count // iters for e in events if e.key in per_call}
+    kernels = sorted(((n, ms, launches[n]) for n, ms in per_call.items()), key=lambda r: -r[1])
     print(f"== {name}: wall {wall_ms:.3f} ms per fwd+bwd, GPU busy {gpu_ms:.3f} ms "
           f"({'host-bound' if wall_ms > 1.5 * gpu_ms else 'GPU-bound'})")
     for n, ms, c in kernels[:15]:
