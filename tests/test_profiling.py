@@ -9,22 +9,31 @@ from gemzoo.profiling import annotations_ms, kernel_ms
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 
-def event(key, device_type, us):
-    return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=us)
+def event(key, device_type, us, annotation=False):
+    return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=us, is_user_annotation=annotation)
 
 
 def test_annotations_and_cpu_ops_are_not_counted_as_kernels():
     events = [
         event("Optimizer.step#AdamW.step", CPU, 0.0),  # the CPU range ...
-        event("Optimizer.step#AdamW.step", CUDA, 900.0),  # ... and its GPU span, which covers the two kernels below
+        event("Optimizer.step#AdamW.step", CUDA, 900.0, annotation=True),  # ... and its GPU span over the next two
         event("multi_tensor_apply_kernel", CUDA, 600.0),
         event("vectorized_elementwise_kernel", CUDA, 300.0),
         event("aten::mm", CPU, 2000.0),  # a CPU operator's device time is its kernel's, listed next
         event("nvjet_sm90_tst_256x160", CUDA, 2000.0),
+        event("triton_tem_fused_flex_attention_0", CPU, 700.0),  # Inductor's launch range has the kernel's name
+        event("triton_tem_fused_flex_attention_0", CUDA, 700.0),
     ]
     assert kernel_ms(events, calls=2) == {"multi_tensor_apply_kernel": 0.3, "vectorized_elementwise_kernel": 0.15,
-                                          "nvjet_sm90_tst_256x160": 1.0}
+                                          "nvjet_sm90_tst_256x160": 1.0, "triton_tem_fused_flex_attention_0": 0.35}
     assert annotations_ms(events, calls=2) == {"Optimizer.step#AdamW.step": 0.45}
+
+
+def test_without_the_annotation_flag_a_span_is_known_by_its_cpu_range_name():
+    events = [SimpleNamespace(key=k, device_type=d, self_device_time_total=us)
+              for k, d, us in (("step", CPU, 0.0), ("step", CUDA, 500.0), ("kernel", CUDA, 500.0))]
+    assert kernel_ms(events) == {"kernel": 0.5}
+    assert annotations_ms(events) == {"step": 0.5}
 
 
 def test_a_real_cpu_profile_has_no_device_kernels():
