@@ -11,14 +11,14 @@
 # Triton's compile cache can travel between sessions (bench/gpu_cache.py): a run packs it into $OUT when pytest is
 # done (triton.tgz.NN); copy those to .bench/gpu-cache/, carry that folder, and set GPU_CACHE=<its path from here>
 # for the next run, which unpacks it before pytest starts, so most kernel variants need no compile.
-# The C++ extension: the install never builds it (a minute); pytest runs without it unless GEMZOO_NO_EXTENSION=0,
-# which uses a gemzoo/_C*.so already in the tree (bench/h200_extension.sh returns one built on this image; copy it
-# into the exported tree before the call), so the extension's tests run too.
+# The C++ extension: the install never builds it (a minute). bench/h200_extension.sh returns one built on this
+# image (_C.cpython-*.so); put it in the GPU_CACHE folder too, and it is copied into gemzoo/ before pytest, which
+# then runs the extension's tests as well. Without one (or with GEMZOO_NO_EXTENSION=1) pytest runs without it.
 # Env: OUT (default /tmp/h200_suite), SUITE_S (overall pytest limit; default 540, or 1700 detached),
 #      TEST_S (per test, default 300: a hang, not a slow test on the 16-core host), WAIT_S (how long a detached call waits, default 540).
 set -o pipefail
 export PYTHONUNBUFFERED=1
-TEST_NO_EXTENSION=${GEMZOO_NO_EXTENSION:-1}
+TEST_NO_EXTENSION=${GEMZOO_NO_EXTENSION:-auto}
 export GEMZOO_NO_EXTENSION=1  # for the install; pytest gets TEST_NO_EXTENSION
 OUT=${OUT:-/tmp/h200_suite}; mkdir -p "$OUT"
 RUN=/tmp/gemzoo_h200_suite  # a detached run's logs: $OUT is emptied before every device call
@@ -54,7 +54,13 @@ plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$OUT/install.log" 2>&1 \
   || { tail -30 "$OUT/install.log"; exit 1; }
 echo "installed in $(( $(date +%s) - t0 )) s"
-if [ -n "${GPU_CACHE:-}" ]; then python3 "$HERE/gpu_cache.py" unpack "$GPU_CACHE"; fi
+if [ -n "${GPU_CACHE:-}" ]; then
+  python3 "$HERE/gpu_cache.py" unpack "$GPU_CACHE"
+  for so in "$GPU_CACHE"/_C.*.so; do [ -f "$so" ] && cp "$so" gemzoo/ && echo "gemzoo/$(basename "$so") from $GPU_CACHE"; done
+fi
+if [ "$TEST_NO_EXTENSION" = auto ]; then
+  TEST_NO_EXTENSION=1; compgen -G "gemzoo/_C.*.so" > /dev/null && TEST_NO_EXTENSION=0
+fi
 timeout_opt=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_S:-300}")
 export GEMZOO_NO_EXTENSION=$TEST_NO_EXTENSION
 python3 -c "from gemzoo import ops; print('gemzoo._C loaded:', ops.extension_available())"
