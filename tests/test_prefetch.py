@@ -1,6 +1,7 @@
 """The host prefetch of the next step's samples (gemzoo.data.exchange.ShardPrefetcher, used by Lookahead)."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -31,6 +32,27 @@ def test_get_returns_the_prefetched_part_and_loads_anything_else_now():
     p.prefetch(ds, 4, 0, 1)
     assert torch.equal(p.get(ds, 7, 0, 1), torch.arange(4) + 70)  # not what was prefetched: built now
     assert ds.built[-1] == (7, threading.current_thread().name)
+    p.close()
+
+
+class Slow(Recording):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def train_batch(self, step):
+        time.sleep(self.seconds)
+        return super().train_batch(step)
+
+
+def test_last_wait_is_what_get_blocked_for():
+    ds, p = Slow(0.2), ShardPrefetcher()
+    p.get(ds, 0, 0, 1)  # nothing prefetched: the whole load
+    assert p.last_wait_s >= 0.2
+    p.prefetch(ds, 1, 0, 1)
+    time.sleep(0.4)  # the prefetch finished meanwhile
+    p.get(ds, 1, 0, 1)
+    assert p.last_wait_s < 0.1
     p.close()
 
 

@@ -69,20 +69,26 @@ class ShardPrefetcher:
     part (synthetic generation, a file's rows) while the device runs step t. The Dataset protocol makes
     ``train_batch`` a pure function of (seed, step), so the thread changes when a part is built, never what
     it holds. ``get`` returns the part prefetched for exactly (dataset, step, rank, world), else loads it now;
-    an error raised in the thread is raised by ``get``."""
+    an error raised in the thread is raised by ``get``. ``last_wait_s``: how long the last ``get`` blocked (the
+    rest of a prefetch still running, or the whole load when nothing was prefetched)."""
 
     def __init__(self):
         self._pool: ThreadPoolExecutor | None = None
         self._pending: tuple[tuple, Any] | None = None
+        self.last_wait_s = 0.0
 
     def get(self, dataset, step: int, rank: int, world_size: int):
         key = (id(dataset), step, rank, world_size)
         pending, self._pending = self._pending, None
-        if pending is not None:
-            if pending[0] == key:
-                return pending[1].result()
-            pending[1].cancel()
-        return load_shard(dataset, step, rank, world_size)
+        t0 = time.perf_counter()
+        try:
+            if pending is not None:
+                if pending[0] == key:
+                    return pending[1].result()
+                pending[1].cancel()
+            return load_shard(dataset, step, rank, world_size)
+        finally:
+            self.last_wait_s = time.perf_counter() - t0
 
     def prefetch(self, dataset, step: int, rank: int, world_size: int) -> None:
         if self._pending is not None:
@@ -403,7 +409,8 @@ class Lookahead:
 
     ``last`` describes the latest step: ``{"step", "ahead"`` (its partition was computed ahead, in the
     worker), ``"assign_s"`` (the partition's own seconds), ``"wait_s"`` (what this step waited for it: all of
-    ``assign_s`` when computed now)``}``; NaN where not measured (a policy that moves samples itself).
+    ``assign_s`` when computed now)``}``; NaN where not measured (a policy that moves samples itself). On one
+    rank also ``"load_wait_s"``: what the step waited for its prefetched part (``ShardPrefetcher.last_wait_s``).
     ``close()`` (or leaving ``with``) drops a partition computed for a step that will not run and stops the
     worker; a later ``batch`` call starts a new one.
 
@@ -434,8 +441,9 @@ class Lookahead:
         rank calls this at the same point, so the collectives match) and its partition started in the worker."""
         ahead, self._ahead = self._ahead, None
         if dp.size == 1:  # one rank never calls the policy
-            self.last = {"step": step, "ahead": False, "assign_s": 0.0, "wait_s": 0.0}
             part = self._loader.get(dataset, step, 0, 1).to(device)
+            self.last = {"step": step, "ahead": False, "assign_s": 0.0, "wait_s": 0.0,
+                         "load_wait_s": self._loader.last_wait_s}
             if next_step is not None:  # built on the host while this step trains
                 self._loader.prefetch(dataset, next_step, 0, 1)
             return part

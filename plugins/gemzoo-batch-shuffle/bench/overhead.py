@@ -117,7 +117,8 @@ def _runq_wait_s() -> float:
 
 def timed_step(tr, step: int, before=None, after=None, host: list | None = None) -> float:
     """One ``train_step`` between synchronizations; ``host`` gets the main thread's CPU and run-queue wait
-    seconds and the whole process's CPU seconds (its OpenMP team's included: spinning at barriers shows there)."""
+    seconds, the whole process's CPU seconds (its OpenMP team's included: spinning at barriers shows there) and
+    what the step waited for its batch, which a host thread prefetched beside the worker."""
     sync(tr)
     t0, c0, q0, p0 = time.perf_counter(), time.thread_time(), _runq_wait_s(), time.process_time()
     handle = before() if before else None
@@ -126,14 +127,16 @@ def timed_step(tr, step: int, before=None, after=None, host: list | None = None)
         after(handle)
     sync(tr)
     if host is not None:
-        host.append((time.thread_time() - c0, _runq_wait_s() - q0, time.process_time() - p0))
+        load_wait = getattr(getattr(tr, "lookahead", None), "last", {}).get("load_wait_s", math.nan)
+        host.append((time.thread_time() - c0, _runq_wait_s() - q0, time.process_time() - p0, load_wait))
     return time.perf_counter() - t0
 
 
 def host_summary(host: list) -> dict:
     """Where the main thread's time went, medians over steps: on a CPU, and runnable but off one."""
     med = lambda k: round(1e3 * statistics.median(h[k] for h in host), 3)  # noqa: E731
-    return {"main_cpu_median_ms": med(0), "main_runq_wait_median_ms": med(1), "process_cpu_median_ms": med(2)}
+    return {"main_cpu_median_ms": med(0), "main_runq_wait_median_ms": med(1), "process_cpu_median_ms": med(2),
+            "load_wait_median_ms": med(3), "load_wait_max_ms": round(1e3 * max(h[3] for h in host), 3)}
 
 
 def cpu_facts(workers: dict) -> dict:
@@ -271,7 +274,8 @@ def main(argv=None) -> int:
                 print(f"{'':20s}overlapped in a {kind:7s}: wait {r['wait_median_ms']:7.2f} ms (max "
                       f"{r['wait_max_ms']:.2f}), step overhead {r['overhead_ms']:+8.2f} ms ({r['overhead_pct']:+.2f}%); main thread "
                       f"CPU {r['main_cpu_median_ms']:.1f} ms, run-queue wait {r['main_runq_wait_median_ms']:.2f} ms, "
-                      f"process CPU {r['process_cpu_median_ms']:.1f} ms",
+                      f"process CPU {r['process_cpu_median_ms']:.1f} ms, batch wait {r['load_wait_median_ms']:.2f} ms "
+                      f"(max {r['load_wait_max_ms']:.2f})",
                       flush=True)
                 write()
     finally:

@@ -158,7 +158,9 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
     look = Lookahead(BatchShuffle())
     with look:
         batch = look.batch(Data(), 3, DataParallelGroup(), torch.device("cpu"), lambda b: 1 / 0, next_step=4)
+    load_wait = look.last.pop("load_wait_s")  # the whole load: nothing was prefetched for step 3
     assert batch.num_samples == 5 and look.last == {"step": 3, "ahead": False, "assign_s": 0.0, "wait_s": 0.0}
+    assert load_wait > 0
     assert look._worker is None and look._ahead is None
 
 
