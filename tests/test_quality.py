@@ -299,3 +299,7 @@ def test_optim_betas_reach_adamw(tmp_path):
     cfg.optim.betas = [0.9, 1.5]
     with pytest.raises(ConfigError, match="betas"):
         build_optimizers(torch.nn.Linear(2, 2), cfg)
+    assert not opt.defaults.get("fused")  # CPU parameters: torch's default implementation
+    if torch.cuda.is_available():  # plain CUDA parameters: the fused kernel
+        cfg.optim.betas = [0.9, 0.98]
+        assert build_optimizers(torch.nn.Linear(2, 2).cuda(), cfg)["dense"].defaults["fused"] is True

@@ -246,8 +246,12 @@ def build_optimizers(model: nn.Module, cfg: Config, replicated: list[nn.Paramete
     betas = tuple(cfg.optim.betas)
     if len(betas) != 2 or not all(isinstance(x, (int, float)) and 0.0 <= x < 1.0 for x in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1) (AdamW's beta1, beta2), got {cfg.optim.betas!r}")
+    # plain CUDA tensors: the fused kernel (one launch per dtype group, as torchtitan's default); FSDP2 DTensors
+    # beside plain tensors: the per-tensor loop; otherwise torch's default (foreach)
+    fused = bool(dense) and not mixed and all(p.device.type == "cuda" and type(p.data) is torch.Tensor for p in dense)
+    impl = {"fused": True} if fused else {"foreach": False if mixed else None}
     opts = {"dense": torch.optim.AdamW(dense, lr=cfg.optim.lr, betas=betas, weight_decay=cfg.optim.weight_decay,
-                                       foreach=False if mixed else None)}
+                                       **impl)}
     if sparse:
         # Row-wise Adagrad is what fbgemm's fused TBE uses for sparse tables; torch's Adagrad here.
         opts["sparse"] = torch.optim.Adagrad(sparse, lr=cfg.optim.sparse_lr)
