@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One device call of the benchmarks still to run on the H200, each written to $OUT as it goes, in order of need:
-#   gdpa's whole table in one run and its 50-step gem-bench cross row (issue 11), ncclx's overlap (issue 14),
-#   the compiled memory rows (issue 15), batch-shuffle's overhead with the worker's core fix (issue 16),
-#   act-quant's step profile (issue 15). A step starts only while time is left.
-#   LIMIT_S=560 bash bench/h200_benches.sh        # from the repository root on the device machine
-#   ONLY="memory shuffle aq_profile" LIMIT_S=560 bash bench/h200_benches.sh   # a second call: only these steps
+# The benchmarks still to run on the H200, each written to $OUT as it goes, in order of need. A step starts only
+# while time is left (LIMIT_S); ONLY="name ..." runs just those steps.
+#   host        where the ~1 ms of host time per attention call goes: torch.profiler and cProfile over the
+#               block-attention and gdpa cross64 cases (issues 11 follow-up, 17)
+#   shuffle     batch-shuffle's per-step overhead, 45 steps, with each step's wait for its prefetched batch (16)
+#   gdpa, cross50, ncclx, memory, aq_profile: the runs of 2026-12-02 (issues 11, 14, 15), kept for reruns
+#   LIMIT_S=560 bash bench/h200_benches.sh                   # from the repository root on the device machine
+#   ONLY="host shuffle" LIMIT_S=300 bash bench/h200_benches.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=1
 OUT=${OUT:-/tmp/h200_benches}; mkdir -p "$OUT"
@@ -24,20 +26,22 @@ plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$LOGS/install.log" 2>&1 \
   || { tail -20 "$LOGS/install.log"; exit 1; }
 echo "installed at $(( $(date +%s) - t0 )) s"
+step host 120 python3 plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$OUT"
+grep -E "^==|^ +[0-9]" "$LOGS/host.log" 2>/dev/null | head -120 | cut -c1-200
+step shuffle 170 python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml \
+  --plugins jfa,bf16 --steps 45 --warmup 5 --worlds 8,64,512 --workers process --budget-s 140 --out "$OUT/overhead.json"
+grep -E "CPUs|median step|assign alone|overlapped" "$LOGS/shuffle.log" 2>/dev/null | cut -c1-300
 step gdpa 240 python3 plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$LOGS"
 cp "$LOGS/bench_gdpa.json" "$OUT/" 2>/dev/null
-grep -v -e Warning -e create_block_mask "$LOGS/gdpa.log" | tail -34
+grep -v -e Warning -e create_block_mask "$LOGS/gdpa.log" 2>/dev/null | tail -34
 step cross50 100 gemzoo ablate configs/ablations/gem-bench.toml --runs "gdpa cross silu" --steps 50 \
   --warmup 10 --out /tmp/cross50
-cp /tmp/cross50/ablation.json "$OUT/cross50.json" 2>/dev/null; tail -5 "$LOGS/cross50.log"
+cp /tmp/cross50/ablation.json "$OUT/cross50.json" 2>/dev/null; tail -5 "$LOGS/cross50.log" 2>/dev/null
 step ncclx 100 python3 plugins/gemzoo-ncclx/bench/bench_overlap.py --out "$OUT/ncclx_overlap.json"
-tail -24 "$LOGS/ncclx.log"
+tail -24 "$LOGS/ncclx.log" 2>/dev/null
 step memory 200 python3 plugins/gemzoo-auto-ac/bench/bench_memory.py --steps 50 --warmup 10 \
   --rows bf16,act-quant,target,combo --budget-s $(( $(left) - 45 )) --json "$OUT/bench_memory.json"
-tail -12 "$LOGS/memory.log"
-step shuffle 120 python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml \
-  --plugins jfa,bf16 --steps 20 --warmup 5 --worlds 8,64,512 --budget-s 90 --out "$OUT/overhead.json"
-grep -E "CPUs|median step|assign alone|overlapped" "$LOGS/shuffle.log" | cut -c1-300
+tail -12 "$LOGS/memory.log" 2>/dev/null
 step aq_profile 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --steps 10 \
   --profile 3 --out "$OUT/act_quant_profile.json"
-grep -E '^\{|^    ' "$LOGS/aq_profile.log" | cut -c1-1200
+grep -E '^\{|^    ' "$LOGS/aq_profile.log" 2>/dev/null | cut -c1-1200

@@ -6,6 +6,7 @@ GPU kernel time beside the host's wall time per call. A call whose wall time is 
 time is host-bound (launch overhead), not kernel-bound.
 
     python3 plugins/gemzoo-block-attention/bench/profile_host.py --out $OUT
+    python3 plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out $OUT   # + Python's top 25
 """
 
 from __future__ import annotations
@@ -77,25 +78,54 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also the N Python functions with the most own time per call (cProfile), per case")
     args = ap.parse_args()
     report = {}
     for name, fn, ls, grad, *around in cases():  # around: a context every call of the case runs in
         with (around[0]() if around else contextlib.nullcontext()):
             report[name] = profile_case(name, fn, ls, grad, args.iters)
+            if args.cprofile:
+                report[name]["python_top"] = python_top(fn, ls, grad, args.iters, args.cprofile)
     if args.out:
         with open(os.path.join(args.out, "profile_host.json"), "w") as f:
             json.dump(report, f, indent=1)
     return 0
 
 
+def _fwd_bwd(fn, ls, grad) -> None:
+    fn().backward(grad)
+    for t in ls:
+        t.grad = None
+
+
+def python_top(fn, ls, grad, iters: int, n: int) -> list[dict]:
+    """Where the host's time per fwd+bwd goes in Python: cProfile over ``iters`` calls, the ``n`` functions with
+    the most own time (ms per call); the final synchronize is its own row, so the GPU's share stays apart."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        _fwd_bwd(fn, ls, grad)
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    top = [{"function": f"{Path(f).name}:{line}({func})", "own_ms": round(tt / iters * 1e3, 4),
+            "cumulative_ms": round(ct / iters * 1e3, 4), "calls": nc // iters}
+           for (f, line, func), (_cc, nc, tt, ct, _callers) in rows]
+    for r in top:
+        print(f"   {r['own_ms']:8.4f} ms own {r['cumulative_ms']:8.4f} cum  x{r['calls']:<4d} {r['function'][:90]}")
+    return top
+
+
 def profile_case(name, fn, ls, grad, iters: int) -> dict:
     """Wall time per fwd+bwd of ``fn`` against the GPU time of its kernels (torch.profiler), top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    def step():
-        fn().backward(grad)
-        for t in ls:
-            t.grad = None
+    step = lambda: _fwd_bwd(fn, ls, grad)  # noqa: E731
     for _ in range(5):
         step()
     torch.cuda.synchronize()
