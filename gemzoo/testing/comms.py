@@ -44,7 +44,7 @@ def spawn(target, world: int, *args, timeout: float = 240, hide_cuda: bool = Fal
     import torch.multiprocessing as mp
 
     ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    procs = [ctx.Process(target=_run_rank, args=(target, r, world, port, *args)) for r in range(world)]
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if hide_cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a spawned child copies the environment at start()
@@ -63,6 +63,22 @@ def spawn(target, world: int, *args, timeout: float = 240, hide_cuda: bool = Fal
         if p.is_alive():
             p.kill()
     assert not bad, f"ranks {sorted(bad)} exited with {sorted(set(bad.values()))} (None: still running after {timeout}s)"
+
+
+def _run_rank(target, rank: int, *args) -> None:
+    """A spawned rank: ``target``, then an exit that skips the interpreter's teardown once it returned. Rank 0
+    hosts the TCPStore of ``tcp://`` initialisation; torch's threads behind it and gloo's could still be
+    running while the interpreter tears down, and then the process aborts ("terminate called without an
+    active exception", SIGABRT) after its work passed. A failure still raises here, with its traceback and
+    exit code 1."""
+    import logging
+    import sys
+
+    target(rank, *args)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def share_cores(world: int) -> None:
