@@ -127,7 +127,7 @@ def timed_step(tr, step: int, before=None, after=None, host: list | None = None)
         after(handle)
     sync(tr)
     if host is not None:
-        load_wait = getattr(getattr(tr, "lookahead", None), "last", {}).get("load_wait_s", math.nan)
+        load_wait = tr.lookahead.last.get("load_wait_s", math.nan)  # one rank: the trainer's prefetch wait
         host.append((time.thread_time() - c0, _runq_wait_s() - q0, time.process_time() - p0, load_wait))
     return time.perf_counter() - t0
 

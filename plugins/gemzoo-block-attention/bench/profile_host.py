@@ -46,6 +46,8 @@ def cases():
         from gemzoo_gdpa import gdpa_triton
     except ImportError:
         return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-gdpa" / "bench"))
+    from bench_gdpa import flex_cross  # the cross rows' baseline, as bench_gdpa times it
     hist = gem_lognormal()
     q_off = lengths_to_offsets(torch.full((hist.numel(),), 64)).cuda()
     k_off = lengths_to_offsets(hist).cuda()
@@ -58,20 +60,6 @@ def cases():
 
     yield "gdpa_cross64_unsplit", cross, (q2, k2, v2), g2, lambda: using(split=0)  # forward and backward unsplit
     yield "flex_cross64", flex_cross(q2, k2, v2, q_off, k_off), (q2, k2, v2), g2  # the bench's baseline
-
-
-def flex_cross(q, k, v, q_off, k_off):
-    """Compiled FlexAttention (softmax) with the per-user block mask of bench_gdpa's cross rows."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    from gemzoo.jagged import seq_ids
-
-    tq, tk = q.shape[0], k.shape[0]
-    qd, kd = seq_ids(q_off, tq), seq_ids(k_off, tk)
-    mask = create_block_mask(lambda b, h, i, j: qd[i] == kd[j], None, None, tq, tk, device="cuda", _compile=True)
-    compiled = torch.compile(flex_attention, dynamic=False)
-    heads_first = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
-    return lambda: compiled(heads_first(q), heads_first(k), heads_first(v), block_mask=mask).squeeze(0).transpose(0, 1)
 
 
 def main() -> int:

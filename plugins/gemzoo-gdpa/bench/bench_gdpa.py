@@ -159,6 +159,20 @@ def self_attention(name, lens, activations, baselines=True):
     return res
 
 
+def flex_cross(q, k, v, q_off, k_off):
+    """The cross rows' baseline: compiled FlexAttention (softmax) with a per-user block mask, as a callable."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from gemzoo.jagged import seq_ids
+
+    tq, tk = q.shape[0], k.shape[0]
+    qd, kd = seq_ids(q_off, tq), seq_ids(k_off, tk)
+    mask = create_block_mask(lambda b, h, i, j: qd[i] == kd[j], None, None, tq, tk, device="cuda", _compile=True)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    heads_first = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    return lambda: compiled(heads_first(q), heads_first(k), heads_first(v), block_mask=mask).squeeze(0).transpose(0, 1)
+
+
 def cross_attention(n_cand=64):
     hist = gem_lognormal()
     B = hist.numel()
@@ -186,18 +200,7 @@ def cross_attention(n_cand=64):
             res[tag] = row(name, tag, *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
 
     def flex():
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        from gemzoo.jagged import seq_ids
-
-        qd, kd = seq_ids(q_off, tq), seq_ids(k_off, tk)
-        bm = create_block_mask(lambda b, h, i, j: qd[i] == kd[j], None, None, tq, tk, device="cuda", _compile=True)
-        compiled = torch.compile(flex_attention, dynamic=False)
-
-        def fn():
-            return compiled(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                            v.transpose(0, 1).unsqueeze(0), block_mask=bm).squeeze(0).transpose(0, 1)
-
+        fn = flex_cross(q, k, v, q_off, k_off)
         return row(name, "flex softmax", *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
 
     res["flex"] = guarded(f"{name} flex", flex)
