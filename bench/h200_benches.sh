@@ -21,10 +21,8 @@ step() {  # step NAME MAX_S CMD...: runs CMD under min(MAX_S, time left) if at l
   timeout "$max" "$@" > "$LOGS/$name.log" 2>&1; echo "$name rc=$? at $(( $(date +%s) - t0 )) s"
   tar czf "$OUT/logs.tgz" -C "$LOGS" .
 }
-plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
-# shellcheck disable=SC2086
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$LOGS/install.log" 2>&1 \
-  || { tail -20 "$LOGS/install.log"; exit 1; }
+# shellcheck source=bench/device_install.sh
+source "$(dirname "$0")/device_install.sh"; install_checkout "$LOGS/install.log" || exit 1
 echo "installed at $(( $(date +%s) - t0 )) s"
 step host 120 python3 plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$OUT"
 grep -E "^==|^ +[0-9]" "$LOGS/host.log" 2>/dev/null | head -120 | cut -c1-200

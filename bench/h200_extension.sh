@@ -9,10 +9,8 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 GEMZOO_NO_EXTENSION=0 MAX_JOBS=${MAX_JOBS:-16}
 OUT=${OUT:-/tmp/h200_ext}; mkdir -p "$OUT"
 t0=$(date +%s)
-plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
-# shellcheck disable=SC2086
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$OUT/ext_install.log" 2>&1 \
-  || { tail -30 "$OUT/ext_install.log"; exit 1; }
+# shellcheck source=bench/device_install.sh
+source "$(dirname "$0")/device_install.sh"; install_checkout "$OUT/ext_install.log" || exit 1
 echo "installed with the extension in $(( $(date +%s) - t0 )) s"
 cp gemzoo/_C*.so "$OUT/" && ls -la "$OUT"/_C*.so
 python3 -c "from gemzoo import ops; print(ops.extension_info())" || exit 1

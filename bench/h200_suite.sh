@@ -49,10 +49,8 @@ if [ "${1:-}" = "--collect" ]; then
   wait_detached
 fi
 
-plugins=$(for p in plugins/gemzoo-*/; do printf -- '-e %s ' "${p%/}"; done)
-# shellcheck disable=SC2086
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . $plugins > "$OUT/install.log" 2>&1 \
-  || { tail -30 "$OUT/install.log"; exit 1; }
+# shellcheck source=bench/device_install.sh
+source "$HERE/device_install.sh"; install_checkout "$OUT/install.log" || exit 1
 echo "installed in $(( $(date +%s) - t0 )) s"
 if [ -n "${GPU_CACHE:-}" ]; then
   python3 "$HERE/gpu_cache.py" unpack "$GPU_CACHE"
