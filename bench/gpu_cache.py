@@ -25,11 +25,11 @@ SUFFIX = ".tgz."  # triton.tgz.00, triton.tgz.01, inductor.tgz.00, ...
 # Triton loads a cached kernel from its group's metadata .json and binary (.cubin) alone and skips group members
 # that are missing (FileCacheManager.get_group), so the intermediate IRs stay home: most of the cache's bytes.
 IR_SUFFIXES = (".source", ".ttir", ".ttgir", ".llir", ".ptx", ".amdgcn")
+ORDER = ("triton", "inductor")
 
 
 def _lean(info: tarfile.TarInfo):
     return None if info.name.endswith(IR_SUFFIXES) else info
-ORDER = ("triton", "inductor")
 
 
 def cache_dirs() -> dict[str, Path]:
