@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The benchmarks still to run on the H200, each written to $OUT as it goes, in order of need. A step starts only
-# while time is left (LIMIT_S); ONLY="name ..." runs just those steps.
+# while time is left (LIMIT_S); ONLY="name ..." runs just those steps. GPU_CACHE=<folder> unpacks a Triton cache
+# first (bench/gpu_cache.py, as h200_suite.sh does).
+#   gpu_tests   the GPU tests of the jfa kernel family (jfa, gdpa, block-attention), which share the launchers
+#   jfa         bench_jfa.py: gem_lognormal, uniform_8k and short against Flex, FA varlen, NJT and padded SDPA,
+#               and the length-bucket sweep on short (issue 17)
 #   host        where the ~1 ms of host time per attention call goes: torch.profiler and cProfile over the
 #               block-attention and gdpa cross64 cases (issues 11 follow-up, 17)
 #   shuffle     batch-shuffle's per-step overhead, 45 steps, with each step's wait for its prefetched batch (16)
@@ -24,6 +28,13 @@ step() {  # step NAME MAX_S CMD...: runs CMD under min(MAX_S, time left) if at l
 # shellcheck source=bench/device_install.sh
 source "$(dirname "$0")/device_install.sh"; install_checkout "$LOGS/install.log" || exit 1
 echo "installed at $(( $(date +%s) - t0 )) s"
+[ -n "${GPU_CACHE:-}" ] && python3 "$(dirname "$0")/gpu_cache.py" unpack "$GPU_CACHE"
+step gpu_tests 200 python3 -m pytest -q -c pyproject.toml -rfE plugins/gemzoo-jfa/tests/test_gpu.py \
+  plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py
+tail -8 "$LOGS/gpu_tests.log" 2>/dev/null
+step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep buckets --checks 2 --budget 230 --out "$LOGS"
+cp "$LOGS/bench_jfa.json" "$OUT/" 2>/dev/null
+grep -v -e Warning -e create_block_mask "$LOGS/jfa.log" 2>/dev/null | tail -40
 step host 120 python3 plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$OUT"
 grep -E "^==|^ +[0-9]" "$LOGS/host.log" 2>/dev/null | head -120 | cut -c1-200
 step shuffle 170 python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml \

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
-from bench_jfa import Workload, gem_lognormal, log, rel, uniform_8k  # noqa: E402
+from bench_jfa import Workload, gem_lognormal, log, rel, short_lengths, uniform_8k  # noqa: E402
 
 from gemzoo.interfaces.attention import ACTIVATIONS, apply_activation  # noqa: E402
 from gemzoo.jagged import jagged_to_padded, lengths_to_offsets, padded_to_jagged  # noqa: E402
@@ -38,10 +38,6 @@ H, D, DTYPE = 4, 128, torch.bfloat16
 RESULTS: dict = {"device": None, "rows": [], "checks": {}}
 EAGER = True  # --no-eager skips the (slow) eager padded baselines
 EAGER_BUDGET = 24e9  # bytes of [chunk, H, Lq, Lk] intermediates the eager baseline may hold at once
-
-
-def short_lengths(B=4096, seed=3):
-    return gem_lognormal(B, median=48, sigma=0.7, lo=1, hi=1024, seed=seed)
 
 
 def timed(fwd, fwd_bwd, leaves):

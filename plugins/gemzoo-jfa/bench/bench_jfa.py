@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Benchmark jfa against FlexAttention (document+causal mask, compiled), NJT+SDPA and padded SDPA.
+"""Benchmark jfa against FlexAttention (document+causal mask, compiled), FlashAttention varlen
+(torch.nn.attention.varlen.varlen_attn, causal), NJT+SDPA and padded SDPA.
 
-Workloads from BENCHMARKS.md (H=4, D=128, bf16): gem_lognormal and uniform_8k; forward and forward+backward;
+Workloads from BENCHMARKS.md (H=4, D=128, bf16): gem_lognormal, uniform_8k and short (B=4096, lognormal median
+48, sigma 0.7, clipped 1..1024: many short histories, where jfa's length buckets apply); forward and forward+backward;
 median of triton.testing.do_bench(warmup=25, rep=100); TFLOP/s from useful FLOPs (fwd 2*H*D*sum L^2,
 fwd+bwd 7*H*D*sum L^2); peak memory above the inputs. Correctness first: jfa against an fp64 reference
 on mixed small shapes (outputs poisoned with NaN), and against Flex on the full workloads.
@@ -37,6 +39,10 @@ def gem_lognormal(B=64, median=1024, sigma=1.0, lo=32, hi=16384, seed=1):
 
 def uniform_8k(B=64, seed=2):
     return torch.randint(1, 8192, (B,), generator=torch.Generator().manual_seed(seed))
+
+
+def short_lengths(B=4096, seed=3):
+    return gem_lognormal(B, median=48, sigma=0.7, lo=1, hi=1024, seed=seed)
 
 
 def rel(a, b):
@@ -159,6 +165,29 @@ def make_flex(w):
     return fn, w.leaves(), w.grad
 
 
+def _varlen_causal() -> dict:
+    """varlen_attn's causal argument: window_size=(-1, 0) where it has one (torch >= 2.11), else is_causal."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    return {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+
+
+def make_fa_varlen(w):
+    """torch's FlashAttention varlen on the same jagged [T, H, D] tensors (int32 cumulative offsets)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = w.offsets.to(torch.int32)
+    causal = _varlen_causal()
+
+    def fn():
+        return varlen_attn(w.q, w.k, w.v, cu, cu, w.Lmax, w.Lmax, **causal)
+
+    return fn, w.leaves(), w.grad
+
+
 def make_njt(w):
     lmin, lmax = int(w.lens.min()), w.Lmax
 
@@ -186,7 +215,9 @@ def make_padded(w):
     return fn, pads, grad
 
 
-METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "flex": make_flex, "njt_sdpa": make_njt, "padded_sdpa": make_padded}
+METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "flex": make_flex, "fa_varlen": make_fa_varlen,
+           "njt_sdpa": make_njt, "padded_sdpa": make_padded}
+SAME_LAYOUT = ("jfa", "jfa_ptr", "flex", "fa_varlen", "njt_sdpa")  # outputs and gradients cross-checked against jfa
 
 
 def bench(fn, leaves, grad, warmup=25, rep=100, ctx=contextlib.nullcontext):
@@ -218,7 +249,9 @@ def bench(fn, leaves, grad, warmup=25, rep=100, ctx=contextlib.nullcontext):
 
 def run_workload(w, methods):
     res = {"B": w.B, "T": w.T, "Lmax": w.Lmax, "sum_L2": w.sum_l2,
-           "padding_waste": 1 - w.sum_l2 / (w.B * w.Lmax ** 2), "methods": {}}
+           "padding_waste": 1 - w.sum_l2 / (w.B * w.Lmax ** 2), "methods": {},
+           "jfa_launches": [{"tiles": [c.block_m, c.block_n], "lengths": r}
+                            for c, r in jfa_ops.length_buckets(w.q, w.k, w.B, "fwd")]}
     RESULTS["workloads"][w.name] = res
     fl_fwd, fl_fb = 2 * H * D * w.sum_l2, 7 * H * D * w.sum_l2
     outs = {}
@@ -227,7 +260,7 @@ def run_workload(w, methods):
         try:
             fn, leaves, grad, *rest = METHODS[name](w)
             ctx = rest[0] if rest else contextlib.nullcontext
-            if name in ("jfa", "jfa_ptr", "flex", "njt_sdpa"):  # same layout: cross-check outputs and grads
+            if name in SAME_LAYOUT:  # cross-check outputs and grads
                 with ctx():
                     out = fn()
                     out.backward(grad)
@@ -245,7 +278,7 @@ def run_workload(w, methods):
         log(f"{w.name} {name}: fwd {t_fwd:.3f} ms ({fl_fwd / t_fwd / 1e9:.0f} TF/s)  fwd+bwd {t_fb:.3f} ms "
             f"({fl_fb / t_fb / 1e9:.0f} TF/s)  peak {peak / 1e9:.2f} GB")
     if "jfa" in outs:
-        for other in ("jfa_ptr", "flex", "njt_sdpa"):
+        for other in SAME_LAYOUT[1:]:
             if other in outs:
                 errs = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), outs["jfa"], outs[other])}
                 res[f"jfa_vs_{other}"] = errs
@@ -285,8 +318,20 @@ def _breakdown(w, tag):
     log(f"{w.name} {tag} breakdown: " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
 
 
+BUCKET_VARIANTS = {  # the length buckets the sweep times on the short workload (default: ops.default_buckets)
+    "off": (),
+    "64 (default)": None,
+    "32,64": (jfa_ops.Bucket(32, Configs(*(KernelConfig(32, 32, 4, 2),) * 3)),
+              *jfa_ops.default_buckets(D, "cuda")),
+    "64,128 on 64x64": (*jfa_ops.default_buckets(D, "cuda"),
+                        jfa_ops.Bucket(128, Configs(*(KernelConfig(64, 64, 4, 3),) * 3))),
+    "64 w8 s2": (jfa_ops.Bucket(64, Configs(*(KernelConfig(64, 64, 8, 2),) * 3)),),
+}
+
+
 def sweep(workloads, deadline, parts=("configs", "order", "tma")):
-    """Block shapes / warps / stages per kernel, and longest-first vs natural order."""
+    """Block shapes / warps / stages per kernel, longest-first vs natural order, TMA forward tiles, and
+    length buckets (on the short workload)."""
     from triton.testing import do_bench
 
     base = default_configs(D, "cuda")
@@ -298,8 +343,8 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
                KernelConfig(128, 32, 8, 3)]
     out = RESULTS["sweep"]
 
-    def timed(w, cfgs, mode, order="lpt"):
-        with using(cfgs, order=order):
+    def timed(w, cfgs, mode, order="lpt", buckets=None):
+        with using(cfgs, order=order, buckets=buckets):
             fn, leaves, grad = make_jfa(w)
             if mode == "fwd":
                 def run():
@@ -339,6 +384,18 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
             key = f"fwd BM{fwd_c.block_m} BN{fwd_c.block_n} w{fwd_c.num_warps} s{fwd_c.num_stages} tma"
             out[key] = {w.name: timed(w, Configs(**{**base.__dict__, "fwd": fwd_c}), "fwd") for w in workloads}
             log(f"sweep {key}: {out[key]}")
+    short = [w for w in workloads if w.name == "short"]
+    if "buckets" in parts and short:
+        for name, buckets in BUCKET_VARIANTS.items():
+            if time.time() > deadline:
+                return
+            key = f"buckets {name}"
+            try:
+                out[key] = {"short": {"fwd": timed(short[0], base, "fwd", buckets=buckets),
+                                      "fwd_bwd": timed(short[0], base, "fwd_bwd", buckets=buckets)}}
+            except Exception as exc:
+                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            log(f"sweep {key}: {out[key]}")
 
 
 def table():
@@ -362,7 +419,8 @@ def table():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_jfa.json ($OUT)")
-    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma")
+    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma, buckets")
+    ap.add_argument("--workloads", default="gem_lognormal,uniform_8k,short", help="comma-separated subset")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")
     ap.add_argument("--checks", type=int, default=4, help="how many small correctness cases to run (1-4)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
@@ -380,7 +438,8 @@ def main():
     if not ok:
         print("jfa FAILED its correctness checks; not timing it", flush=True)
         sys.exit(1)
-    workloads = [Workload("gem_lognormal", gem_lognormal()), Workload("uniform_8k", uniform_8k())]
+    lengths = {"gem_lognormal": gem_lognormal, "uniform_8k": uniform_8k, "short": short_lengths}
+    workloads = [Workload(name, lengths[name]()) for name in args.workloads.split(",")]
     for w in workloads:
         run_workload(w, args.methods.split(","))
         if "jfa" in args.methods:

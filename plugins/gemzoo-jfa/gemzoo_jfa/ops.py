@@ -55,6 +55,29 @@ def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Con
     return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """A length bucket: sequences whose longer side, max(Lq, Lk), is at most ``max_len`` (and above the
+    previous bucket's) run with ``configs``' tiles, in launches of their own."""
+    max_len: int
+    configs: Configs
+
+
+# Buckets apply (by default) when the average sequence is at most this long, decided from shapes alone (no host
+# sync): gem_lognormal (average 1,529) and uniform_8k keep one launch per kernel, many short histories do not.
+SHORT_AVERAGE = 256
+
+
+def default_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
+    """Short-sequence buckets per head dim and element size (2-byte dtypes, D <= 128 on CUDA): sequences of at
+    most 64 tokens run on 64 x 64 tiles instead of 128 x 128 (forward) or 64 x 128 (dk/dv), a quarter of the
+    tile work for a median-48 history. Measured in bench/bench_jfa.py's short workload (``--sweep buckets``)."""
+    if device_type != "cuda" or elem_bytes != 2 or head_dim > 128:
+        return ()
+    c = KernelConfig(64, 64, 4, 3)
+    return (Bucket(64, Configs(c, c, c)),)
+
+
 # Activation codes of the shared kernel family (kernels.py's ACT constexpr). 0 is softmax (jfa); the
 # rest are GDPA's pointwise activations (gdpa).
 ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4, "relu2": 5, "leaky_relu": 6,
@@ -64,22 +87,25 @@ _override: Configs | None = None
 _order = "lpt"
 _tma: bool | None = None  # None: TMA where validated (see _tma_ok); True: wherever shapes allow; False: never
 _split: int | None = None  # pointwise key split: None = heuristic (split_plan), 0 = never, n = n splits per sequence
+_buckets: tuple[Bucket, ...] | None = None  # None: default_buckets on short batches; otherwise these, always
 
 
 @contextlib.contextmanager
 def using(configs: Configs | None = None, *, order: str | None = None, tma: bool | None = None,
-          split: int | None = None):
-    """Run with other block configs, schedule order, TMA setting or key split (bench sweeps and tests)."""
-    global _override, _order, _tma, _split
-    saved = _override, _order, _tma, _split
+          split: int | None = None, buckets: tuple[Bucket, ...] | None = None):
+    """Run with other block configs, schedule order, TMA setting, key split or length buckets (bench sweeps
+    and tests; ``buckets=()`` turns buckets off, a tuple of Bucket applies it to every batch)."""
+    global _override, _order, _tma, _split, _buckets
+    saved = _override, _order, _tma, _split, _buckets
     _override = configs if configs is not None else _override
     _order = order if order is not None else _order
     _tma = tma if tma is not None else _tma
     _split = split if split is not None else _split
+    _buckets = tuple(buckets) if buckets is not None else _buckets
     try:
         yield
     finally:
-        _override, _order, _tma, _split = saved
+        _override, _order, _tma, _split, _buckets = saved
 
 
 def _tma_ok(*tensors, causal: bool = True, pointwise: bool = False) -> bool:
@@ -161,20 +187,41 @@ def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, bl
     return min(1 << (per_seq - 1).bit_length(), 16), bm
 
 
+def length_buckets(q: torch.Tensor, k: torch.Tensor, batch: int, kind: str, activation: int = 0,
+                   block: int = -1) -> list[tuple[KernelConfig, tuple[int, int | None] | None]]:
+    """The launches of kernel ``kind`` (fwd, dkdv or dq): (tile config, length range (lo, hi] of max(Lq, Lk),
+    or None for every sequence). One launch on the main tiles unless buckets apply (see default_buckets and
+    SHORT_AVERAGE); never with the pointwise split-K path, which has its own short-query tiles."""
+    main = getattr(_configs(q), kind)
+    buckets = _buckets if _buckets is not None else default_buckets(q.shape[-1], q.device.type, q.element_size())
+    if not buckets or batch == 0 or (_buckets is None and max(q.shape[0], k.shape[0]) > SHORT_AVERAGE * batch):
+        return [(main, None)]
+    if block <= 0 and split_plan(q, k, batch, activation, main.block_m, main.block_n):
+        return [(main, None)]
+    launches, lo = [], 0
+    for b in buckets:
+        launches.append((getattr(b.configs, kind), (lo, b.max_len)))
+        lo = b.max_len
+    return launches + [(main, (lo, None))]
+
+
 def _act_scale(activation: int, scale: float) -> float:
     return scale * LOG2E if activation == 0 else scale  # softmax runs in base 2
 
 
-def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest, block=-1):
+def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest, block=-1,
+             lengths=None):
     """Schedule of a query-block kernel (forward, dq): (items, block_m, key splits or 0, target). With a
-    split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32)."""
+    split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32). ``lengths``
+    is a length bucket (see length_buckets), never split."""
     from gemzoo_jfa.schedule import build_schedule, memo, split_items
 
     win = None if window < 0 else window
-    plan = None if block > 0 else split_plan(q, k, q_offsets.numel() - 1, activation, c.block_m, c.block_n)
+    plan = None if block > 0 or lengths is not None else split_plan(q, k, q_offsets.numel() - 1, activation,
+                                                                     c.block_m, c.block_n)
     if plan is None:
         items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal, window=win,
-                               order=_order, block_size=block if block > 0 else None)
+                               order=_order, block_size=block if block > 0 else None, lengths=lengths)
         return items, c.block_m, 0, dest
     n_splits, bm = plan
     items = memo(q_offsets, k_offsets, ("split", q.shape[0], bm, causal, win, _order, n_splits),
@@ -183,6 +230,17 @@ def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activa
     target = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device,
                                                                   dtype=torch.float32)
     return items, bm, n_splits, target.zero_()
+
+
+def _q_launches(q, k, v, q_offsets, k_offsets, kind, causal, window, activation, dest, block, tma):
+    """Per launch of a query-block kernel (``kind`` fwd or dq), one per length bucket with items: (config,
+    items, block_m, key splits or 0, target, K and V descriptors or tensors). See _q_items for ``target``."""
+    for cfg, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block):
+        items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, dest,
+                                              block, lengths)
+        if items.shape[1]:
+            kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
+            yield cfg, items, bm, split_n, target, kd, vd
 
 
 def _warps(c: KernelConfig, bm: int) -> int:
@@ -202,25 +260,24 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, 
     from gemzoo_jfa import kernels
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
-    cfg = _configs(q).fwd
     tq, h, d = q.shape
     dv = v.shape[2]
-    items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, out, block)
-    cap = items.shape[1]  # >= 1: there is a query
     tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal, pointwise=activation != 0)
-    kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
-    kernels.attn_fwd_kernel[(cap * h,)](
-        q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
-        _act_scale(activation, scale), inv_norm, max(window, 0), split_n,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        target.stride(0), target.stride(1),
-        H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
-        CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=tma,
-        ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
-        **_block_rope(block, rope_theta, d),
-    )
-    if target is not out:
-        out.copy_(target)
+    for cfg, items, bm, split_n, target, kd, vd in _q_launches(q, k, v, q_offsets, k_offsets, "fwd", causal, window,
+                                                               activation, out, block, tma):
+        cap = items.shape[1]
+        kernels.attn_fwd_kernel[(cap * h,)](
+            q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
+            _act_scale(activation, scale), inv_norm, max(window, 0), split_n,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            target.stride(0), target.stride(1),
+            H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
+            CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=tma,
+            ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
+            **_block_rope(block, rope_theta, d),
+        )
+        if target is not out:
+            out.copy_(target)
 
 
 def _block_rope(block, rope_theta, head_dim) -> dict:
@@ -271,23 +328,25 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
     from gemzoo_jfa.schedule import build_schedule
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
-    c = _configs(q).dkdv
-    items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
-                           window=None if window < 0 else window, order=_order,
-                           block_size=block if block > 0 else None)
-    cap = items.shape[1]
     tma = rope_theta <= 0 and _tma_ok(q, do, causal=causal, pointwise=activation != 0)
-    qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if tma else (q, do)
     if activation != 0:  # no lse/delta: any fp32 tensor stands in (never read)
         lse = delta = dk
-    kernels.attn_bwd_dkdv_kernel[(cap * q.shape[1],)](
-        q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0],
-        _act_scale(activation, scale), scale * inv_norm, 1.0 if activation == 0 else inv_norm,
-        max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
-        BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
-        **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
-    )
+    for c, lengths in length_buckets(q, k, q_offsets.numel() - 1, "dkdv", activation, block):
+        items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
+                               window=None if window < 0 else window, order=_order,
+                               block_size=block if block > 0 else None, lengths=lengths)
+        cap = items.shape[1]
+        if cap == 0:
+            continue
+        qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if tma else (q, do)
+        kernels.attn_bwd_dkdv_kernel[(cap * q.shape[1],)](
+            q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0],
+            _act_scale(activation, scale), scale * inv_norm, 1.0 if activation == 0 else inv_norm,
+            max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
+            BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
+            **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
+        )
 
 
 def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation=0,
@@ -295,23 +354,23 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
     from gemzoo_jfa import kernels
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
-    c = _configs(q).dq
-    items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, c, causal, window, activation, dq, block)
-    cap = items.shape[1]  # >= 1: there is a query
     tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal, pointwise=activation != 0)
-    kd, vd = (_desc(k, c.block_n), _desc(v, c.block_n)) if tma else (k, v)
-    if activation != 0:
-        lse = delta = target
-    kernels.attn_bwd_dq_kernel[(cap * q.shape[1],)](
-        q, k, v, do, lse, delta, target, q_offsets, k_offsets, items, kd, vd, cap, q.shape[0],
-        _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm), max(window, 0), split_n,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), target.stride(0), target.stride(1),
-        BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=tma, SPLIT=split_n > 0,
-        **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
-    )
-    if target is not dq:
-        dq.copy_(target)
+    for c, items, bm, split_n, target, kd, vd in _q_launches(q, k, v, q_offsets, k_offsets, "dq", causal, window,
+                                                             activation, dq, block, tma):
+        cap = items.shape[1]
+        if activation != 0:
+            lse = delta = target
+        kernels.attn_bwd_dq_kernel[(cap * q.shape[1],)](
+            q, k, v, do, lse, delta, target, q_offsets, k_offsets, items, kd, vd, cap, q.shape[0],
+            _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm), max(window, 0), split_n,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), target.stride(0), target.stride(1),
+            BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=tma,
+            SPLIT=split_n > 0, **_common(q, v, causal, window, activation),
+            **_block_rope(block, rope_theta, q.shape[2]),
+        )
+        if target is not dq:
+            dq.copy_(target)
 
 
 def backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, activation=0, inv_norm=1.0,
@@ -474,4 +533,5 @@ def jfa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="s
                          bool(causal), scale, -1 if window is None else int(window))
 
 
-__all__ = ["jfa_triton", "jfa_fwd", "jfa_bwd", "KernelConfig", "Configs", "default_configs", "using"]
+__all__ = ["jfa_triton", "jfa_fwd", "jfa_bwd", "KernelConfig", "Configs", "Bucket", "default_configs",
+           "default_buckets", "length_buckets", "using"]

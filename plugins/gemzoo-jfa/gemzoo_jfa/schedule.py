@@ -16,6 +16,10 @@ The bench measures all three (see the README).
 
 Split-K schedules (pointwise activations only, see ``split_items``) add a third row, the key split of
 each query block: short query blocks over long key ranges then spread over many programs.
+
+Length buckets (``lengths=(lo, hi)``) keep only the sequences whose longer side, max(Lq, Lk), lies in
+(lo, hi]: the kernels then run once per bucket with tiles sized to it (see ``ops.length_buckets``), so a
+48-token history is not computed as a 128 x 128 tile.
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ from gemzoo.jagged import TensorCache
 ORDERS = ("lpt", "item", "natural")
 
 
-def capacity(total: int, batch: int, block: int) -> int:
-    """Slots in a schedule: an upper bound on the number of items, from shapes alone."""
-    return (total + block - 1) // block + batch
+def capacity(total: int, batch: int, block: int, lengths: tuple[int, int | None] | None = None) -> int:
+    """Slots in a schedule: an upper bound on the number of items, from shapes alone. In a length bucket
+    (lo, hi] with an upper bound, a sequence has at most ceil(hi / block) items."""
+    cap = (total + block - 1) // block + batch
+    if lengths is not None and lengths[1] is not None:
+        cap = min(cap, batch * ((lengths[1] + block - 1) // block))
+    return cap
 
 
 # A model's attention layers share one batch's offsets, so the ~40 small launches of a schedule run once per
@@ -44,27 +52,36 @@ def memo(q_offsets: torch.Tensor, k_offsets: torch.Tensor, key: tuple, build):
 
 
 def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int, block: int, *, over: str,
-                   causal: bool, window: int | None, order: str = "lpt", block_size: int | None = None) -> torch.Tensor:
+                   causal: bool, window: int | None, order: str = "lpt", block_size: int | None = None,
+                   lengths: tuple[int, int | None] | None = None) -> torch.Tensor:
     """int32 [2, cap]: row 0 the sequence of each item (-1 = no item), row 1 its block index.
 
     ``over="q"`` makes one item per block of ``block`` queries (forward and dq kernels); ``over="k"``
     one per block of keys (dk/dv kernel). ``total`` is Tq or Tk accordingly. ``block_size`` (block
-    attention) narrows each item's range, and so its cost, to the attention blocks it touches. Built once
+    attention) narrows each item's range, and so its cost, to the attention blocks it touches. ``lengths``
+    (lo, hi) keeps only the sequences with lo < max(Lq, Lk) <= hi (hi None: no upper bound). Built once
     per offsets tensors and arguments (gemzoo.jagged.TensorCache); the result is shared, so do not modify it.
     """
     if order not in ORDERS:
         raise ValueError(f"unknown schedule order {order!r}; choose one of {', '.join(ORDERS)}")
-    return _cache.get((q_offsets, k_offsets), (total, block, over, causal, window, order, block_size),
-                      lambda: _build(q_offsets, k_offsets, total, block, over, causal, window, order, block_size))
+    return _cache.get((q_offsets, k_offsets), (total, block, over, causal, window, order, block_size, lengths),
+                      lambda: _build(q_offsets, k_offsets, total, block, over, causal, window, order, block_size,
+                                     lengths))
 
 
-def _build(q_offsets, k_offsets, total, block, over, causal, window, order, block_size) -> torch.Tensor:
+def _build(q_offsets, k_offsets, total, block, over, causal, window, order, block_size, bucket) -> torch.Tensor:
     lq = q_offsets[1:] - q_offsets[:-1]
     lk = k_offsets[1:] - k_offsets[:-1]
     lengths = lq if over == "q" else lk
     batch = lengths.numel()
-    cap = capacity(total, batch, block)
+    cap = capacity(total, batch, block, bucket)
     nblk = (lengths + block - 1) // block
+    if bucket is not None:  # sequences outside the bucket get no items
+        longer = torch.maximum(lq, lk)
+        inside = longer > bucket[0]
+        if bucket[1] is not None:
+            inside = inside & (longer <= bucket[1])
+        nblk = torch.where(inside, nblk, 0)
     ends = torch.cumsum(nblk, 0)
     slot = torch.arange(cap, device=lengths.device, dtype=ends.dtype)
     seq = torch.searchsorted(ends, slot, right=True)

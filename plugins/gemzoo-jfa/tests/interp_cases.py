@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from gemzoo.interfaces.attention import reference_attention  # noqa: E402
 from gemzoo.jagged import lengths_to_offsets  # noqa: E402
+from gemzoo_jfa.ops import Bucket, Configs, KernelConfig  # noqa: E402
 
 # (name, q lengths, k lengths or None, causal, window, head dim, value head dim, dtype)
 CASES = [
@@ -32,7 +33,12 @@ CASES = [
 ]
 
 
-def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=False):
+# Length buckets on the interpreter: 32 x 32 main tiles, sequences of at most 16 tokens on 16 x 16 tiles.
+_BIG, _SMALL = KernelConfig(32, 32, 1, 1), KernelConfig(16, 16, 1, 1)
+BUCKETED = dict(configs=Configs(_BIG, _BIG, _BIG), buckets=(Bucket(16, Configs(_SMALL, _SMALL, _SMALL)),))
+
+
+def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=False, buckets=False):
     from gemzoo_jfa import jfa_triton
     from gemzoo_jfa.ops import using
 
@@ -46,7 +52,7 @@ def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=Fals
     k = torch.randn(int(k_lens.sum()), h, d, generator=gen).to(dt).requires_grad_()
     v = torch.randn(int(k_lens.sum()), h, dv, generator=gen).to(dt).requires_grad_()
     kw = dict(causal=causal, window=window)
-    with using(order=order, tma=tma):
+    with using(order=order, tma=tma, **(BUCKETED if buckets else {})):
         out = jfa_triton(q, k, v, q_off, k_off, **kw)
         grad = torch.randn(out.shape, generator=gen).to(dt)
         out.backward(grad)
@@ -102,6 +108,11 @@ def all_cases() -> dict:
     res["natural-order"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", order="natural")
     res["tma-asym-window"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", tma=True)
     res["tma-full"] = run_case([21, 0, 40], [33, 7, 18], False, None, 16, 16, "bfloat16", tma=True)
+    short = [5, 0, 37, 16, 3, 20]  # 5, 0, 16, 3 in the 16-token bucket; 37 and 20 on the main tiles
+    res["buckets-causal"] = run_case(short, None, True, None, 32, 32, "float32", buckets=True)
+    res["buckets-asym-window"] = run_case(short, [9, 4, 20, 40, 2, 14], True, 5, 32, 32, "float32", buckets=True)
+    res["buckets-full-emptyk"] = run_case(short, [0, 4, 20, 40, 2, 0], False, None, 32, 32, "float32", buckets=True)
+    res["buckets-tma-bf16"] = run_case(short, None, True, None, 32, 32, "bfloat16", tma=True, buckets=True)
     return res
 
 

@@ -25,10 +25,15 @@ def _results(group: str) -> dict:
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["natural-order", "tma-asym-window", "tma-full"])
+EXTRA = {"natural-order": "float32", "tma-asym-window": "float32", "tma-full": "bfloat16",
+         "buckets-causal": "float32", "buckets-asym-window": "float32", "buckets-full-emptyk": "float32",
+         "buckets-tma-bf16": "bfloat16"}  # interp_cases.all_cases beyond CASES
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + list(EXTRA))
 def test_fwd_bwd_against_reference(name):
     errors = _results("cases")[name]
-    dtype = next((c[-1] for c in CASES if c[0] == name), "bfloat16" if name == "tma-full" else "float32")
+    dtype = next((c[-1] for c in CASES if c[0] == name), EXTRA.get(name))
     assert errors["dtype_ok"], "output or gradient dtype differs from the input dtype"
     for key in ("out", "dq", "dk", "dv"):
         assert errors[f"{key}_finite"], f"{name}: {key} has NaN/Inf"

@@ -117,6 +117,48 @@ def test_schedule_covers_every_block_once_longest_first(over, causal, window):
         assert costs == sorted(costs, reverse=True)
 
 
+@pytest.mark.parametrize("over", ["q", "k"])
+def test_length_buckets_split_the_schedule_without_overlap(over):
+    """Bucketed schedules hold exactly the items of their sequences (by max(Lq, Lk)), each once, within their
+    capacity, and together every item of the unbucketed schedule."""
+    gen = torch.Generator().manual_seed(5)
+    lq = torch.randint(0, 200, (41,), generator=gen)
+    lq[[0, 7]] = 0
+    lk = (lq + torch.randint(-30, 30, (41,), generator=gen)).clamp_min(0)
+    qo, ko = lengths_to_offsets(lq), lengths_to_offsets(lk)
+    lens = (lq if over == "q" else lk).tolist()
+    total = sum(lens)
+    longer = torch.maximum(lq, lk).tolist()
+    union = set()
+    for lo, hi in ((0, 32), (32, 64), (64, None)):
+        items = build_schedule(qo, ko, total, 32, over=over, causal=True, window=None, lengths=(lo, hi))
+        assert items.shape == (2, capacity(total, 41, 32, (lo, hi)))
+        real = [(s, b) for s, b in items.t().tolist() if s >= 0]
+        inside = [i for i, n in enumerate(longer) if n > lo and (hi is None or n <= hi)]
+        assert len(real) == len(set(real)) and set(real) == _expected_items(lens, 32) & {
+            (s, b) for s in inside for b in range(-(-lens[s] // 32))}
+        assert union.isdisjoint(real)
+        union |= set(real)
+    assert union == _expected_items(lens, 32)
+
+
+def test_length_buckets_apply_to_short_batches_only():
+    from gemzoo_jfa import ops
+
+    def launches(lens, **kw):
+        q = torch.empty(sum(lens), 4, 128, dtype=torch.bfloat16, device="meta")
+        with ops.using(**kw):
+            return [(c.block_m, c.block_n, r) for c, r in ops.length_buckets(q, q, len(lens), "fwd")]
+
+    assert launches([16] * 10) == [(16, 16, None)]  # no default buckets off CUDA
+    small = ops.Configs(*(ops.KernelConfig(16, 16, 1, 1),) * 3)
+    buckets = (ops.Bucket(64, small),)
+    assert launches([2000, 10], buckets=buckets) == [(16, 16, (0, 64)), (16, 16, (64, None))]  # asked for: always
+    assert launches([2000, 10], buckets=()) == [(16, 16, None)]
+    assert ops.default_buckets(128, "cuda", 2) and not ops.default_buckets(256, "cuda", 2)
+    assert not ops.default_buckets(128, "cuda", 4)
+
+
 def test_schedule_long_sequence_int64():
     lens = torch.tensor([70_000, 0, 3])
     off = lengths_to_offsets(lens)
