@@ -4,8 +4,8 @@
 each sample in exactly one, as a pure function of its inputs (every rank computes it and all must agree):
 
 - ``lpt``: longest processing time first: by decreasing cost, each sample to the least-loaded rank (with
-  ``equal_count``, to the least-loaded rank that is not full). ``O(N log W)``; with free counts on
-  ``BLOCK_LPT_MIN_W`` ranks or more, in blocks of W // 4 samples (numpy), so it scales to 8192 ranks.
+  ``equal_count``, to the least-loaded rank that is not full). ``O(N log W)``; on ``BLOCK_LPT_MIN_W`` ranks
+  or more, in blocks of W // 4 samples (numpy), so it scales to 8192 ranks.
 - ``kk``: Karmarkar–Karp's largest differencing method for k-way partitioning. Every sample starts as a
   partition of its own (``[c, 0, ..., 0]``); the two partitions with the largest spread (max - min subset
   sum) are merged, the heaviest subset of one with the lightest of the other, until one is left. Free counts.
@@ -113,8 +113,8 @@ def _lpt(c: np.ndarray, w: int, equal_count: bool) -> list[list[int]]:
     (ties to the lowest rank); with ``equal_count`` a rank that holds ceil(N/W) samples takes no more (and
     once N % W ranks are full, the others stop at floor(N/W))."""
     n = c.size
-    if not equal_count and w >= BLOCK_LPT_MIN_W:
-        return _block_lpt(c, w)
+    if w >= BLOCK_LPT_MIN_W:
+        return _block_lpt(c, w, equal_count)
     order = np.argsort(-c, kind="stable").tolist()
     cost = c.tolist()
     heap = [(0.0, r) for r in range(w)]
@@ -138,20 +138,36 @@ def _lpt(c: np.ndarray, w: int, equal_count: bool) -> list[list[int]]:
     return groups
 
 
-def _block_lpt(c: np.ndarray, w: int) -> list[list[int]]:
+def _block_lpt(c: np.ndarray, w: int, equal_count: bool = False) -> list[np.ndarray]:
     """LPT in blocks, for many ranks: the W largest samples one to each rank, then blocks of W // 4 samples (by
-    decreasing cost) to the W // 4 least-loaded ranks, the largest to the lightest. Within 1e-4 of the
-    heap's LPT on gem-lognormal at 8192 ranks, and numpy-fast (the heap's per-sample loop takes seconds)."""
+    decreasing cost) to the W // 4 least-loaded ranks, the largest to the lightest. With ``equal_count`` only
+    ranks holding fewer than floor(N/W) samples take part, and the N % W smallest samples go last, one each to
+    the N % W lightest ranks. Within 1e-4 of the heap's LPT at 8192 ranks on gem-lognormal, uniform-8k and
+    zipf (with free and equal counts), and numpy-fast (the heap's per-sample loop takes seconds there)."""
     order = np.argsort(-c, kind="stable")
+    n = c.size
     loads = np.zeros(w)
-    owner = np.empty(c.size, dtype=np.int64)
-    start, block = 0, max(1, w // 4)
-    while start < c.size:
-        chunk = order[start:start + (w if start == 0 else block)]
-        ranks = _lightest(loads, chunk.size)
+    owner = np.empty(n, dtype=np.int64)
+    base, extra = divmod(n, w) if equal_count else (n, 0)
+    counts = np.zeros(w, dtype=np.int64)
+    eligible = loads
+    start, block, body = 0, max(1, w // 4), n - extra
+    while start < body:
+        k = min(w if start == 0 else block, body - start)
+        if equal_count:
+            eligible = np.where(counts < base, loads, np.inf)
+            k = min(k, int((counts < base).sum()))  # every chosen rank has room: one sample each per block
+        chunk = order[start:start + k]
+        ranks = _lightest(eligible, k)
         owner[chunk] = ranks
         np.add.at(loads, ranks, c[chunk])
-        start += chunk.size
+        counts[ranks] += 1
+        start += k
+    if extra:  # equal counts: the smallest N % W samples, one to each of the lightest N % W ranks
+        chunk = order[start:]
+        ranks = _lightest(loads, extra)
+        owner[chunk] = ranks
+        np.add.at(loads, ranks, c[chunk])
     return _by_owner(order, owner[order], w)
 
 
@@ -258,19 +274,27 @@ def _keep_local(groups, n: int, w: int) -> list:
     members = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])
     subset = np.repeat(np.arange(w), [len(g) for g in groups])
     owner = np.searchsorted(starts, members, side="right") - 1
-    keys, counts = np.unique(subset * w + owner, return_counts=True)
-    ranked = np.lexsort((keys, -counts))  # most shared samples first, ties by (subset, rank)
-    rank_of, taken = {}, set()
-    for s, r in zip((keys[ranked] // w).tolist(), (keys[ranked] % w).tolist()):
-        if s not in rank_of and r not in taken:
-            rank_of[s] = r
-            taken.add(r)
-            if len(taken) == w:
-                break
-    free = iter(r for r in range(w) if r not in taken)
+    keys, counts = np.unique(subset * w + owner, return_counts=True)  # sorted by (subset, rank)
+    rank_of = np.full(w, -1, dtype=np.int64)
+    taken = np.zeros(w, dtype=bool)
+    shared = counts >= 2
+    ranked = np.lexsort((keys[shared], -counts[shared]))  # most shared samples first, ties by (subset, rank)
+    for s, r in zip((keys[shared][ranked] // w).tolist(), (keys[shared][ranked] % w).tolist()):
+        if rank_of[s] < 0 and not taken[r]:
+            rank_of[s], taken[r] = r, True
+    # then the pairs sharing one sample, in (subset, rank) order: each open subset its first free rank
+    single = keys[~shared]
+    cuts = np.searchsorted(single // w, np.arange(w + 1))
+    ranks = single % w
+    for s in np.flatnonzero(rank_of < 0).tolist():
+        cand = ranks[cuts[s]:cuts[s + 1]]
+        free = cand[~taken[cand]]
+        if free.size:
+            rank_of[s], taken[free[0]] = free[0], True
     out = [None] * w
+    rest = iter(np.flatnonzero(~taken).tolist())
     for s in range(w):
-        out[rank_of[s] if s in rank_of else next(free)] = groups[s]
+        out[rank_of[s] if rank_of[s] >= 0 else next(rest)] = groups[s]
     return out
 
 

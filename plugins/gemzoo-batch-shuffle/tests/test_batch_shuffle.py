@@ -3,10 +3,12 @@ bad input, and on 2 gloo ranks the trainer's losses equal an unshuffled run's an
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +61,26 @@ def test_balances_gem_lognormal(world):
         assert imbalance(costs, groups) <= 1.01 < plain
         if opts.equal_count:
             assert {len(g) for g in groups} == {64}
+
+
+@pytest.mark.parametrize("per_rank,extra", [(64, 0), (63, 5)])
+def test_lpt_in_blocks_with_equal_counts_matches_the_heap(per_rank, extra):
+    """On many ranks LPT runs in blocks; with equal_count every rank still holds floor or ceil(N/W) samples,
+    each sample once, and the result is within 1e-4 of the heap's (the per-sample loop it replaces)."""
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")  # the module (the package exports the function)
+    world = part.BLOCK_LPT_MIN_W
+    lengths = cases.gem_lognormal(per_rank * world + extra, seed=3).double()
+    c = (lengths**2 + 512 * lengths).numpy()
+    blocks = part._lpt(c, world, True)
+    part.BLOCK_LPT_MIN_W, saved = world + 1, part.BLOCK_LPT_MIN_W
+    try:
+        heap = part._lpt(c, world, True)
+    finally:
+        part.BLOCK_LPT_MIN_W = saved
+    assert sorted(np.concatenate(blocks).tolist()) == list(range(c.size))
+    assert sorted(len(g) for g in blocks) == sorted(len(g) for g in heap)
+    assert {len(g) for g in blocks} <= {per_rank, per_rank + 1}
+    assert part._loads(c, blocks).max() <= part._loads(c, heap).max() * (1 + 1e-4)
 
 
 def test_refine_and_kk_beat_sorting_on_few_samples():
