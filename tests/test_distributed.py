@@ -275,3 +275,25 @@ def test_more_ranks_than_gpus_names_the_fix(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"LOCAL_RANK 1 .* 1 GPU\(s\).*nproc-per-node 1.*run.device"):
         pick_device("auto", World(rank=1, world_size=2, local_rank=1))
+
+
+def test_clip_grad_norm_matches_torch_on_cpu_and_cuda():
+    """gemzoo's clip (plain tensors and DTensors; foreach kernels for plain CUDA gradients) against torch's."""
+    from gemzoo.distributed import clip_grad_norm
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        gen = torch.Generator().manual_seed(0)
+        ours = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((7, 3), (11,), (2, 2, 5))]
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=gen).to(device)
+            b.grad = a.grad.clone()
+        theirs[1].grad = ours[1].grad = None  # a parameter without a gradient is skipped
+        total = clip_grad_norm(ours, 0.5)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+        assert torch.allclose(total, expected, rtol=1e-6), device
+        for a, b in zip(ours, theirs):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7), device

@@ -12,7 +12,8 @@ from torch import nn
 @dataclass
 class ModelOutput:
     loss: torch.Tensor
-    logs: dict[str, float]  # extra scalars to log (per-task losses, ...)
+    logs: dict[str, float | torch.Tensor]  # extra scalars to log (per-task losses, ...); 0-dim tensors are read
+    # after the step's end, so returning them (not float()) keeps the forward free of host syncs
 
 
 @runtime_checkable

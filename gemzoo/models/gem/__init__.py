@@ -204,7 +204,8 @@ class GemModel(nn.Module):
         loss_click = F.binary_cross_entropy_with_logits(click_logit, batch.click.to(click_logit.dtype))
         loss_conv = F.binary_cross_entropy_with_logits(conv_logit, batch.conversion.to(conv_logit.dtype))
         loss = loss_click + self.cfg.conversion_weight * loss_conv
-        return ModelOutput(loss, {"loss_click": float(loss_click.detach()), "loss_conversion": float(loss_conv.detach())})
+        # 0-dim tensors, read once the step is done: a float() here would wait for the forward before the backward
+        return ModelOutput(loss, {"loss_click": loss_click.detach(), "loss_conversion": loss_conv.detach()})
 
     def flops(self, batch) -> int:
         cfg, d = self.cfg, self.cfg.d_model
