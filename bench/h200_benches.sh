@@ -5,6 +5,8 @@
 #   gpu_tests   the GPU tests of the jfa kernel family (jfa, gdpa, block-attention), which share the launchers
 #   jfa         bench_jfa.py: gem_lognormal, uniform_8k and short against Flex, FA varlen, NJT and padded SDPA,
 #               and the length-bucket sweep on short (issue 17)
+#   profile     a compiled jfa,bf16 gem-bench step under torch.profiler: kernel groups, and where the GPU waits
+#               (gemzoo.profiling.gpu_idle); the chrome trace comes back gzipped (issue 17)
 #   host        where the ~1 ms of host time per attention call goes: torch.profiler and cProfile over the
 #               block-attention and gdpa cross64 cases (issues 11 follow-up, 17)
 #   shuffle     batch-shuffle's per-step overhead, 45 steps, with each step's wait for its prefetched batch (16)
@@ -35,6 +37,9 @@ tail -8 "$LOGS/gpu_tests.log" 2>/dev/null
 step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep buckets --checks 2 --budget 230 --out "$LOGS"
 cp "$LOGS/bench_jfa.json" "$OUT/" 2>/dev/null
 grep -v -e Warning -e create_block_mask "$LOGS/jfa.log" 2>/dev/null | tail -40
+step profile 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml \
+  --sets "jfa,bf16" --steps 8 --profile 2 --out "$OUT/step_profile.json" --trace "$OUT"
+grep -E '^\{|^gpu idle|^    ' "$LOGS/profile.log" 2>/dev/null | cut -c1-1500
 step host 120 python3 plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$OUT"
 grep -E "^==|^ +[0-9]" "$LOGS/host.log" 2>/dev/null | head -120 | cut -c1-200
 step shuffle 170 python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml \

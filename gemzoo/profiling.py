@@ -12,6 +12,8 @@ tell a span from a kernel; only torch builds without ``is_user_annotation`` fall
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 _CPU = torch.autograd.DeviceType.CPU
@@ -50,3 +52,66 @@ def kernel_ms(events, calls: int = 1) -> dict[str, float]:
 def annotations_ms(events, calls: int = 1) -> dict[str, float]:
     """The GPU spans of ``record_function`` ranges (left out of ``kernel_ms``), name -> ms per call."""
     return _per_call(_split(events)[1], calls)
+
+
+# -- where the GPU waits ---------------------------------------------------------------------------------
+
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+
+
+def gpu_idle(trace: dict, *, min_gap_us: float = 5.0, steps: int = 1, top: int = 15) -> dict:
+    """Where the GPU waits, from a chrome trace (``prof.export_chrome_trace``; the dict of its JSON).
+
+    The GPU is busy while any kernel, copy or memset runs (all streams together). Every gap of at least
+    ``min_gap_us`` between the first and the last of them is idle time, charged to what the host was doing at
+    the gap's midpoint: the innermost CPU operator (``cpu_op``; or the innermost Python function where no
+    operator runs), the innermost CUDA runtime or driver call (``cudaStreamSynchronize`` means the host waited
+    for the GPU, so the gap is the launch latency after a sync; ``cudaLaunchKernel``: host-bound launching) and
+    the outermost ``record_function`` range (``user_annotation``, e.g. ``Optimizer.step#Adagrad.step``), on the
+    host threads that launch work. Returns ms per step (``steps`` profiled steps): {"window_ms", "busy_ms",
+    "idle_ms", "gaps", "by_op", "by_runtime", "by_range"}, each ``by_*`` the ``top`` largest."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") in _GPU_CATS)
+    out = {"window_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "by_op": {}, "by_runtime": {}, "by_range": {}}
+    if not gpu:
+        return out
+    busy, gaps = 0.0, []
+    start, end = gpu[0]
+    for s, e in gpu[1:]:
+        if s > end:
+            busy += end - start
+            if s - end >= min_gap_us:
+                gaps.append((end, s))
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    host = [e for e in events if e.get("cat") in _HOST_CATS]
+    launchers = {(e.get("pid"), e.get("tid")) for e in host if e.get("cat") == "cuda_runtime"}
+    host = [e for e in host if (e.get("pid"), e.get("tid")) in launchers]
+    host.sort(key=lambda e: float(e["ts"]))
+    starts = [float(e["ts"]) for e in host]
+    longest = max((float(e["dur"]) for e in host), default=0.0)
+    charged: dict[str, dict[str, float]] = {"by_op": {}, "by_runtime": {}, "by_range": {}}
+    for g0, g1 in gaps:
+        mid, length = (g0 + g1) / 2, (g1 - g0) / 1e3 / steps
+        lo = bisect.bisect_left(starts, mid - longest)
+        hi = bisect.bisect_right(starts, mid)
+        covering = [e for e in host[lo:hi] if float(e["ts"]) + float(e["dur"]) >= mid]
+        picks = {
+            "by_op": min((e for e in covering if e["cat"] == "cpu_op"), key=lambda e: e["dur"], default=None)
+            or min((e for e in covering if e["cat"] == "python_function"), key=lambda e: e["dur"], default=None),
+            "by_runtime": min((e for e in covering if e["cat"] in ("cuda_runtime", "cuda_driver")),
+                              key=lambda e: e["dur"], default=None),
+            "by_range": max((e for e in covering if e["cat"] == "user_annotation"), key=lambda e: e["dur"],
+                            default=None),
+        }
+        for key, e in picks.items():
+            name = e["name"] if e is not None else "(nothing on a launching thread)"
+            charged[key][name] = charged[key].get(name, 0.0) + length
+    out.update(window_ms=(end - gpu[0][0]) / 1e3 / steps, busy_ms=busy / 1e3 / steps,
+               idle_ms=sum(g1 - g0 for g0, g1 in gaps) / 1e3 / steps, gaps=len(gaps) / steps)
+    for key, table in charged.items():
+        out[key] = dict(sorted(table.items(), key=lambda kv: -kv[1])[:top])
+    return out

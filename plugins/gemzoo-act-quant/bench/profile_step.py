@@ -5,12 +5,15 @@
 Each plugin set trains ``--steps`` compiled steps (``run.compile = true``); the last ``--profile`` steps run
 under torch.profiler. Per set: step wall time, GPU kernel time grouped (GEMM, attention, the fp8 casts of
 saved tensors, copies and elementwise, other), the top kernels, and the host time spent in the
-saved-tensor hooks (``act_quant.pack`` / ``act_quant.unpack`` record_function ranges where present).
+saved-tensor hooks (``act_quant.pack`` / ``act_quant.unpack`` record_function ranges where present), and where
+the GPU waits (``gemzoo.profiling.gpu_idle`` on the profiler's chrome trace: each idle gap charged to the host's
+operator, CUDA call and record_function range at that moment). ``--trace DIR`` keeps each set's trace, gzipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -35,7 +38,7 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list[str]) -> dict:
+def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list[str], trace_dir: str = "") -> dict:
     from gemzoo.config import load_config
     from gemzoo.train.trainer import Trainer
 
@@ -54,8 +57,17 @@ def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list
             t = time.perf_counter()
             tr.train_step(step)
             walls.append(time.perf_counter() - t)
-    from gemzoo.profiling import annotations_ms, kernel_ms
+    from gemzoo.profiling import annotations_ms, gpu_idle, kernel_ms
 
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json"), "rb") as f:
+            raw = f.read()
+    idle = gpu_idle(json.loads(raw), steps=profiled)
+    if trace_dir:
+        name = re.sub(r"[^A-Za-z0-9]+", "_", plugins).strip("_") + ".trace.json.gz"
+        with gzip.open(os.path.join(trace_dir, name), "wb", compresslevel=6) as f:
+            f.write(raw)
     events = prof.key_averages()
     kernels = kernel_ms(events, profiled)  # each kernel once: record_function spans are not kernels
     host = {e.key: e.cpu_time_total / profiled / 1e3 for e in events
@@ -67,7 +79,7 @@ def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list
     row = {"plugins": plugins, "set": sets, "step_ms": 1e3 * statistics.median(walls), "warm_s": warm_s,
            "gpu_ms_per_step": sum(kernels.values()), "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
            "top_kernels_ms": top, "host_ranges_ms": host,
-           "annotated_ranges_gpu_ms": annotations_ms(events, profiled),
+           "annotated_ranges_gpu_ms": annotations_ms(events, profiled), "gpu_idle": idle,
            "memory": tr.memory_reports() if hasattr(tr, "memory_reports") else {}}
     del tr, prof
     torch._dynamo.reset()
@@ -82,15 +94,17 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=3, help="last steps profiled")
     p.add_argument("--set", action="append", default=[], help="extra config overrides")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "act_quant_profile.json"))
+    p.add_argument("--trace", default="", help="folder for each set's gzipped chrome trace")
     args = p.parse_args()
     rows = []
     for plugins in args.sets.split(";"):
         try:
-            row = profile_set(args.config, plugins, args.steps, args.profile, args.set)
+            row = profile_set(args.config, plugins, args.steps, args.profile, args.set, args.trace)
         except Exception as exc:  # keep the other set
             row = {"plugins": plugins, "error": f"{type(exc).__name__}: {exc}"[:600]}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels_ms", "memory")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels_ms", "memory", "gpu_idle")}), flush=True)
+        print("gpu idle:", json.dumps(row.get("gpu_idle", {})), flush=True)
         for name, ms in row.get("top_kernels_ms", [])[:12]:
             print(f"    {ms:8.2f} ms  {name[:110]}", flush=True)
         with open(args.out, "w") as f:
