@@ -13,8 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
+# on the CPU, where bit-exact is the contract: on a GPU, reruns differ in the last bits (the H200: 1.2015803
+# against 1.2015802), which is the kernels' nondeterminism, not resume's
 SMALL = ["--set", f"run.steps={STEPS}", "--set", "checkpoint.every=6", "--set", "eval.every=12",
-         "--set", "eval.batches=2", "--set", "run.log_every=6"]
+         "--set", "eval.batches=2", "--set", "run.log_every=6", "--set", "run.device=cpu"]
 
 
 def _cmd(out: Path, *extra: str) -> list[str]:
