@@ -34,7 +34,8 @@ echo "installed at $(( $(date +%s) - t0 )) s"
 step gpu_tests 200 python3 -m pytest -q -c pyproject.toml -rfE plugins/gemzoo-jfa/tests/test_gpu.py \
   plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py
 tail -8 "$LOGS/gpu_tests.log" 2>/dev/null
-step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep buckets --checks 2 --budget 230 --out "$LOGS"
+step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep buckets --checks 2 --budget 230 \
+  --methods jfa,jfa_buckets,flex,fa_varlen,njt_sdpa,padded_sdpa --out "$LOGS"
 cp "$LOGS/bench_jfa.json" "$OUT/" 2>/dev/null
 grep -v -e Warning -e create_block_mask "$LOGS/jfa.log" 2>/dev/null | tail -40
 step profile 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml \

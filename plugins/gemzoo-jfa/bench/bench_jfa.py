@@ -143,6 +143,12 @@ def make_jfa_ptr(w):
     return fn, leaves, grad, lambda: using(tma=False)
 
 
+def make_jfa_buckets(w):
+    """jfa with the short-sequence length buckets on (ops.short_buckets), whatever BUCKETS_BY_DEFAULT says."""
+    fn, leaves, grad = make_jfa(w)
+    return fn, leaves, grad, lambda: using(buckets=jfa_ops.short_buckets(D, "cuda"))
+
+
 def make_flex(w):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -215,9 +221,9 @@ def make_padded(w):
     return fn, pads, grad
 
 
-METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "flex": make_flex, "fa_varlen": make_fa_varlen,
-           "njt_sdpa": make_njt, "padded_sdpa": make_padded}
-SAME_LAYOUT = ("jfa", "jfa_ptr", "flex", "fa_varlen", "njt_sdpa")  # outputs and gradients cross-checked against jfa
+METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "jfa_buckets": make_jfa_buckets, "flex": make_flex,
+           "fa_varlen": make_fa_varlen, "njt_sdpa": make_njt, "padded_sdpa": make_padded}
+SAME_LAYOUT = ("jfa", "jfa_ptr", "jfa_buckets", "flex", "fa_varlen", "njt_sdpa")  # outputs and gradients cross-checked against jfa
 
 
 def bench(fn, leaves, grad, warmup=25, rep=100, ctx=contextlib.nullcontext):
@@ -318,12 +324,12 @@ def _breakdown(w, tag):
     log(f"{w.name} {tag} breakdown: " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
 
 
-BUCKET_VARIANTS = {  # the length buckets the sweep times on the short workload (default: ops.default_buckets)
+BUCKET_VARIANTS = {  # the length buckets the sweep times on the short workload ("64": ops.short_buckets)
     "off": (),
-    "64 (default)": None,
+    "64": jfa_ops.short_buckets(D, "cuda"),
     "32,64": (jfa_ops.Bucket(32, Configs(*(KernelConfig(32, 32, 4, 2),) * 3)),
-              *jfa_ops.default_buckets(D, "cuda")),
-    "64,128 on 64x64": (*jfa_ops.default_buckets(D, "cuda"),
+              *jfa_ops.short_buckets(D, "cuda")),
+    "64,128 on 64x64": (*jfa_ops.short_buckets(D, "cuda"),
                         jfa_ops.Bucket(128, Configs(*(KernelConfig(64, 64, 4, 3),) * 3))),
     "64 w8 s2": (jfa_ops.Bucket(64, Configs(*(KernelConfig(64, 64, 8, 2),) * 3)),),
 }

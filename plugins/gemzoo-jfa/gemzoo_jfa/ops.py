@@ -63,19 +63,27 @@ class Bucket:
     configs: Configs
 
 
-# Buckets apply (by default) when the average sequence is at most this long, decided from shapes alone (no host
-# sync): gem_lognormal (average 1,529) and uniform_8k keep one launch per kernel, many short histories do not.
+# Buckets apply (when on by default) where the average sequence is at most this long, decided from shapes alone
+# (no host sync): gem_lognormal (average 1,529) and uniform_8k keep one launch per kernel, many short histories not.
 SHORT_AVERAGE = 256
+# Off until the bucket tiles have run on the H200 (GPU tests and bench_jfa.py --sweep buckets, issue 17): they pass
+# the interpreter, but a new tile shape is a new compile on Hopper (ptxas has crashed on some in triton 3.6).
+BUCKETS_BY_DEFAULT = False
 
 
-def default_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
-    """Short-sequence buckets per head dim and element size (2-byte dtypes, D <= 128 on CUDA): sequences of at
-    most 64 tokens run on 64 x 64 tiles instead of 128 x 128 (forward) or 64 x 128 (dk/dv), a quarter of the
-    tile work for a median-48 history. Measured in bench/bench_jfa.py's short workload (``--sweep buckets``)."""
+def short_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
+    """The short-sequence buckets for a head dim and element size (2-byte dtypes, D <= 128 on CUDA): sequences
+    of at most 64 tokens on 64 x 64 tiles instead of 128 x 128 (forward) or 64 x 128 (dk/dv), a quarter of the
+    tile work for a median-48 history."""
     if device_type != "cuda" or elem_bytes != 2 or head_dim > 128:
         return ()
     c = KernelConfig(64, 64, 4, 3)
     return (Bucket(64, Configs(c, c, c)),)
+
+
+def default_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
+    """The buckets a short batch gets without ``using(buckets=...)``: ``short_buckets`` once BUCKETS_BY_DEFAULT."""
+    return short_buckets(head_dim, device_type, elem_bytes) if BUCKETS_BY_DEFAULT else ()
 
 
 # Activation codes of the shared kernel family (kernels.py's ACT constexpr). 0 is softmax (jfa); the
@@ -534,4 +542,4 @@ def jfa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="s
 
 
 __all__ = ["jfa_triton", "jfa_fwd", "jfa_bwd", "KernelConfig", "Configs", "Bucket", "default_configs",
-           "default_buckets", "length_buckets", "using"]
+           "default_buckets", "short_buckets", "length_buckets", "using"]

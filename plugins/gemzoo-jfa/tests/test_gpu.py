@@ -85,17 +85,18 @@ def test_against_fp64_reference_poisoned(d, causal, asym, window, dtype):
 @pytest.mark.parametrize("d,causal,window,dtype", [(128, True, None, torch.bfloat16), (64, True, 40, torch.float16),
                                                     (128, False, None, torch.bfloat16)])
 def test_short_histories_take_the_length_buckets_and_match_reference(d, causal, window, dtype):
-    """Many short histories (the bench's short workload, smaller): the default buckets apply, sequences of at
-    most 64 tokens run on their own tiles, and every output and gradient still matches fp64."""
-    from gemzoo_jfa.ops import length_buckets
+    """Many short histories (the bench's short workload, smaller) on the short-sequence buckets: sequences of
+    at most 64 tokens run on their own tiles, and every output and gradient still matches fp64."""
+    from gemzoo_jfa.ops import length_buckets, short_buckets, using
 
     gen = torch.Generator().manual_seed(d + causal)
     lens = (48 * torch.exp(0.7 * torch.randn(300, generator=gen))).round().clamp(1, 1024).long()
     lens[torch.rand(300, generator=gen) < 0.05] = 0
     off = lengths_to_offsets(lens).cuda()
     q, k, v, grad = (torch.randn(int(lens.sum()), 4, d, generator=gen).to("cuda", dtype) for _ in range(4))
-    assert [r for _, r in length_buckets(q, k, 300, "fwd")] == [(0, 64), (64, None)]
-    out, dq, dk, dv = run_poisoned(q, k, v, off, off, causal, window, grad)
+    with using(buckets=short_buckets(d, "cuda", q.element_size())):
+        assert [r for _, r in length_buckets(q, k, 300, "fwd")] == [(0, 64), (64, None)]
+        out, dq, dk, dv = run_poisoned(q, k, v, off, off, causal, window, grad)
     torch.cuda.synchronize()
     refs = [t.double().cpu().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, off.cpu(), causal=causal, window=window)

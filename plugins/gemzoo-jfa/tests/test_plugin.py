@@ -155,8 +155,9 @@ def test_length_buckets_apply_to_short_batches_only():
     buckets = (ops.Bucket(64, small),)
     assert launches([2000, 10], buckets=buckets) == [(16, 16, (0, 64)), (16, 16, (64, None))]  # asked for: always
     assert launches([2000, 10], buckets=()) == [(16, 16, None)]
-    assert ops.default_buckets(128, "cuda", 2) and not ops.default_buckets(256, "cuda", 2)
-    assert not ops.default_buckets(128, "cuda", 4)
+    assert ops.short_buckets(128, "cuda", 2) and not ops.short_buckets(256, "cuda", 2)
+    assert not ops.short_buckets(128, "cuda", 4)
+    assert ops.default_buckets(128, "cuda", 2) == (ops.short_buckets(128, "cuda", 2) if ops.BUCKETS_BY_DEFAULT else ())
 
 
 def test_schedule_long_sequence_int64():
