@@ -4,7 +4,7 @@
 # first (bench/gpu_cache.py, as h200_suite.sh does).
 #   gpu_tests   the GPU tests of the jfa kernel family (jfa, gdpa, block-attention), which share the launchers
 #   jfa         bench_jfa.py: gem_lognormal, uniform_8k and short against Flex, FA varlen, NJT and padded SDPA,
-#               and the length-bucket sweep on short (issue 17)
+#               and the fused-dQ and length-bucket sweeps (issue 17)
 #   profile     a compiled jfa,bf16 gem-bench step under torch.profiler: kernel groups, and where the GPU waits
 #               (gemzoo.profiling.gpu_idle); the chrome trace comes back gzipped (issue 17)
 #   host        where the ~1 ms of host time per attention call goes: torch.profiler and cProfile over the
@@ -34,7 +34,7 @@ echo "installed at $(( $(date +%s) - t0 )) s"
 step gpu_tests 200 python3 -m pytest -q -c pyproject.toml -rfE plugins/gemzoo-jfa/tests/test_gpu.py \
   plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py
 tail -8 "$LOGS/gpu_tests.log" 2>/dev/null
-step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep buckets --checks 2 --budget 230 \
+step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep fused_dq,buckets --checks 2 --budget 230 \
   --methods jfa,jfa_buckets,flex,fa_varlen,njt_sdpa,padded_sdpa --out "$LOGS"
 cp "$LOGS/bench_jfa.json" "$OUT/" 2>/dev/null
 grep -v -e Warning -e create_block_mask "$LOGS/jfa.log" 2>/dev/null | tail -40

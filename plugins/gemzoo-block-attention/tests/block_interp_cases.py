@@ -46,6 +46,9 @@ CASES = {
     "zero-length": ("softmax", [0, 6, 0, 3], [4, 0, 0, 3], False, None, 2, 100.0, None, 16, 16, "float32"),
     "bf16-blk7-rope": ("softmax", [33, 0, 20], None, True, None, 7, 10000.0, None, 16, 16, "bfloat16"),
     "fp16-blk16-full": ("softmax", [33, 20, 0], None, False, None, 16, None, None, 16, 16, "float16"),
+    # dQ inside the dk/dv kernel (fp32 atomics; with RoPE the atomic add un-rotates)
+    "fused-dq-rope-blk7-asym-causal": ("softmax", Q4, K4, True, None, 7, 100.0, None, 16, 16, "float32", True),
+    "fused-dq-silu-blk7-rope": ("silu", Q4, K4, True, None, 7, 100.0, 16.0, 16, 16, "float32", True),
 }
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 
@@ -69,8 +72,8 @@ def run_poisoned(q, k, v, q_off, k_off, causal, window, block, rope, grad, code,
     return out, dq, dk, dv
 
 
-def run_case(act, q_lens, k_lens, causal, window, block, rope, norm, d, dv, dtype):
-    from gemzoo_jfa.ops import ACTIVATION_CODES
+def run_case(act, q_lens, k_lens, causal, window, block, rope, norm, d, dv, dtype, fused_dq=False):
+    from gemzoo_jfa.ops import ACTIVATION_CODES, using
 
     gen = torch.Generator().manual_seed(abs(hash((act, tuple(q_lens), causal, window, block, d))) % 2**31)
     q_lens = torch.tensor(q_lens)
@@ -81,8 +84,9 @@ def run_case(act, q_lens, k_lens, causal, window, block, rope, norm, d, dv, dtyp
     q, k = torch.randn(tq, h, d, generator=gen).to(dt), torch.randn(tk, h, d, generator=gen).to(dt)
     v, grad = torch.randn(tk, h, dv, generator=gen).to(dt), torch.randn(tq, h, dv, generator=gen).to(dt)
     scale = d ** -0.5 * 2.0
-    got = run_poisoned(q, k, v, q_off, k_off, causal, window, block, rope, grad, ACTIVATION_CODES[act], scale,
-                       1.0 if norm is None else 1.0 / norm)
+    with using(fused_dq=fused_dq):
+        got = run_poisoned(q, k, v, q_off, k_off, causal, window, block, rope, grad, ACTIVATION_CODES[act], scale,
+                           1.0 if norm is None else 1.0 / norm)
     refs = [t.double().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window, block_size=block,
                               rope_theta=rope, activation=act, scale=scale, norm=norm)

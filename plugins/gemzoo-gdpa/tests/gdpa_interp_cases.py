@@ -63,7 +63,7 @@ def run_poisoned(q, k, v, q_off, k_off, causal, window, grad, code, scale, inv_n
     return out, dq, dk, dv
 
 
-def run_case(act, q_lens, k_lens, causal, window, norm, d, dv, dtype, split, tma=False):
+def run_case(act, q_lens, k_lens, causal, window, norm, d, dv, dtype, split, tma=False, fused_dq=False):
     from gemzoo_jfa.ops import ACTIVATION_CODES, using
 
     gen = torch.Generator().manual_seed(abs(hash((act, tuple(q_lens), causal, window, d, split))) % 2**31)
@@ -77,7 +77,7 @@ def run_case(act, q_lens, k_lens, causal, window, norm, d, dv, dtype, split, tma
     v = torch.randn(tk, h, dv, generator=gen).to(dt)
     grad = torch.randn(tq, h, dv, generator=gen).to(dt)
     scale = d ** -0.5 * 2.0  # larger scores: every activation's nonlinear part is exercised
-    with using(split=split, tma=tma):
+    with using(split=split, tma=tma, fused_dq=fused_dq):
         got = run_poisoned(q, k, v, q_off, k_off, causal, window, grad, ACTIVATION_CODES[act], scale,
                            1.0 if norm is None else 1.0 / norm)
     refs = [t.double().requires_grad_() for t in (q, k, v)]
@@ -171,6 +171,10 @@ def all_cases() -> dict:
     res["tma-silu-asym-window"] = run_case("silu", Q4, K4, True, 5, 4.0, 16, 16, "float32", 0, tma=True)
     res["tma-gelu-full-bf16"] = run_case("gelu", [21, 0, 40], [33, 7, 18], False, None, None, 16, 16,
                                          "bfloat16", 0, tma=True)
+    # dQ inside the dk/dv kernel (fp32 atomics), with the forward's split-K path beside it
+    res["fused-dq-silu-asym-window"] = run_case("silu", Q4, K4, True, 5, 4.0, 16, 16, "float32", 0, fused_dq=True)
+    res["fused-dq-split-gelu-cross"] = run_case("gelu", [3, 0, 8, 5], [70, 9, 0, 45], False, None, None, 16, 16,
+                                                "float32", 4, fused_dq=True)
     return res
 
 

@@ -22,7 +22,8 @@ def _results(group: str) -> dict:
     return interpreter_results(SCRIPT, group)
 
 
-@pytest.mark.parametrize("name", list(CASES) + ["tma-silu-asym-window", "tma-gelu-full-bf16"])
+@pytest.mark.parametrize("name", list(CASES) + ["tma-silu-asym-window", "tma-gelu-full-bf16",
+                                                 "fused-dq-silu-asym-window", "fused-dq-split-gelu-cross"])
 def test_fwd_bwd_poisoned_against_reference(name):
     errors = _results("cases")[name]
     for key in ("out", "dq", "dk", "dv"):

@@ -336,8 +336,8 @@ BUCKET_VARIANTS = {  # the length buckets the sweep times on the short workload 
 
 
 def sweep(workloads, deadline, parts=("configs", "order", "tma")):
-    """Block shapes / warps / stages per kernel, longest-first vs natural order, TMA forward tiles, and
-    length buckets (on the short workload)."""
+    """Block shapes / warps / stages per kernel, longest-first vs natural order, TMA forward tiles, dQ fused
+    into the dk/dv kernel, and length buckets (on the short workload)."""
     from triton.testing import do_bench
 
     base = default_configs(D, "cuda")
@@ -390,6 +390,17 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
             key = f"fwd BM{fwd_c.block_m} BN{fwd_c.block_n} w{fwd_c.num_warps} s{fwd_c.num_stages} tma"
             out[key] = {w.name: timed(w, Configs(**{**base.__dict__, "fwd": fwd_c}), "fwd") for w in workloads}
             log(f"sweep {key}: {out[key]}")
+    if "fused_dq" in parts:  # dQ inside the dk/dv kernel (fp32 atomics) against the separate dq kernel
+        for fused in (False, True):
+            if time.time() > deadline:
+                return
+            key = f"fused_dq {fused}"
+            try:
+                with using(fused_dq=fused):
+                    out[key] = {w.name: timed(w, base, "fwd_bwd") for w in workloads}
+            except Exception as exc:
+                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            log(f"sweep {key}: {out[key]}")
     short = [w for w in workloads if w.name == "short"]
     if "buckets" in parts and short:
         for name, buckets in BUCKET_VARIANTS.items():
@@ -425,7 +436,7 @@ def table():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_jfa.json ($OUT)")
-    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma, buckets")
+    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma, fused_dq, buckets")
     ap.add_argument("--workloads", default="gem_lognormal,uniform_8k,short", help="comma-separated subset")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")
     ap.add_argument("--checks", type=int, default=4, help="how many small correctness cases to run (1-4)")

@@ -484,10 +484,11 @@ def attn_bwd_preprocess(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, strid
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start, end, cols, Lq,
-                shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
+                shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base, stride_dqt,
                 D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-                USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr):
+                USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr,
+                FUSED_DQ: tl.constexpr):
     for m in range(start, end, BM):
         m = tl.multiple_of(m, BM)
         rows = m + offs_m
@@ -535,6 +536,14 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             if MASKED:
                 dst = tl.where(ok, dst, 0.0)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+        if FUSED_DQ:  # this key block's share of dQ, added in fp32 (the launcher scales it): 5 matmuls, not 7
+            dq_part = tl.dot(tl.trans(dst).to(k.dtype), k)  # [BM, BD]
+            if ROPE:
+                _rope_store(dq_base + m.to(tl.int64) * stride_dqt, offs_m, stride_dqt, rows, Lq, rows + shift, rope_c,
+                            dq_part, D, BD, BM, True, UPCAST)
+            else:
+                tl.atomic_add(dq_base + m.to(tl.int64) * stride_dqt + offs_m[:, None] * stride_dqt + offs_d[None, :],
+                              dq_part, mask=(rows[:, None] < Lq) & (offs_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
@@ -546,8 +555,10 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
                          BM: tl.constexpr, BN: tl.constexpr,
                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                          ACT: tl.constexpr = 0, block=1, rope_c=0.0, BLOCKED: tl.constexpr = False,
-                         ROPE: tl.constexpr = False):
-    """dK, dV of one key block, looping over the queries that see it (no atomics)."""
+                         ROPE: tl.constexpr = False, DQACC=None, stride_dqt=0, stride_dqh=0,
+                         FUSED_DQ: tl.constexpr = False):
+    """dK, dV of one key block, looping over the queries that see it (no atomics). With FUSED_DQ also this
+    block's share of dQ, added atomically to the fp32 ``DQACC`` [Tq, H, D] (unscaled, so no dq kernel runs)."""
     b, h, nblk, _, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, False)
     if b < 0:
         return
@@ -576,18 +587,24 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
     do_base = DO + q_start * stride_dot + h * stride_doh
     lse_base = LSE + h.to(tl.int64) * Tq + q_start
     delta_base = DELTA + h.to(tl.int64) * Tq + q_start
+    dq_base = DK  # never written without FUSED_DQ
+    if FUSED_DQ:
+        dq_base = DQACC + q_start * stride_dqt + h * stride_dqh
     q_row0 = q_start.to(tl.int32)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BDV], tl.float32)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, full_lo,
-                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D, DV, BD,
-                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
+                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
+                         stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
+                         BLOCKED, ROPE, FUSED_DQ)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_lo,
-                         full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D,
-                         DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
+                         full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
+                         dq_base, stride_dqt, D, DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block,
+                         rope_c, BLOCKED, ROPE, FUSED_DQ)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_hi, hi,
-                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, D, DV, BD,
-                         BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
+                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
+                         stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
+                         BLOCKED, ROPE, FUSED_DQ)
     dk = dk * dk_scale
     dv = dv * dv_scale
     if ROPE:

@@ -96,24 +96,26 @@ _order = "lpt"
 _tma: bool | None = None  # None: TMA where validated (see _tma_ok); True: wherever shapes allow; False: never
 _split: int | None = None  # pointwise key split: None = heuristic (split_plan), 0 = never, n = n splits per sequence
 _buckets: tuple[Bucket, ...] | None = None  # None: default_buckets on short batches; otherwise these, always
+_fused_dq = False  # dQ inside the dk/dv kernel (fp32 atomics) instead of its own kernel; see _launch_bwd
 
 
 @contextlib.contextmanager
 def using(configs: Configs | None = None, *, order: str | None = None, tma: bool | None = None,
-          split: int | None = None, buckets: tuple[Bucket, ...] | None = None):
-    """Run with other block configs, schedule order, TMA setting, key split or length buckets (bench sweeps
-    and tests; ``buckets=()`` turns buckets off, a tuple of Bucket applies it to every batch)."""
-    global _override, _order, _tma, _split, _buckets
-    saved = _override, _order, _tma, _split, _buckets
+          split: int | None = None, buckets: tuple[Bucket, ...] | None = None, fused_dq: bool | None = None):
+    """Run with other block configs, schedule order, TMA setting, key split, length buckets or fused dQ (bench
+    sweeps and tests; ``buckets=()`` turns buckets off, a tuple of Bucket applies it to every batch)."""
+    global _override, _order, _tma, _split, _buckets, _fused_dq
+    saved = _override, _order, _tma, _split, _buckets, _fused_dq
     _override = configs if configs is not None else _override
     _order = order if order is not None else _order
     _tma = tma if tma is not None else _tma
     _split = split if split is not None else _split
     _buckets = tuple(buckets) if buckets is not None else _buckets
+    _fused_dq = fused_dq if fused_dq is not None else _fused_dq
     try:
         yield
     finally:
-        _override, _order, _tma, _split, _buckets = saved
+        _override, _order, _tma, _split, _buckets, _fused_dq = saved
 
 
 def _tma_ok(*tensors, causal: bool = True, pointwise: bool = False) -> bool:
@@ -300,11 +302,20 @@ def _block_rope(block, rope_theta, head_dim) -> dict:
 
 def _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv_, activation=0,
                 inv_norm=1.0, block=-1, rope_theta=0.0):
-    """dq, dk, dv. Softmax needs out and lse (delta preprocess); pointwise ignores both."""
+    """dq, dk, dv. Softmax needs out and lse (delta preprocess); pointwise ignores both.
+
+    With ``using(fused_dq=True)`` the dk/dv kernel also adds each (key block, query block) pair's share of dQ to
+    an fp32 buffer with atomics, FA2-style: 5 matmuls a pair instead of the 7 of a separate dq kernel (which
+    recomputes QK^T and dO V^T), for fp32 atomic traffic and one scaling pass. Off by default until measured on
+    the H200 (bench_jfa.py --sweep fused_dq)."""
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     delta = _launch_preprocess(out, do) if activation == 0 else None
+    acc = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if _fused_dq else None
     _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm,
-                 block, rope_theta)
+                 block, rope_theta, dq_acc=acc)
+    if acc is not None:
+        dq.copy_(acc.mul_(scale * (1.0 if activation == 0 else inv_norm)))
+        return
     _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm, block,
                rope_theta)
 
@@ -331,7 +342,7 @@ def _common(q, v, causal, window, activation):
 
 
 def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation=0,
-                 inv_norm=1.0, block=-1, rope_theta=0.0):
+                 inv_norm=1.0, block=-1, rope_theta=0.0, dq_acc=None):
     from gemzoo_jfa import kernels
     from gemzoo_jfa.schedule import build_schedule
 
@@ -354,6 +365,8 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
             do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
             BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
             **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
+            **({} if dq_acc is None else dict(DQACC=dq_acc, stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1),
+                                              FUSED_DQ=True)),
         )
 
 

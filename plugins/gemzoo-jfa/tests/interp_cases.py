@@ -38,7 +38,7 @@ _BIG, _SMALL = KernelConfig(32, 32, 1, 1), KernelConfig(16, 16, 1, 1)
 BUCKETED = dict(configs=Configs(_BIG, _BIG, _BIG), buckets=(Bucket(16, Configs(_SMALL, _SMALL, _SMALL)),))
 
 
-def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=False, buckets=False):
+def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=False, buckets=False, fused_dq=False):
     from gemzoo_jfa import jfa_triton
     from gemzoo_jfa.ops import using
 
@@ -52,7 +52,7 @@ def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=Fals
     k = torch.randn(int(k_lens.sum()), h, d, generator=gen).to(dt).requires_grad_()
     v = torch.randn(int(k_lens.sum()), h, dv, generator=gen).to(dt).requires_grad_()
     kw = dict(causal=causal, window=window)
-    with using(order=order, tma=tma, **(BUCKETED if buckets else {})):
+    with using(order=order, tma=tma, fused_dq=fused_dq, **(BUCKETED if buckets else {})):
         out = jfa_triton(q, k, v, q_off, k_off, **kw)
         grad = torch.randn(out.shape, generator=gen).to(dt)
         out.backward(grad)
@@ -113,6 +113,14 @@ def all_cases() -> dict:
     res["buckets-asym-window"] = run_case(short, [9, 4, 20, 40, 2, 14], True, 5, 32, 32, "float32", buckets=True)
     res["buckets-full-emptyk"] = run_case(short, [0, 4, 20, 40, 2, 0], False, None, 32, 32, "float32", buckets=True)
     res["buckets-tma-bf16"] = run_case(short, None, True, None, 32, 32, "bfloat16", tma=True, buckets=True)
+    # dQ inside the dk/dv kernel (fp32 atomics)
+    res["fused-dq-causal"] = run_case([5, 0, 37, 16], None, True, None, 32, 32, "float32", fused_dq=True)
+    res["fused-dq-asym-window"] = run_case([5, 0, 37, 16], [9, 4, 20, 40], True, 5, 32, 32, "float32", fused_dq=True)
+    res["fused-dq-full-emptyk"] = run_case([5, 3, 37, 16], [0, 4, 20, 40], False, 9, 32, 32, "float32",
+                                           fused_dq=True)
+    res["fused-dq-d24-dv16"] = run_case([21, 0, 9], None, True, None, 24, 16, "float32", fused_dq=True)
+    res["fused-dq-tma-buckets-bf16"] = run_case(short, None, True, None, 32, 32, "bfloat16", tma=True, buckets=True,
+                                                fused_dq=True)
     return res
 
 

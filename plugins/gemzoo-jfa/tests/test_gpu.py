@@ -164,6 +164,16 @@ def test_tma_and_pointer_paths_agree_with_reference(tma, d, causal, asym, window
         test_against_fp64_reference_poisoned(d, causal, asym, window, dtype)
 
 
+@pytest.mark.parametrize("d,causal,asym,window,dtype", [CASES[0], CASES[1], CASES[2], CASES[5], CASES[7]],
+                         ids=["bf16-causal", "bf16-full", "bf16-asym", "bf16-window", "fp32"])
+def test_fused_dq_matches_reference(d, causal, asym, window, dtype):
+    """dQ inside the dk/dv kernel (fp32 atomics), poisoned outputs, against fp64."""
+    from gemzoo_jfa.ops import using
+
+    with using(fused_dq=True):
+        test_against_fp64_reference_poisoned(d, causal, asym, window, dtype)
+
+
 def test_strided_offsets_view_on_cuda():
     """Issue #10 item 20: a strided offsets view (t[::2]) gives the same result as contiguous offsets."""
     from gemzoo_jfa import jfa_triton

@@ -27,7 +27,9 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
 
 EXTRA = {"natural-order": "float32", "tma-asym-window": "float32", "tma-full": "bfloat16",
          "buckets-causal": "float32", "buckets-asym-window": "float32", "buckets-full-emptyk": "float32",
-         "buckets-tma-bf16": "bfloat16"}  # interp_cases.all_cases beyond CASES
+         "buckets-tma-bf16": "bfloat16", "fused-dq-causal": "float32", "fused-dq-asym-window": "float32",
+         "fused-dq-full-emptyk": "float32", "fused-dq-d24-dv16": "float32",
+         "fused-dq-tma-buckets-bf16": "bfloat16"}  # interp_cases.all_cases beyond CASES
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES] + list(EXTRA))
