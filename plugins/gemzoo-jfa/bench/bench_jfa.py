@@ -331,7 +331,7 @@ BUCKET_VARIANTS = {  # the length buckets the sweep times on the short workload 
               *jfa_ops.short_buckets(D, "cuda")),
     "64,128 on 64x64": (*jfa_ops.short_buckets(D, "cuda"),
                         jfa_ops.Bucket(128, Configs(*(KernelConfig(64, 64, 4, 3),) * 3))),
-    "64 w8 s2": (jfa_ops.Bucket(64, Configs(*(KernelConfig(64, 64, 8, 2),) * 3)),),
+    "64 w4": (jfa_ops.Bucket(64, Configs(*(KernelConfig(64, 64, 4, 3),) * 3)),),
 }
 
 
@@ -391,13 +391,15 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
             out[key] = {w.name: timed(w, Configs(**{**base.__dict__, "fwd": fwd_c}), "fwd") for w in workloads}
             log(f"sweep {key}: {out[key]}")
     if "fused_dq" in parts:  # dQ inside the dk/dv kernel (fp32 atomics) against the separate dq kernel
-        for fused in (False, True):
+        fused_cfgs = {"off": None, "on": base, "on, dkdv_fused BM64 BN128 w8 s3":
+                      Configs(**{**base.__dict__, "dkdv_fused": KernelConfig(64, 128, 8, 3)})}
+        for name, cfgs in fused_cfgs.items():
             if time.time() > deadline:
                 return
-            key = f"fused_dq {fused}"
+            key = f"fused_dq {name}"
             try:
-                with using(fused_dq=fused):
-                    out[key] = {w.name: timed(w, base, "fwd_bwd") for w in workloads}
+                with using(fused_dq=cfgs is not None):
+                    out[key] = {w.name: timed(w, cfgs or base, "fwd_bwd") for w in workloads}
             except Exception as exc:
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             log(f"sweep {key}: {out[key]}")

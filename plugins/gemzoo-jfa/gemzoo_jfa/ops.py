@@ -36,6 +36,12 @@ class Configs:
     fwd: KernelConfig
     dkdv: KernelConfig
     dq: KernelConfig
+    dkdv_fused: KernelConfig | None = None  # dk/dv with dQ fused in (using(fused_dq=True)); None: ``dkdv``
+
+    def of(self, kind: str) -> KernelConfig:
+        """The config of kernel ``kind``: fwd, dkdv, dq or dkdv_fused (``dkdv`` where that one is unset)."""
+        c = getattr(self, kind)
+        return self.dkdv if c is None else c
 
 
 def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Configs:
@@ -50,8 +56,9 @@ def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Con
         return Configs(KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 2))
     if head_dim <= 64:
         return Configs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 3))
-    if head_dim <= 128:
-        return Configs(KernelConfig(128, 128, 8, 3), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3))
+    if head_dim <= 128:  # dkdv_fused: 32 x 128, the fused variant with the fewest spills offline (compile_sm90.py)
+        return Configs(KernelConfig(128, 128, 8, 3), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3),
+                       KernelConfig(32, 128, 8, 3))
     return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
 
 
@@ -74,10 +81,11 @@ BUCKETS_BY_DEFAULT = False
 def short_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
     """The short-sequence buckets for a head dim and element size (2-byte dtypes, D <= 128 on CUDA): sequences
     of at most 64 tokens on 64 x 64 tiles instead of 128 x 128 (forward) or 64 x 128 (dk/dv), a quarter of the
-    tile work for a median-48 history."""
+    tile work for a median-48 history. 8 warps: compiled offline for sm_90a (bench/compile_sm90.py), 4 warps
+    spilled 1.1 KB (dk/dv, TMA) to 13 KB (dk/dv, pointer loads) per thread, 8 warps 0.3 KB and 4 KB."""
     if device_type != "cuda" or elem_bytes != 2 or head_dim > 128:
         return ()
-    c = KernelConfig(64, 64, 4, 3)
+    c = KernelConfig(64, 64, 8, 3)
     return (Bucket(64, Configs(c, c, c)),)
 
 
@@ -199,10 +207,10 @@ def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, bl
 
 def length_buckets(q: torch.Tensor, k: torch.Tensor, batch: int, kind: str, activation: int = 0,
                    block: int = -1) -> list[tuple[KernelConfig, tuple[int, int | None] | None]]:
-    """The launches of kernel ``kind`` (fwd, dkdv or dq): (tile config, length range (lo, hi] of max(Lq, Lk),
+    """The launches of kernel ``kind`` (fwd, dkdv, dq, dkdv_fused): (tile config, length range (lo, hi] of max(Lq, Lk),
     or None for every sequence). One launch on the main tiles unless buckets apply (see default_buckets and
     SHORT_AVERAGE); never with the pointwise split-K path, which has its own short-query tiles."""
-    main = getattr(_configs(q), kind)
+    main = _configs(q).of(kind)
     buckets = _buckets if _buckets is not None else default_buckets(q.shape[-1], q.device.type, q.element_size())
     if not buckets or batch == 0 or (_buckets is None and max(q.shape[0], k.shape[0]) > SHORT_AVERAGE * batch):
         return [(main, None)]
@@ -210,7 +218,7 @@ def length_buckets(q: torch.Tensor, k: torch.Tensor, batch: int, kind: str, acti
         return [(main, None)]
     launches, lo = [], 0
     for b in buckets:
-        launches.append((getattr(b.configs, kind), (lo, b.max_len)))
+        launches.append((b.configs.of(kind), (lo, b.max_len)))
         lo = b.max_len
     return launches + [(main, (lo, None))]
 
@@ -350,7 +358,8 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
     tma = rope_theta <= 0 and _tma_ok(q, do, causal=causal, pointwise=activation != 0)
     if activation != 0:  # no lse/delta: any fp32 tensor stands in (never read)
         lse = delta = dk
-    for c, lengths in length_buckets(q, k, q_offsets.numel() - 1, "dkdv", activation, block):
+    kind = "dkdv" if dq_acc is None else "dkdv_fused"
+    for c, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block):
         items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
                                window=None if window < 0 else window, order=_order,
                                block_size=block if block > 0 else None, lengths=lengths)

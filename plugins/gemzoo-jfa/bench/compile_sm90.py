@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Compile kernel variants of the jfa family for Hopper (sm_90a) on a machine without a GPU, and report what
+ptxas says: shared memory, registers, spills, or the crash. The cheap first check of a new tile shape or
+constexpr before a device call (triton 3.6's ptxas has crashed on some variants; see the README).
+
+    .venv/bin/python plugins/gemzoo-jfa/bench/compile_sm90.py [--only NAME,...] [--out results.json]
+
+Each variant is (kernel, constexprs, num_warps, num_stages, tensor-descriptor boxes); the non-constexpr
+arguments get their types from their names (bf16 tensors, int64 offsets, int32 schedules and scalars).
+The local triton (3.7 here) is not the image's 3.6, so a pass here is evidence, not proof.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from gemzoo_jfa import kernels  # noqa: E402
+
+FLOAT_ARGS = {"qk_scale", "inv_norm", "rope_c", "dk_scale", "dv_scale", "dq_scale"}
+FP32_PTRS = {"LSE", "DELTA", "DQACC"}
+INT_PTRS = {"QOFF": "*i64", "KOFF": "*i64", "ITEMS": "*i32"}
+DESCRIPTORS = ("KD", "VD", "QD", "DOD")
+
+
+def _constexprs(fn, const: dict) -> dict:
+    """``const`` plus the defaults of the kernel's other constexpr parameters (and of None-default pointers,
+    which a launch leaves out), as a launch would pass them."""
+    out = dict(const)
+    for name, p in inspect.signature(fn.fn).parameters.items():
+        if name == "DQACC" and out.get("FUSED_DQ"):
+            continue  # a pointer then
+        if name not in out and p.default is not inspect.Parameter.empty and (
+                p.default is None or "constexpr" in str(p.annotation)):
+            out[name] = p.default
+    return out
+
+
+def _signature(fn, const: dict, dtype: str, boxes: dict) -> dict:
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in DESCRIPTORS:
+            sig[name] = f"tensordesc<{dtype}[{boxes[name]}]>" if name in boxes else f"*{dtype}"
+        elif name in INT_PTRS:
+            sig[name] = INT_PTRS[name]
+        elif name in FP32_PTRS:
+            sig[name] = "*fp32"
+        elif name.isupper() or name.endswith("_"):
+            sig[name] = f"*{dtype}"
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _ptxas(ptx: str) -> dict:
+    """ptxas -v on the PTX: registers and spill bytes (or the error); Triton's metadata has the shared memory."""
+    import os
+
+    path = Path("/tmp/compile_sm90.ptx")
+    path.write_text(ptx)
+    ptxas = os.environ.get("TRITON_PTXAS_PATH") or str(Path(triton.__file__).parent / "backends/nvidia/bin/ptxas")
+    run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(path), "-o", "/tmp/compile_sm90.cubin"],
+                         capture_output=True, text=True)
+    info = run.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.findall(r"(\d+) bytes spill (stores|loads)", info)
+    return {"ok": run.returncode == 0, "regs": int(regs.group(1)) if regs else None,
+            "spill_bytes": sum(int(b) for b, _ in spill),
+            **({} if run.returncode == 0 else {"error": info[-400:]})}
+
+
+def variants() -> dict:
+    base = dict(H=4, D=128, DV=128, BD=128, BDV=128, CAUSAL=True, WINDOWED=False, UPCAST=False, ACT=0,
+                BLOCKED=False, ROPE=False)
+    fwd, dkdv, dq = kernels.attn_fwd_kernel, kernels.attn_bwd_dkdv_kernel, kernels.attn_bwd_dq_kernel
+    out = {}
+    for tma, warps in ((True, 4), (False, 4), (True, 8), (False, 8)):
+        t = ("tma" if tma else "ptr") + f" w{warps}"
+        # the short-sequence bucket (ops.short_buckets): 64 x 64 tiles, 3 stages, for all three kernels
+        out[f"bucket64 fwd {t}"] = (fwd, {**base, "BM": 64, "BN": 64, "USE_TMA": tma, "SPLIT": False}, warps, 3,
+                                    {"KD": "64,1,128", "VD": "64,1,128"} if tma else {})
+        out[f"bucket64 dkdv {t}"] = (dkdv, {**base, "BM": 64, "BN": 64, "USE_TMA": tma}, warps, 3,
+                                     {"QD": "64,1,128", "DOD": "64,1,128"} if tma else {})
+        out[f"bucket64 dq {t}"] = (dq, {**base, "BM": 64, "BN": 64, "USE_TMA": tma, "SPLIT": False}, warps, 3,
+                                   {"KD": "64,1,128", "VD": "64,1,128"} if tma else {})
+    for tma in (True, False):
+        t = "tma" if tma else "ptr"
+        # fused dQ: the default dk/dv tiles (64 q x 128 k, 8 warps, 3 stages), then smaller ones
+        for bm, bn, warps, stages in ((64, 128, 8, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3),
+                                      (64, 128, 8, 2)):
+            box = f"{bm},1,128"
+            out[f"fused-dq dkdv {t} BM{bm} BN{bn} w{warps} s{stages}"] = (
+                dkdv, {**base, "BM": bm, "BN": bn, "USE_TMA": tma, "FUSED_DQ": True}, warps, stages,
+                {"QD": box, "DOD": box} if tma else {})
+    out["fused-dq dkdv silu tma"] = (dkdv, {**base, "ACT": 1, "BM": 64, "BN": 128, "USE_TMA": True,
+                                            "FUSED_DQ": True}, 8, 3, {"QD": "64,1,128", "DOD": "64,1,128"})
+    out["fused-dq dkdv rope ptr"] = (dkdv, {**base, "ROPE": True, "BM": 64, "BN": 128, "USE_TMA": False,
+                                            "FUSED_DQ": True}, 8, 3, {})
+    out["default dkdv tma (reference)"] = (dkdv, {**base, "BM": 64, "BN": 128, "USE_TMA": True}, 8, 3,
+                                           {"QD": "64,1,128", "DOD": "64,1,128"})
+    out["default fwd tma (reference)"] = (fwd, {**base, "BM": 128, "BN": 128, "USE_TMA": True, "SPLIT": False}, 8, 3,
+                                          {"KD": "128,1,128", "VD": "128,1,128"})
+    out["default dq tma (reference)"] = (dq, {**base, "BM": 128, "BN": 64, "USE_TMA": True, "SPLIT": False}, 8, 3,
+                                         {"KD": "64,1,128", "VD": "64,1,128"})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated variant names (substrings)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    results = {"triton": triton.__version__}
+    for name, (fn, const, warps, stages, boxes) in variants().items():
+        if args.only and not any(s in name for s in args.only.split(",")):
+            continue
+        t0 = time.time()
+        try:
+            const = _constexprs(fn, const)
+            src = ASTSource(fn=fn, signature=_signature(fn, const, "bf16", boxes), constexprs=const)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                               options={"num_warps": warps, "num_stages": stages})
+            res = {"triton_shared": k.metadata.shared, **_ptxas(k.asm["ptx"])}
+        except Exception as exc:  # a compile failure is the result
+            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-600:]}
+        res["seconds"] = round(time.time() - t0, 1)
+        results[name] = res
+        print(f"{name:32} {json.dumps(res)}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
