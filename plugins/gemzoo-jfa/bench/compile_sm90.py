@@ -72,11 +72,14 @@ def _ptxas(ptx: str) -> dict:
     """ptxas -v on the PTX: registers and spill bytes (or the error); Triton's metadata has the shared memory."""
     import os
 
-    path = Path("/tmp/compile_sm90.ptx")
-    path.write_text(ptx)
+    import tempfile
+
     ptxas = os.environ.get("TRITON_PTXAS_PATH") or str(Path(triton.__file__).parent / "backends/nvidia/bin/ptxas")
-    run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(path), "-o", "/tmp/compile_sm90.cubin"],
-                         capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(path), "-o", str(Path(tmp) / "kernel.cubin")],
+                             capture_output=True, text=True)
     info = run.stderr
     regs = re.search(r"Used (\d+) registers", info)
     spill = re.findall(r"(\d+) bytes spill (stores|loads)", info)
@@ -121,29 +124,36 @@ def variants() -> dict:
     return out
 
 
+def compile_variant(fn, const: dict, warps: int, stages: int, boxes: dict) -> dict:
+    """Compile one variant for sm_90a: Triton's shared memory, ptxas's registers and spills (or the error)."""
+    t0 = time.time()
+    try:
+        const = _constexprs(fn, const)
+        src = ASTSource(fn=fn, signature=_signature(fn, const, "bf16", boxes), constexprs=const)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps, "num_stages": stages})
+        res = {"triton_shared": k.metadata.shared, **_ptxas(k.asm["ptx"])}
+    except Exception as exc:  # a compile failure is the result
+        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-600:]}
+    res["seconds"] = round(time.time() - t0, 1)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma-separated variant names (substrings)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--json", action="store_true", help="end with one line of JSON of every result")
     args = ap.parse_args()
     results = {"triton": triton.__version__}
-    for name, (fn, const, warps, stages, boxes) in variants().items():
+    for name, variant in variants().items():
         if args.only and not any(s in name for s in args.only.split(",")):
             continue
-        t0 = time.time()
-        try:
-            const = _constexprs(fn, const)
-            src = ASTSource(fn=fn, signature=_signature(fn, const, "bf16", boxes), constexprs=const)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                               options={"num_warps": warps, "num_stages": stages})
-            res = {"triton_shared": k.metadata.shared, **_ptxas(k.asm["ptx"])}
-        except Exception as exc:  # a compile failure is the result
-            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-600:]}
-        res["seconds"] = round(time.time() - t0, 1)
-        results[name] = res
+        results[name] = res = compile_variant(*variant)
         print(f"{name:32} {json.dumps(res)}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.json:
+        print(json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":
