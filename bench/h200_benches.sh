@@ -7,6 +7,8 @@
 #               and the fused-dQ and length-bucket sweeps (issue 17)
 #   profile     a compiled jfa,bf16 gem-bench step under torch.profiler: kernel groups, and where the GPU waits
 #               (gemzoo.profiling.gpu_idle); the chrome trace comes back gzipped (issue 17)
+#   e2e         the README's end-to-end table: gemzoo ablate configs/ablations/gem-bench.toml (compiled since
+#               2026-12-02), every row in this one step (issue 17)
 #   host        where the ~1 ms of host time per attention call goes: torch.profiler and cProfile over the
 #               block-attention and gdpa cross64 cases (issues 11 follow-up, 17)
 #   shuffle     batch-shuffle's per-step overhead, 45 steps, with each step's wait for its prefetched batch (16)
@@ -41,10 +43,13 @@ grep -v -e Warning -e create_block_mask "$LOGS/jfa.log" 2>/dev/null | tail -40
 step profile 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml \
   --sets "jfa,bf16" --steps 8 --profile 2 --out "$OUT/step_profile.json" --trace "$OUT"
 grep -E '^\{|^gpu idle|^    ' "$LOGS/profile.log" 2>/dev/null | cut -c1-1500
+rm -rf /tmp/e2e; step e2e 560 gemzoo ablate configs/ablations/gem-bench.toml --out /tmp/e2e
+for f in ablation.json report.md; do cp "/tmp/e2e/$f" "$OUT/e2e_$f" 2>/dev/null; done; tail -14 "$LOGS/e2e.log" 2>/dev/null
 step host 120 python3 plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$OUT"
 grep -E "^==|^ +[0-9]" "$LOGS/host.log" 2>/dev/null | head -120 | cut -c1-200
 step shuffle 170 python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml \
-  --plugins jfa,bf16 --steps 45 --warmup 5 --worlds 8,64,512 --workers process --budget-s 140 --out "$OUT/overhead.json"
+  --plugins jfa,bf16 --steps 45 --warmup 5 --worlds 8,64,512 --workers process --budget-s 140 --set run.compile=false \
+  --out "$OUT/overhead.json"  # eager, as the earlier runs
 grep -E "CPUs|median step|assign alone|overlapped" "$LOGS/shuffle.log" 2>/dev/null | cut -c1-300
 step gdpa 240 python3 plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$LOGS"
 cp "$LOGS/bench_gdpa.json" "$OUT/" 2>/dev/null
