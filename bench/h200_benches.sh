@@ -12,6 +12,7 @@
 #   host        where the ~1 ms of host time per attention call goes: torch.profiler and cProfile over the
 #               block-attention and gdpa cross64 cases (issues 11 follow-up, 17)
 #   shuffle     batch-shuffle's per-step overhead, 45 steps, with each step's wait for its prefetched batch (16)
+#   shuffle8k_d1, shuffle8k_d2: the same at 8192 ranks, one step ahead and two (overlap_depth = 2, two workers)
 #   gdpa, cross50, ncclx, memory, aq_profile: the runs of 2026-12-02 (issues 11, 14, 15), kept for reruns
 #   LIMIT_S=560 bash bench/h200_benches.sh                   # from the repository root on the device machine
 #   ONLY="host shuffle" LIMIT_S=300 bash bench/h200_benches.sh
@@ -51,6 +52,12 @@ step shuffle 170 python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config
   --plugins jfa,bf16 --steps 45 --warmup 5 --worlds 8,64,512 --workers process --budget-s 140 --set run.compile=false \
   --out "$OUT/overhead.json"  # eager, as the earlier runs
 grep -E "CPUs|median step|assign alone|overlapped" "$LOGS/shuffle.log" 2>/dev/null | cut -c1-300
+for depth in 1 2; do
+  step "shuffle8k_d$depth" 150 python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml \
+    --plugins jfa,bf16 --steps 25 --warmup 5 --worlds 8192 --workers process --depth $depth --budget-s 120 \
+    --set run.compile=false --out "$OUT/overhead_8192_d$depth.json"
+  grep -E "median step|assign alone|overlapped" "$LOGS/shuffle8k_d$depth.log" 2>/dev/null | cut -c1-300
+done
 step gdpa 240 python3 plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$LOGS"
 cp "$LOGS/bench_gdpa.json" "$OUT/" 2>/dev/null
 grep -v -e Warning -e create_block_mask "$LOGS/gdpa.log" 2>/dev/null | tail -34

@@ -25,7 +25,9 @@ thread, or a spawned process with ``overlap_worker = "process"``); step t+1 wait
 all-to-all itself. Every collective stays on the main thread, in the same order on every rank, so no two
 threads ever use the process group. The partition is a pure function of step t+1's costs,
 so the samples (and the losses) are bit-identical to the synchronous path; the first step of a run or of a
-resume has nothing ahead and partitions synchronously, which gives the same answer.
+resume has nothing ahead and partitions synchronously, which gives the same answer. With the policy's
+``overlap_depth = d`` the main thread keeps steps t+1..t+d planned (their parts loaded and costs all-gathered,
+in step order) in d workers, so a partition may take up to d steps.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import math
 import multiprocessing
 import os
 import time
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 
 from gemzoo.errors import PluginError
-from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance, overlap_worker, overlaps
+from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance, overlap_depth, overlap_worker, overlaps
 
 
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -298,7 +301,8 @@ class Pending:
 
 
 class PartitionWorker:
-    """The one worker that computes partitions ahead of their step.
+    """The worker (or ``workers`` of them, for partitions several steps ahead) that computes partitions ahead
+    of their step.
 
     - ``"process"``: a spawned interpreter (started, and torch imported, when this is created). ``assign``
       runs beside the trainer without sharing its GIL; the policy is pickled to it (it must be picklable and
@@ -314,17 +318,17 @@ class PartitionWorker:
     worker leaves the CPUs the trainer's main thread is bound to, if it is bound (``where()`` says where).
     """
 
-    def __init__(self, kind: str = "thread"):
+    def __init__(self, kind: str = "thread", workers: int = 1):
         if kind not in WORKERS:
             raise PluginError(f"partition worker must be one of {', '.join(WORKERS)}, got {kind!r}")
-        self.kind = kind
+        self.kind, self.workers = kind, workers
         self._threads = None  # the trainer's intra-op threads before leave_a_core
         if kind == "thread":
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-partition",
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gemzoo-partition",
                                             initializer=_one_thread)
         else:
             avoid = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+            self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_process_worker_init, initargs=(avoid,))
             self._started = self._pool.submit(_ready)
 
@@ -340,13 +344,13 @@ class PartitionWorker:
         return Pending(self._pool.submit(_partition_arrays, policy, costs.numpy(), world_size, name), arrays=True)
 
     def leave_a_core(self) -> None:
-        """Shrink the caller's intra-op team by one thread while this worker lives, if it fills every core: an
-        OpenMP team on every core waits at each barrier for the thread the worker displaced. For GPU training
+        """Shrink the caller's intra-op team by one thread a worker while they live, if it fills every core: an
+        OpenMP team on every core waits at each barrier for the thread a worker displaced. For GPU training
         (the host's ops are data preparation); on a CPU device it would change the reduction order of the math."""
         cores = len(available_cpus())
         if self._threads is None and torch.get_num_threads() >= cores > 1:
             self._threads = torch.get_num_threads()
-            torch.set_num_threads(cores - 1)
+            torch.set_num_threads(max(1, cores - self.workers))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -402,8 +406,9 @@ def _world_size() -> int:
 
 
 class Lookahead:
-    """The trainer's data step: this rank's samples of each step, with the partition of the next step computed
-    by one ``PartitionWorker`` (the policy's ``overlap_worker``: a thread or a process) while this one trains,
+    """The trainer's data step: this rank's samples of each step, with the partition of the next step (or the
+    next ``overlap_depth``) computed by a ``PartitionWorker`` (the policy's ``overlap_worker``: threads or
+    processes) while this one trains,
     when ``overlaps(policy)`` and there is more than one rank (else exactly ``load_shard`` + ``rebalance``,
     synchronously).
 
@@ -423,23 +428,32 @@ class Lookahead:
         self.policy = policy
         self.name = name or type(policy).__name__
         self.overlap = overlaps(policy)
+        self.depth = overlap_depth(policy) if self.overlap else 1
         self.last: dict = {}
-        self._ahead: Planned | None = None
+        self._ahead: deque[Planned] = deque()  # steps planned ahead, in step order
         self._worker: PartitionWorker | None = None
         self._loader = ShardPrefetcher()
         if self.overlap and overlap_worker(policy) == "process" and _world_size() > 1:
-            self._worker = PartitionWorker("process")  # spawned now: it starts while the trainer builds the model
+            # spawned now: the processes start while the trainer builds the model
+            self._worker = PartitionWorker("process", self.depth)
 
     def _load(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable):
         part = self._loader.get(dataset, step, dp.rank, dp.size).to(device)
         return part, cost_model(part)
 
+    def _drop_ahead(self) -> None:
+        while self._ahead:
+            planned = self._ahead.popleft()
+            if planned.future is not None:
+                planned.future.cancel()
+
     def batch(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable, *,
-              next_step: int | None = None):
+              next_step: int | None = None, last_step: int | None = None):
         """This rank's samples of ``step``. With ``next_step`` (the step that will run after this one; None at
-        the last step), an overlapping policy also gets that step's part loaded, its costs all-gathered (every
-        rank calls this at the same point, so the collectives match) and its partition started in the worker."""
-        ahead, self._ahead = self._ahead, None
+        the last step), an overlapping policy also gets the steps up to ``next_step + depth - 1`` (and at most
+        ``last_step``, the run's last) loaded, their costs all-gathered (every rank calls this at the same point,
+        so the collectives match) and their partitions started in the workers."""
+        ahead = self._ahead.popleft() if self._ahead else None
         if dp.size == 1:  # one rank never calls the policy
             part = self._loader.get(dataset, step, 0, 1).to(device)
             self.last = {"step": step, "ahead": False, "assign_s": 0.0, "wait_s": 0.0,
@@ -454,12 +468,13 @@ class Lookahead:
                 self._loader.prefetch(dataset, next_step, dp.rank, dp.size)
             return got
         if self.overlap and next_step is not None and self._worker is None:  # a process starts meanwhile
-            self._worker = PartitionWorker(overlap_worker(self.policy))
+            self._worker = PartitionWorker(overlap_worker(self.policy), self.depth)
         if self._worker is not None and torch.device(device).type != "cpu":
             self._worker.leave_a_core()
         if ahead is None or ahead.step != step or ahead.dp != dp:  # nothing ahead (or not this step's): now
             if ahead is not None and ahead.future is not None:
                 ahead.future.cancel()
+            self._drop_ahead()
             ahead = plan(self.policy, *self._load(dataset, step, dp, device, cost_model), dp, name=self.name,
                          step=step)
         t0 = time.perf_counter()
@@ -469,16 +484,17 @@ class Lookahead:
         mine = move(ahead)
         self.last = {"step": step, "ahead": ahead.future is not None, "assign_s": ahead.assign_s, "wait_s": wait}
         if next_step is not None and self.overlap:
-            self._ahead = plan(self.policy, *self._load(dataset, next_step, dp, device, cost_model), dp,
-                               name=self.name, step=next_step, worker=self._worker)
+            first = self._ahead[-1].step + 1 if self._ahead else next_step
+            end = next_step + self.depth if last_step is None else min(next_step + self.depth, last_step + 1)
+            for s in range(first, end):
+                self._ahead.append(plan(self.policy, *self._load(dataset, s, dp, device, cost_model), dp,
+                                        name=self.name, step=s, worker=self._worker))
         elif next_step is not None:
             self._loader.prefetch(dataset, next_step, dp.rank, dp.size)
         return mine
 
     def close(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.future is not None:
-            ahead.future.cancel()
+        self._drop_ahead()
         self._loader.close()
         if self._worker is not None:
             self._worker.shutdown()

@@ -16,7 +16,8 @@ A policy whose ``assign`` may run in a worker thread (thread-safe: a pure functi
 shared mutable state) says so with ``overlap = True``; the trainer (``gemzoo.data.exchange.Lookahead``) then
 computes step t+1's partition while step t trains. Every collective stays on the trainer's thread.
 ``overlap_worker = "process"`` runs ``assign`` in a spawned process instead of a thread (no shared GIL; the
-policy must then be picklable).
+policy must then be picklable). ``overlap_depth = d`` (default 1) partitions steps t+1..t+d ahead, each in one
+of d workers, for partitions longer than a step (many ranks): each then has d steps' time.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def overlaps(policy) -> bool:
 def overlap_worker(policy) -> str:
     """Where an overlapping policy's ``assign`` runs: ``"thread"`` (the default) or ``"process"``."""
     return getattr(policy, "overlap_worker", "thread")
+
+
+def overlap_depth(policy) -> int:
+    """How many steps ahead an overlapping policy's partitions run (``overlap_depth``, default 1), in as many
+    workers."""
+    depth = getattr(policy, "overlap_depth", 1)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"{type(policy).__name__}.overlap_depth must be an int >= 1, got {depth!r}")
+    return depth
 
 
 def custom_rebalance(policy):

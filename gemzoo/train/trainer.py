@@ -460,7 +460,8 @@ class Trainer:
             dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group())
         batch = self.lookahead.batch(self.dataset, step, dp, self.device,
                                      lambda part: self.model.cost_model(part),  # looked up only with >1 rank
-                                     next_step=step + 1 if step + 1 < cfg.run.steps else None)
+                                     next_step=step + 1 if step + 1 < cfg.run.steps else None,
+                                     last_step=cfg.run.steps - 1)
         # The loss is the global batch's: sum-then-divide by the global count of loss terms. Gradients are
         # averaged over ranks, so rank r scales its mean loss by world * terms_r / terms (1.0 for even splits).
         world = self.world.world_size

@@ -33,6 +33,7 @@ every phase (and phases stop starting once ``--budget-s`` is spent), so a cut-of
 from __future__ import annotations
 
 import argparse
+from collections import deque
 import json
 import math
 import os
@@ -59,6 +60,7 @@ def parse(argv=None):
     p.add_argument("--per-rank", type=int, default=64, help="samples per rank of the simulated global batch")
     p.add_argument("--workers", default="process,thread", help="the overlap's workers to measure, in order")
     p.add_argument("--budget-s", type=float, default=80.0, help="start no phase after this many seconds")
+    p.add_argument("--depth", type=int, default=1, help="partitions in flight, one worker each (overlap_depth)")
     p.add_argument("--set", action="append", default=[], help="config overrides, as gemzoo train --set")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "overhead.json"))
     p.add_argument("--dry-run", action="store_true",
@@ -163,20 +165,31 @@ def global_costs(tr, world: int, per_rank: int, seed: int) -> torch.Tensor:
     return tr.model.cost_model(SimpleNamespace(lengths=lengths, cand_lengths=cands)).double()
 
 
-def overlapped(tr, worker, policy, draws: dict, world: int, measured, base: list[float], base_med: float) -> dict:
+def overlapped(tr, worker, policy, draws: dict, world: int, measured, base: list[float], base_med: float,
+               depth: int = 1) -> dict:
     """Each measured step with the partition of ``draws[step]`` over ``world`` ranks submitted to ``worker``
-    before it and waited for after it (as step t+1 would, before its all-to-all)."""
+    before it and waited for after it (as step t+1 would, before its all-to-all); with ``depth`` d, waited for
+    after step t + d - 1 (the trainer's ``overlap_depth``: d partitions in flight in d workers)."""
     waits, in_worker, times, host = [], [], [], []
+    pending: deque = deque()
 
-    def wait(pending):
+    def wait(p):
         t = time.perf_counter()
-        _, seconds = pending.result()
+        _, seconds = p.result()
         waits.append(time.perf_counter() - t)
         in_worker.append(seconds)
 
+    def submit(s):
+        pending.append(worker.submit(policy, draws[s], world, "base-batch-shuffle"))
+
+    def after(_):
+        if len(pending) >= depth:
+            wait(pending.popleft())
+
     for s in measured:
-        submit = lambda s=s: worker.submit(policy, draws[s], world, "base-batch-shuffle")
-        times.append(timed_step(tr, s, before=submit, after=wait, host=host))
+        times.append(timed_step(tr, s, before=lambda s=s: submit(s), after=after, host=host))
+    while pending:  # the last d - 1 finish after the measured steps: not a wait of any step
+        pending.popleft().result()
     paired = statistics.median(t - b for t, b in zip(times, base))
     wait_med = statistics.median(waits)
     return {"step_ms": ms(times), "median_step_ms": round(1e3 * statistics.median(times), 3),
@@ -197,7 +210,7 @@ def main(argv=None) -> int:
     from gemzoo.data.exchange import PartitionWorker, partition_checked
 
     out = {"config": os.path.relpath(a.config, ROOT), "plugins": a.plugins, "dry_run": a.dry_run,
-           "steps": a.steps, "warmup": a.warmup, "per_rank": a.per_rank, "target_pct": TARGET_PCT,
+           "steps": a.steps, "warmup": a.warmup, "per_rank": a.per_rank, "depth": a.depth, "target_pct": TARGET_PCT,
            "torch": torch.__version__, "phases": {}, "worlds": [], "notes": []}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
 
@@ -215,7 +228,7 @@ def main(argv=None) -> int:
         return True
 
     tr = build_trainer(a)
-    workers = {kind: PartitionWorker(kind) for kind in a.workers}  # a process starts (imports torch) meanwhile
+    workers = {kind: PartitionWorker(kind, a.depth) for kind in a.workers}  # processes start (import torch) meanwhile
     if tr.device.type != "cpu":  # as the trainer's Lookahead does on a GPU run
         for w in workers.values():
             w.leave_a_core()
@@ -269,7 +282,7 @@ def main(argv=None) -> int:
             for kind, worker in workers.items():
                 if not budget_left(f"world {w}, {kind} worker"):
                     break
-                row[kind] = overlapped(tr, worker, policy, draws, w, measured, base, base_med)
+                row[kind] = overlapped(tr, worker, policy, draws, w, measured, base, base_med, a.depth)
                 r = row[kind]
                 print(f"{'':20s}overlapped in a {kind:7s}: wait {r['wait_median_ms']:7.2f} ms (max "
                       f"{r['wait_max_ms']:.2f}), step overhead {r['overhead_ms']:+8.2f} ms ({r['overhead_pct']:+.2f}%); main thread "

@@ -170,6 +170,13 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
         BatchShuffleOptions(overlap="true")
     with pytest.raises(ConfigError, match="worker must be one of thread, process, got 'gpu'"):
         BatchShuffleOptions(worker="gpu")
+    from gemzoo.interfaces.batching import overlap_depth
+
+    assert overlap_depth(BatchShuffle()) == 1 and overlap_depth(Unsure()) == 1
+    assert overlap_depth(BatchShuffle(BatchShuffleOptions(overlap_depth=2))) == 2
+    for bad in (0, 9, 1.5, True):
+        with pytest.raises(ConfigError, match="overlap_depth must be an int from 1 to 8"):
+            BatchShuffleOptions(overlap_depth=bad)
 
     class Data:
         def train_batch(self, step):
@@ -183,7 +190,7 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
     load_wait = look.last.pop("load_wait_s")  # the whole load: nothing was prefetched for step 3
     assert batch.num_samples == 5 and look.last == {"step": 3, "ahead": False, "assign_s": 0.0, "wait_s": 0.0}
     assert load_wait > 0
-    assert look._worker is None and look._ahead is None
+    assert look._worker is None and not look._ahead
 
 
 def test_partition_workers_give_the_synchronous_answer_and_its_errors():
@@ -280,7 +287,7 @@ def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
     """gem on 2 gloo ranks, 9 samples a step (uneven): base-batch-shuffle's 10 losses (overlap on, the default:
     steps 1-9 partitioned ahead in a worker process) equal the unshuffled run's within 1e-6 relative and the
     synchronous run's (overlap = false) bit for bit, with the same samples on each rank at every step (and
-    5 steps with a worker thread too); every
+    5 steps with a worker thread too, and 10 partitioned two steps ahead in two processes); every
     step trains each of the global batch's 9 samples exactly once (keys counted); 5 steps + resume to 10
     reproduce the straight run bit for bit (the resumed run's first step partitions synchronously, the rest
     ahead); with 1 sample for 2 ranks every rank stops with the same clear error."""
@@ -290,6 +297,7 @@ def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
             ("shuffle", "base-batch-shuffle", 10, False, []),
             ("sync", "base-batch-shuffle", 10, False, ["plugins.options.base-batch-shuffle.overlap=false"]),
             ("thread", "base-batch-shuffle", 5, False, ["plugins.options.base-batch-shuffle.worker='thread'"]),
+            ("depth2", "base-batch-shuffle", 10, False, ["plugins.options.base-batch-shuffle.overlap_depth=2"]),
             ("half", "base-batch-shuffle", 5, False, []),
             ("half@resumed", "base-batch-shuffle", 10, True, []),
             ("tiny", "base-batch-shuffle", 1, False, ["data.batch_size=1"])]  # 1 sample, 2 ranks
@@ -306,6 +314,9 @@ def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
     assert all(r["sync"]["keys"] == r["shuffle"]["keys"] for r in ranks)
     assert ranks[0]["shuffle"]["ahead"] == [False] + [True] * 9 and ranks[0]["sync"]["ahead"] == [False] * 10
     assert ranks[0]["none"]["ahead"] == [False] * 10
+    depth2 = ranks[0]["depth2"]  # two steps ahead in two worker processes: the same, bit for bit
+    assert depth2["losses"] == got and depth2["ahead"] == [False] + [True] * 9
+    assert all(r["depth2"]["keys"] == r["shuffle"]["keys"] for r in ranks)
     thread = ranks[0]["thread"]  # worker = "thread" (the default is a process): the same, bit for bit
     assert thread["losses"] == got[:5] and thread["ahead"] == [False] + [True] * 4
     assert all(r["thread"]["keys"] == r["shuffle"]["keys"][:5] for r in ranks)
