@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks still to run on the H200, each written to $OUT as it goes, in order of need. A step starts only
 # while time is left (LIMIT_S); ONLY="name ..." runs just those steps. GPU_CACHE=<folder> unpacks a Triton cache
-# first (bench/gpu_cache.py, as h200_suite.sh does).
+# first (bench/gpu_cache.py, as h200_suite.sh does); PACK=1 packs this machine's Triton cache into $OUT at the end.
 #   gpu_tests   the GPU tests of the jfa kernel family (jfa, gdpa, block-attention), which share the launchers
 #   jfa         bench_jfa.py: gem_lognormal, uniform_8k and short against Flex, FA varlen, NJT and padded SDPA,
 #               and the fused-dQ and length-bucket sweeps (issue 17)
@@ -34,7 +34,7 @@ step() {  # step NAME MAX_S CMD...: runs CMD under min(MAX_S, time left) if at l
 source "$(dirname "$0")/device_install.sh"; install_checkout "$LOGS/install.log" || exit 1
 echo "installed at $(( $(date +%s) - t0 )) s"
 [ -n "${GPU_CACHE:-}" ] && python3 "$(dirname "$0")/gpu_cache.py" unpack "$GPU_CACHE"
-step gpu_tests 200 python3 -m pytest -q -c pyproject.toml -rfE plugins/gemzoo-jfa/tests/test_gpu.py \
+step gpu_tests 420 python3 -m pytest -q -c pyproject.toml -rfE plugins/gemzoo-jfa/tests/test_gpu.py \
   plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py
 tail -8 "$LOGS/gpu_tests.log" 2>/dev/null
 step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep fused_dq,buckets --checks 2 --budget 230 \
@@ -72,3 +72,4 @@ tail -12 "$LOGS/memory.log" 2>/dev/null
 step aq_profile 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --steps 10 \
   --profile 3 --out "$OUT/act_quant_profile.json"
 grep -E '^\{|^    ' "$LOGS/aq_profile.log" 2>/dev/null | cut -c1-1200
+if [ -n "${PACK:-}" ]; then python3 "$(dirname "$0")/gpu_cache.py" pack "$OUT" 2>&1 | tail -3; fi
