@@ -12,8 +12,6 @@ tell a span from a kernel; only torch builds without ``is_user_annotation`` fall
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 
 _CPU = torch.autograd.DeviceType.CPU
@@ -89,22 +87,24 @@ def gpu_idle(trace: dict, *, min_gap_us: float = 5.0, steps: int = 1, top: int =
     busy += end - start
     host = [e for e in events if e.get("cat") in _HOST_CATS]
     launchers = {(e.get("pid"), e.get("tid")) for e in host if e.get("cat") == "cuda_runtime"}
-    host = [e for e in host if (e.get("pid"), e.get("tid")) in launchers]
-    host.sort(key=lambda e: float(e["ts"]))
-    starts = [float(e["ts"]) for e in host]
-    longest = max((float(e["dur"]) for e in host), default=0.0)
+    host = sorted((e for e in host if (e.get("pid"), e.get("tid")) in launchers), key=lambda e: float(e["ts"]))
     charged: dict[str, dict[str, float]] = {"by_op": {}, "by_runtime": {}, "by_range": {}}
+    # one sweep in time order (the gaps are): the host events open at each gap's midpoint, kept as a short list
+    # of the ranges not yet ended (their nesting depth), so a trace of many events and gaps stays linear
+    active: list[dict] = []
+    nxt = 0
     for g0, g1 in gaps:
         mid, length = (g0 + g1) / 2, (g1 - g0) / 1e3 / steps
-        lo = bisect.bisect_left(starts, mid - longest)
-        hi = bisect.bisect_right(starts, mid)
-        covering = [e for e in host[lo:hi] if float(e["ts"]) + float(e["dur"]) >= mid]
+        while nxt < len(host) and float(host[nxt]["ts"]) <= mid:
+            active.append(host[nxt])
+            nxt += 1
+        active = [e for e in active if float(e["ts"]) + float(e["dur"]) >= mid]
         picks = {
-            "by_op": min((e for e in covering if e["cat"] == "cpu_op"), key=lambda e: e["dur"], default=None)
-            or min((e for e in covering if e["cat"] == "python_function"), key=lambda e: e["dur"], default=None),
-            "by_runtime": min((e for e in covering if e["cat"] in ("cuda_runtime", "cuda_driver")),
+            "by_op": min((e for e in active if e["cat"] == "cpu_op"), key=lambda e: e["dur"], default=None)
+            or min((e for e in active if e["cat"] == "python_function"), key=lambda e: e["dur"], default=None),
+            "by_runtime": min((e for e in active if e["cat"] in ("cuda_runtime", "cuda_driver")),
                               key=lambda e: e["dur"], default=None),
-            "by_range": max((e for e in covering if e["cat"] == "user_annotation"), key=lambda e: e["dur"],
+            "by_range": max((e for e in active if e["cat"] == "user_annotation"), key=lambda e: e["dur"],
                             default=None),
         }
         for key, e in picks.items():

@@ -201,16 +201,18 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    fused = [g for g in grads if g.is_cuda and not isinstance(g, DTensor)]
+
+    def fusable(g):
+        return g.is_cuda and not isinstance(g, DTensor)
+
+    fused, rest = [g for g in grads if fusable(g)], [g for g in grads if not fusable(g)]
     if fused:
         sq = sq + torch.stack(torch._foreach_norm(fused, 2, dtype=torch.float32)).square().sum()
-    for g in grads:
-        if g.is_cuda and not isinstance(g, DTensor):
-            continue
+    for g in rest:
         n = torch.linalg.vector_norm(g, dtype=torch.float32)
         if isinstance(n, DTensor):
             n = n.full_tensor()
         sq = sq + n.to(sq.device) ** 2
     total = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=len(fused) == len(grads))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=not rest)
     return total
