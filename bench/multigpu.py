@@ -66,7 +66,8 @@ def plan_runs(rows, gpus: list[int], per_gpu_batch: int, dense_plugins: str) -> 
     if "dense" in rows:
         layouts = {"FSDP2": f"{{shard={most}}}", "HSDP": f"{{replicate=2,shard={most // 2}}}",
                    "TP=2": f"{{tp=2,shard={most // 2}}}"}
-        runs += [Run("dense", name, most, dense_plugins, batch + [f"run.mesh={mesh}"]) for name, mesh in layouts.items()]
+        runs += [Run("dense", name, most, dense_plugins, batch + [f"run.mesh={mesh}"])
+                 for name, mesh in layouts.items()]
     if "comms" in rows:
         runs += [Run("comms", name, most, dense_plugins + extra, batch + [f"run.mesh={{shard={most}}}"])
                  for name, extra in (("torch (NCCL)", ""), ("ncclx", ",ncclx"))]

@@ -103,7 +103,8 @@ def main() -> None:
         except Exception as exc:  # keep the other set
             row = {"plugins": plugins, "error": f"{type(exc).__name__}: {exc}"[:600]}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels_ms", "memory", "gpu_idle")}), flush=True)
+        brief = {k: v for k, v in row.items() if k not in ("top_kernels_ms", "memory", "gpu_idle")}
+        print(json.dumps(brief), flush=True)
         print("gpu idle:", json.dumps(row.get("gpu_idle", {})), flush=True)
         for name, ms in row.get("top_kernels_ms", [])[:12]:
             print(f"    {ms:8.2f} ms  {name[:110]}", flush=True)

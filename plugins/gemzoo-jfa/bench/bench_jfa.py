@@ -223,7 +223,8 @@ def make_padded(w):
 
 METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "jfa_buckets": make_jfa_buckets, "flex": make_flex,
            "fa_varlen": make_fa_varlen, "njt_sdpa": make_njt, "padded_sdpa": make_padded}
-SAME_LAYOUT = ("jfa", "jfa_ptr", "jfa_buckets", "flex", "fa_varlen", "njt_sdpa")  # outputs and gradients cross-checked against jfa
+# the methods on jfa's [T, H, D] layout, whose outputs and gradients are cross-checked against jfa's
+SAME_LAYOUT = ("jfa", "jfa_ptr", "jfa_buckets", "flex", "fa_varlen", "njt_sdpa")
 
 
 def bench(fn, leaves, grad, warmup=25, rep=100, ctx=contextlib.nullcontext):

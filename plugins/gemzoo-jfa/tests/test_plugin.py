@@ -192,12 +192,13 @@ def test_schedule_is_built_once_per_offsets_and_rebuilt_when_they_change():
         assert torch.equal(sched(other), sched(lengths_to_offsets(torch.tensor([3, 30])).clone()))
 
 
-@pytest.mark.parametrize("variant", ["bucket64 fwd tma w8", "default dkdv tma (reference)",
-                                     "fused-dq dkdv tma BM32 BN128 w8 s3"])
-def test_kernel_variants_compile_for_hopper_offline(variant):
-    """The GPU code path (not the interpreter's) compiles for sm_90a and ptxas accepts it, on a CPU machine:
-    catches what only the compiler sees (a constexpr branch that types differently, a descriptor box). In a
-    subprocess without TRITON_INTERPRET, which turns the kernels into interpreted functions."""
+HOPPER_VARIANTS = ["bucket64 fwd tma w8", "default dkdv tma (reference)", "fused-dq dkdv tma BM32 BN128 w8 s3"]
+
+
+@pytest.fixture(scope="module")
+def hopper_compiles():
+    """bench/compile_sm90.py over HOPPER_VARIANTS, in one subprocess without TRITON_INTERPRET (which turns the
+    kernels into interpreted functions): name -> its result."""
     import json
     import os
     import subprocess
@@ -209,9 +210,16 @@ def test_kernel_variants_compile_for_hopper_offline(variant):
         pytest.skip("this triton has no bundled ptxas")
     script = Path(__file__).resolve().parents[1] / "bench" / "compile_sm90.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(script), "--only", variant, "--json"], capture_output=True, text=True,
-                         env=env, timeout=600)
+    run = subprocess.run([sys.executable, str(script), "--only", ",".join(HOPPER_VARIANTS), "--json"],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    res = json.loads(run.stdout.strip().splitlines()[-1])[variant]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", HOPPER_VARIANTS)
+def test_kernel_variants_compile_for_hopper_offline(variant, hopper_compiles):
+    """The GPU code path (not the interpreter's) compiles for sm_90a and ptxas accepts it, on a CPU machine:
+    catches what only the compiler sees (a constexpr branch that types differently, a descriptor box)."""
+    res = hopper_compiles[variant]
     assert res["ok"], res
     assert res["triton_shared"] <= 232448, "over Hopper's 227 KB of shared memory per block"
