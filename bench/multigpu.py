@@ -84,6 +84,19 @@ def command(run: Run, config: str, steps: int, out: Path, extra_sets: list[str])
             "--out", str(out), "--quiet"] + [a for s in sets for a in ("--set", s)]
 
 
+def launch(cmd: list[str], folder: Path, env: dict, timeout_s: float, warmup: int) -> dict:
+    """One torchrun of ``gemzoo train``: its summary, or the error it ended with."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    if proc.returncode != 0:
+        text = proc.stderr or proc.stdout
+        # The workers' own messages come first; torchrun's traceback of the launcher follows them.
+        return {"error": text if len(text) <= 3000 else text[:2000] + "\n...\n" + text[-1000:], "rc": proc.returncode}
+    return summarise(folder / "metrics.jsonl", warmup)
+
+
 def summarise(metrics: Path, warmup: int) -> dict:
     """Medians after ``warmup`` steps, the losses of every step, the largest peak memory."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -120,6 +133,12 @@ def analyse(runs: list[Run]) -> dict:
     return out
 
 
+def first_error_line(text: str) -> str:
+    """The line of a failed run's output that names its error (the workers' own, before torchrun's traceback)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else "?").replace("|", "/")
+
+
 def table(runs: list[Run]) -> str:
     lines = []
     for row in ROWS:
@@ -131,7 +150,7 @@ def table(runs: list[Run]) -> str:
         for r in mine:
             x = r.result
             if "step_s" not in x:
-                lines.append(f"| {r.name} | {r.gpus} | failed: {x.get('error', '?')[:80]} | | | | | |")
+                lines.append(f"| {r.name} | {r.gpus} | failed: {first_error_line(x['error'])[:120]} | | | | | |")
                 continue
             extra = (f"efficiency {x['efficiency']:.1%}" if "efficiency" in x else
                      f"loss diff {x['max_rel_loss_diff_vs_first']:.1e}" if x.get("max_rel_loss_diff_vs_first")
@@ -178,6 +197,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
     ap.add_argument("--timeout-s", type=float, default=900, help="per run")
+    ap.add_argument("--no-retry", dest="retry", action="store_false", help="do not relaunch a run that failed")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/multigpu"))
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: gem-tiny over gloo on 1 and 2 processes, 4 steps, per-GPU batch 8")
@@ -200,16 +220,16 @@ def main() -> None:
               "per_gpu_batch": per_gpu, "env": NO_MULTICAST, "runs": []}
     for i, run in enumerate(runs):
         folder = out / f"{i:02d}-{run.row}"
-        cmd = command(run, config, steps, folder, sets)
         t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s, cwd=ROOT)
-            if proc.returncode != 0:
-                run.result = {"error": (proc.stderr or proc.stdout)[-1500:], "rc": proc.returncode}
-            else:
-                run.result = summarise(folder / "metrics.jsonl", warmup)
-        except subprocess.TimeoutExpired:
-            run.result = {"error": f"timed out after {args.timeout_s:.0f} s"}
+        run.result = launch(command(run, config, steps, folder, sets), folder, env, args.timeout_s, warmup)
+        if "error" in run.result and args.retry:
+            # One more try in a fresh folder: a torchrun launch can fail for reasons of the host (a port taken
+            # between its choice and its bind). The first error stays in the record beside the retry's result.
+            first = run.result
+            folder = out / f"{i:02d}-{run.row}-retry"
+            run.result = {**launch(command(run, config, steps, folder, sets), folder, env, args.timeout_s, warmup),
+                          "first_error": first["error"][-600:]}
+        cmd = command(run, config, steps, folder, sets)
         run.result["wall_s"] = time.time() - t0
         if run.row == "sharding":
             run.result["plan"] = plan_prediction(run, config, per_gpu)
@@ -223,6 +243,9 @@ def main() -> None:
     text = table(runs)
     (out / "multigpu.md").write_text(text + "\n")
     print(text, flush=True)
+    failed = [f"{r.row} {r.name}" for r in runs if "error" in r.result]
+    if failed:
+        sys.exit(f"multigpu: {len(failed)} run(s) failed: {', '.join(failed)} (errors in {out / 'multigpu.json'})")
 
 
 if __name__ == "__main__":
