@@ -176,9 +176,12 @@ def _train_and_summarise(spec: dict) -> dict:
     from gemzoo.train.trainer import train
 
     steps, warmup = spec["steps"], spec["warmup"]
-    overrides = [*spec["overrides"], f"run.steps={steps}", "run.log_every=1", "checkpoint.every=0",
+    overrides = [*spec["overrides"], f"run.steps={steps}", "checkpoint.every=0",
                  f"run.out_dir={json.dumps(spec['run_dir'])}"]
     cfg = load_config(spec["config"], overrides=overrides, plugins=spec["plugins"])
+    # a row per step; with run.sync = "log" a row (and a wait for the device) per warm-up's worth of steps, so the
+    # first stretch is exactly the warm-up and the medians see whole stretches (result.history has every step)
+    cfg.run.log_every = 1 if cfg.run.sync == "step" else max(1, warmup)
     if cfg.eval.every > 0:  # evaluate once, after the last step: timings stay clean
         cfg.eval.every = steps
     cuda = torch.cuda.is_available() and not cfg.run.device.startswith("cpu")

@@ -37,6 +37,10 @@ class RunConfig:
     out_dir: str = "runs/run"
     device: str = bounded("auto", pattern=r"auto|cpu|cuda(:\d+)?", means="auto, cpu, cuda or cuda:N")
     log_every: int = bounded(10, min=1)
+    # when the loop waits for the device: "step" synchronizes after every step and reads its numbers (each step
+    # timed alone); "log" only at steps that write a row, evaluate, checkpoint or stop, so the host queues the
+    # next steps' work while the device runs (the steps between two such points share their mean time)
+    sync: str = bounded("step", choices=("step", "log"))
     compile: bool = False
     # what run.compile compiles: "blocks" compiles each transformer block on its own (regional compilation: the
     # blocks share one compiled graph, so compile time does not grow with depth); "model" the whole forward

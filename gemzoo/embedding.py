@@ -93,6 +93,17 @@ def check_sparse_input(keys, values: torch.Tensor, lengths: torch.Tensor, batch_
         )
 
 
+def key_totals(host_lengths: torch.Tensor | None, n_keys: int, batch: int, lengths: torch.Tensor) -> list[int] | None:
+    """Ids per key (KeyedJaggedTensor's ``length_per_key``) from the host copy of ``lengths``, or None when
+    there is none to read without a device sync."""
+    if host_lengths is None or host_lengths.device.type != "cpu" or lengths.device.type == "cpu":
+        return None
+    if host_lengths.shape != lengths.shape:
+        raise JaggedShapeError(f"host_lengths has shape {tuple(host_lengths.shape)} but lengths has "
+                               f"{tuple(lengths.shape)}; pass the host copy of the same lengths")
+    return host_lengths.long().view(n_keys, batch).sum(1).tolist()
+
+
 class SparseArch(nn.Module):
     """Pooled lookups for every table; ``forward`` returns ``[B, sum(embedding_dim)]`` in table order.
 
@@ -131,24 +142,28 @@ class SparseArch(nn.Module):
             with torch.no_grad():
                 w.uniform_(-bound, bound)
 
-    def forward(self, keys, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(self, keys, values: torch.Tensor, lengths: torch.Tensor,
+                host_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``host_lengths``: the same lengths on the host (``gemzoo.data.batch.host_view``), from which the ids
+        of each feature are counted without waiting for the device."""
         keys = list(keys)
         if keys != self.feature_names:
             raise JaggedShapeError(f"sparse keys {keys} do not match the model's features {self.feature_names}")
         batch = lengths.numel() // max(len(keys), 1)
         check_sparse_input(keys, values, lengths, batch)
         values, lengths = values.long().contiguous(), lengths.long().contiguous()  # fbgemm needs contiguous
+        totals = key_totals(host_lengths, len(keys), batch, lengths)
         if self.engine == "torchrec":
             from torchrec import KeyedJaggedTensor
 
-            kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+            kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, length_per_key=totals)
             pooled = self.ebc(kjt)
             pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
             if list(pooled.keys()) == keys:
                 return pooled.values()
             by_key = pooled.to_dict()  # sharded EBCs may return features grouped by rank
             return torch.cat([by_key[k] for k in keys], dim=1)
-        return self.ebc(keys, values, lengths)
+        return self.ebc(keys, values, lengths, totals)
 
 
 class TorchEmbeddingBagCollection(nn.Module):
@@ -171,12 +186,15 @@ class TorchEmbeddingBagCollection(nn.Module):
     # Never traced: its per-feature split is a host sync (a graph break anyway), and Inductor cannot take the
     # sparse table gradients on CUDA ("Cannot access storage of SparseTensorImpl", H200 with run.compile).
     @torch.compiler.disable
-    def forward(self, keys, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(self, keys, values: torch.Tensor, lengths: torch.Tensor, totals: list[int] | None = None
+                ) -> torch.Tensor:
+        """``totals``: the number of ids of each key, if known on the host (else read from ``lengths``)."""
         batch = lengths.numel() // len(keys)
         per_key = lengths.view(len(keys), batch)
-        key_totals = per_key.sum(1).tolist()
+        if totals is None:
+            totals = per_key.sum(1).tolist()
         starts = [0]
-        for n in key_totals:
+        for n in totals:
             starts.append(starts[-1] + n)
         outs = []
         for i, key in enumerate(keys):

@@ -157,8 +157,9 @@ def test_checkpoint_of_another_shape_names_tensor_shapes_and_keys(toy, tmp_path)
         Trainer(_cfg(tmp_path, run={"steps": 20}, model={"d_model": 32}), resume=True, progress=False).assemble()
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
-def test_a_signal_finishes_the_step_checkpoints_and_resumes_bit_exact(toy, tmp_path, signame):
+@pytest.mark.parametrize("signame,sync,stops_at", [("SIGTERM", "step", 3), ("SIGINT", "step", 3),
+                                                   ("SIGTERM", "log", 5)])  # "log": step 3 is read at step 5
+def test_a_signal_finishes_the_step_checkpoints_and_resumes_bit_exact(toy, tmp_path, signame, sync, stops_at):
     import os
     import signal
 
@@ -172,17 +173,57 @@ def test_a_signal_finishes_the_step_checkpoints_and_resumes_bit_exact(toy, tmp_p
                 os.kill(os.getpid(), getattr(signal, signame))
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # SIG_IGN under `cmd &`
-    straight = train(_cfg(tmp_path / "straight", run={"steps": 6}), progress=False)
+    run = {"steps": 8, "sync": sync}
+    straight = train(_cfg(tmp_path / "straight", run=run), progress=False)
     toy.host().register(SignalAtStep3(), name="signal-at-step-3")
     with pytest.raises(TrainingInterrupted) as exc:
-        train(_cfg(tmp_path / "stopped", run={"steps": 6}), progress=False)
-    assert exc.value.step == 3 and exc.value.signal_name == signame
-    assert exc.value.checkpoint.name == "step-00000003"  # checkpoint.every is 10: written for the signal
+        train(_cfg(tmp_path / "stopped", run=run), progress=False)
+    assert exc.value.step == stops_at and exc.value.signal_name == signame
+    assert exc.value.checkpoint.name == f"step-{stops_at:08d}"  # checkpoint.every is 10: written for the signal
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # the process's own handlers restored
     rows = [json.loads(l) for l in (tmp_path / "stopped" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["event"] == "interrupted" and rows[-1]["signal"] == signame
-    resumed = train(_cfg(tmp_path / "stopped", run={"steps": 6}), resume=True, progress=False)
-    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history[3:]]
+    resumed = train(_cfg(tmp_path / "stopped", run=run), resume=True, progress=False)
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history[stops_at:]]
+
+
+def test_sync_log_queues_the_steps_between_points_and_trains_the_same(toy, tmp_path):
+    """run.sync = "log": only steps that write a row, evaluate or checkpoint wait for the device; the run is the
+    same (losses bit for bit, rows at the same steps), every step reaches the history and the step-end hooks
+    in order, and the steps queued together share their stretch's mean time."""
+    import gemzoo
+
+    seen = []
+
+    class Steps:
+        @gemzoo.hookimpl
+        def gemzoo_step_end(self, trainer, step, metrics):
+            seen.append((trainer.cfg.run.sync, step))
+
+    toy.host().register(Steps(), name="steps")
+
+    def rows(folder):
+        lines = (folder / "run" / "metrics.jsonl").read_text().splitlines()
+        return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+
+    each = train(_cfg(tmp_path / "step", run={"steps": 23, "log_every": 4}), progress=False)
+    queued = train(_cfg(tmp_path / "log", run={"steps": 23, "log_every": 4, "sync": "log"}), progress=False)
+    assert [h["loss"] for h in queued.history] == [h["loss"] for h in each.history]
+    assert [h["step"] for h in queued.history] == list(range(1, 24))
+    assert [s for m, s in seen if m == "log"] == list(range(1, 24))
+    assert rows(tmp_path / "log") == rows(tmp_path / "step") == [4, 8, 10, 12, 16, 20, 23]
+    times = {h["step"]: h["step_s"] for h in queued.history}
+    assert times[1] == times[2] == times[3] == times[4] and times[5] == times[6] == times[7] == times[8]
+    assert times[9] == times[10] and times[11] == times[12]  # eval + checkpoint at 10: a point of its own
+
+
+def test_sync_log_still_stops_at_a_non_finite_loss(toy, tmp_path):
+    trainer = Trainer(_cfg(tmp_path, run={"steps": 10, "sync": "log", "log_every": 10}), progress=False).assemble()
+    with torch.no_grad():
+        trainer.model.head.weight.fill_(float("nan"))
+    with pytest.raises(TrainingError, match="loss is nan at step 0.*optim.lr"):  # the first queued step named
+        trainer.fit()
+    assert not ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")  # read before step 10's checkpoint
 
 
 def test_checkpoint_files_get_the_manifest_mode(toy, tmp_path):
@@ -212,6 +253,32 @@ def test_compiled_gem_with_sparse_table_gradients_trains_on_cuda(tmp_path, monke
 
 
 _GEM_TINY = Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gem_step_queues_on_cuda_without_a_host_sync(tmp_path, monkeypatch):
+    """``launch_step`` on one GPU reads nothing back from the device, so with run.sync = "log" the host runs
+    ahead of it (issue 17's idle GPU time): torch's sync debug mode turns any synchronizing call into an error.
+    gem with jfa and bf16 on the plain-torch tables (sparse gradients, SparseAdagrad), clipping on."""
+    import math
+
+    monkeypatch.setenv("GEMZOO_NO_TORCHREC", "1")
+    cfg = load_config(_GEM_TINY, plugins="jfa,bf16", overrides=[
+        "run.steps=4", "eval.every=0", "checkpoint.every=0", "run.device=cuda", "run.sync='log'",
+        f"run.out_dir='{tmp_path / 'run'}'"])
+    trainer = Trainer(cfg, progress=False).assemble()
+    with trainer.lookahead:
+        for step in (0, 1):  # first calls tune kernels and fill caches; step 2's batch is prefetched, pinned
+            trainer.train_step(step)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = trainer.launch_step(2)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        metrics = trainer.finish_steps([launched], 1.0)[0]
+    assert math.isfinite(metrics["loss"])
 
 
 def _compiled_gem_tiny(tmp_path, layers: int, scope: str):

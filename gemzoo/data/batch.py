@@ -23,17 +23,53 @@ def gather_jagged(offsets: torch.Tensor, index: torch.Tensor, *values: torch.Ten
 
 class _Movable:
     def to(self, device, non_blocking: bool = False):
+        """The batch on ``device``. Moved off the host, it keeps the host batch it came from (``host_view``), so
+        what the step needs to know of its shapes (longest sequences, per-feature totals, FLOPs) is read there
+        instead of waiting for the device."""
+        tensors = [getattr(self, f.name) for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)]
         changes = {
             f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        return dataclasses.replace(self, **changes)
+        moved = dataclasses.replace(self, **changes)
+        if torch.device(device).type != "cpu" and tensors and all(t.device.type == "cpu" for t in tensors):
+            moved._host = self
+        return moved
+
+    def host_view(self):
+        """This batch with its tensors on the host: the one it was moved from (no copy, no wait), else itself
+        (also when a field was replaced since: the shapes must still agree)."""
+        host = getattr(self, "_host", None)
+        if host is None:
+            return self
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(host, f.name)
+            if isinstance(mine, torch.Tensor) != isinstance(theirs, torch.Tensor) or (
+                    isinstance(mine, torch.Tensor) and mine.shape != theirs.shape):
+                return self
+        return host
 
     def pin_memory(self):
         changes = {f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **changes)
+
+
+def host_view(batch):
+    """``batch.host_view()`` where the batch type has one (gemzoo's do), else the batch itself."""
+    view = getattr(batch, "host_view", None)
+    return view() if callable(view) else batch
+
+
+def to_device(batch, device):
+    """``batch.to(device)``; to a GPU from pinned host memory and without blocking, so the copy queues behind
+    the work already on the device instead of waiting for it (a pageable copy would)."""
+    device = torch.device(device)
+    if device.type == "cuda" and callable(getattr(batch, "pin_memory", None)):
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from gemzoo.data.batch import to_device
 from gemzoo.errors import PluginError
 from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance, overlap_depth, overlap_worker, overlaps
 
@@ -65,6 +66,11 @@ def load_shard(dataset, step: int, rank: int, world_size: int):
     batch = dataset.train_batch(step)
     start, stop = shard_range(batch.num_samples, rank, world_size)
     return batch.select(torch.arange(start, stop, dtype=torch.int64))
+
+
+def _load_pinned(dataset, step: int, rank: int, world_size: int):
+    batch = load_shard(dataset, step, rank, world_size)
+    return batch.pin_memory() if callable(getattr(batch, "pin_memory", None)) else batch
 
 
 class ShardPrefetcher:
@@ -93,13 +99,15 @@ class ShardPrefetcher:
         finally:
             self.last_wait_s = time.perf_counter() - t0
 
-    def prefetch(self, dataset, step: int, rank: int, world_size: int) -> None:
+    def prefetch(self, dataset, step: int, rank: int, world_size: int, *, pin: bool = False) -> None:
+        """Start building that part on the thread; ``pin``: also copy it into pinned memory there (for a GPU:
+        its copy to the device then needs no staging and does not block the host)."""
         if self._pending is not None:
             self._pending[1].cancel()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemzoo-prefetch")
         self._pending = ((id(dataset), step, rank, world_size),
-                         self._pool.submit(load_shard, dataset, step, rank, world_size))
+                         self._pool.submit(_load_pinned if pin else load_shard, dataset, step, rank, world_size))
 
     def close(self) -> None:
         if self._pending is not None:
@@ -438,7 +446,7 @@ class Lookahead:
             self._worker = PartitionWorker("process", self.depth)
 
     def _load(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable):
-        part = self._loader.get(dataset, step, dp.rank, dp.size).to(device)
+        part = to_device(self._loader.get(dataset, step, dp.rank, dp.size), device)
         return part, cost_model(part)
 
     def _drop_ahead(self) -> None:
@@ -455,11 +463,11 @@ class Lookahead:
         so the collectives match) and their partitions started in the workers."""
         ahead = self._ahead.popleft() if self._ahead else None
         if dp.size == 1:  # one rank never calls the policy
-            part = self._loader.get(dataset, step, 0, 1).to(device)
+            part = to_device(self._loader.get(dataset, step, 0, 1), device)
             self.last = {"step": step, "ahead": False, "assign_s": 0.0, "wait_s": 0.0,
                          "load_wait_s": self._loader.last_wait_s}
             if next_step is not None:  # built on the host while this step trains
-                self._loader.prefetch(dataset, next_step, 0, 1)
+                self._loader.prefetch(dataset, next_step, 0, 1, pin=torch.device(device).type == "cuda")
             return part
         if custom_rebalance(self.policy) is not None:  # it moves samples itself: as rebalance does
             self.last = {"step": step, "ahead": False, "assign_s": math.nan, "wait_s": math.nan}

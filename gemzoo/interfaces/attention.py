@@ -241,6 +241,35 @@ class _OffsetsCache:
 _offsets_cache = _OffsetsCache()
 
 
+def validated_longest(offsets: torch.Tensor, total: int, *, device=None, name: str = "offsets",
+                      host: torch.Tensor | None = None) -> int:
+    """The longest sequence of ``offsets`` (over ``total`` value rows), validated as ``check_inputs`` does and
+    through its cache, so the attention sites given these offsets later trust them.
+
+    Reading device offsets is a host sync. ``host``: the same offsets on the host (the batch before its copy,
+    ``gemzoo.data.batch.host_view``); they are validated and measured instead, and nothing waits for the
+    device. Without it, a model that calls this in its prologue, before any layer runs, still moves the sync
+    to where it waits only for the batch's copy (gem's cross attention otherwise read its candidate offsets
+    after the whole tower)."""
+    device = offsets.device if device is None else device
+    if host is None or host is offsets or host.device.type != "cpu":
+        return _offsets_cache.longest(offsets, total, device, name)
+    from gemzoo.errors import JaggedShapeError
+    from gemzoo.jagged import max_length, validate_offsets
+
+    if host.shape != offsets.shape:
+        raise JaggedShapeError(f"the host copy of {name} has shape {tuple(host.shape)} but {name} has "
+                               f"{tuple(offsets.shape)}; pass the offsets the batch was moved from")
+
+    def from_host() -> int:
+        if offsets.dtype != torch.int64 or offsets.device != torch.device(device):
+            validate_offsets(offsets, total, device=device, name=name)  # its message, from its first checks
+        validate_offsets(host, total, name=name)
+        return max_length(host)
+
+    return _offsets_cache.cache.get((offsets,), (total,), from_host)
+
+
 def _positive_int(value, name: str, meaning: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be an int >= 1 ({meaning}) or None, got {value!r}")

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemzoo.data.batch import host_view
 from gemzoo.errors import ConfigError
+from gemzoo.interfaces.attention import validated_longest
 from gemzoo.interfaces.models import ModelOutput
-from gemzoo.jagged import max_length
 from gemzoo.jagged import positions as window_positions
 from gemzoo.models.common import init_weights, log2_discount, require_data_info, reverse_positions
 from gemzoo.flops import linear_flops
@@ -143,7 +144,8 @@ class RetrievalModel(nn.Module):
         """User state at every input position, [T, embedding_dim]."""
         items, offsets = batch.items, batch.offsets
         t = items.numel()
-        longest = max_length(offsets)
+        # validated from the host copy (no device sync) and trusted by the attention sites after
+        longest = validated_longest(offsets, t, device=items.device, name="offsets", host=host_view(batch).offsets)
         if longest > self.max_len:
             raise ConfigError(
                 f"a sequence has {longest} items but the model was built for max_len={self.max_len}; "

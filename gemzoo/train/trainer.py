@@ -24,6 +24,7 @@ from torch import nn
 
 from gemzoo import kinds, registry
 from gemzoo.config import Config
+from gemzoo.data.batch import host_view
 from gemzoo.data.exchange import Lookahead
 from gemzoo.distributed import (World, all_reduce_gradients, build_mesh, clip_grad_norm, init_distributed,
                                 is_fsdp_shard, pick_device, shard_dense_blocks, whole_parameters)
@@ -43,6 +44,7 @@ from gemzoo.train import run_folder
 from gemzoo.train.flops import peak_flops
 from gemzoo.train.metrics import MetricsLog, last_step_row, peak_memory_bytes, reduce_across_ranks, step_metrics
 from gemzoo.train.resume import check_resumable, config_changes, describe
+from gemzoo.train.sparse_adagrad import SparseAdagrad
 from gemzoo.train.tensorboard import maybe_tensorboard
 
 
@@ -64,6 +66,17 @@ class TrainResult:
     out_dir: Path | None = None
     history: list[dict] = field(default_factory=list)
     is_main: bool = True  # rank 0 (the one that logs and prints)
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device: its loss and logs still tensors, its counts read on the host."""
+
+    step: int
+    loss: torch.Tensor
+    logs: dict[str, Any]
+    share: float
+    sums: dict[str, float]
 
 
 class TrainingInterrupted(Exception):
@@ -253,8 +266,9 @@ def build_optimizers(model: nn.Module, cfg: Config, replicated: list[nn.Paramete
     opts = {"dense": torch.optim.AdamW(dense, lr=cfg.optim.lr, betas=betas, weight_decay=cfg.optim.weight_decay,
                                        **impl)}
     if sparse:
-        # Row-wise Adagrad is what fbgemm's fused TBE uses for sparse tables; torch's Adagrad here.
-        opts["sparse"] = torch.optim.Adagrad(sparse, lr=cfg.optim.sparse_lr)
+        # Row-wise Adagrad is what fbgemm's fused TBE uses for sparse tables; Adagrad here, whose sparse step on
+        # a GPU never waits for the host (torch's coalesce is a sync per table), torch's own on the CPU.
+        opts["sparse"] = SparseAdagrad(sparse, lr=cfg.optim.sparse_lr)
     return opts
 
 
@@ -445,12 +459,27 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
-        cfg = self.cfg
-        # The step's time runs from here (the previous step's end) to its last synchronize: loading this rank's
-        # samples counts, as MFU's definition asks (the next step's part is built on a host thread meanwhile).
+        """One step, waited for: its metrics (``run.sync = "step"``'s unit; ``fit`` may queue several)."""
+        t0 = self._mark()
+        launched = self.launch_step(step)
+        self._wait()
+        return self.finish_steps([launched], time.perf_counter() - t0)[0]
+
+    def _mark(self) -> float:
+        """The start of a timed stretch: the device's queue drained, the clock read."""
+        self._wait()
+        return time.perf_counter()
+
+    def _wait(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
+
+    def launch_step(self, step: int) -> "_Launched":
+        """Queue one step's work (load, forward, backward, optimizers) without waiting for the device: nothing
+        here reads a device value on one rank (the loss and logs stay tensors), so the host may run ahead.
+        ``finish_steps`` reads them. The step's time runs from the previous step's end to its end, loading this
+        rank's samples included, as MFU's definition asks (the next part is built on a host thread meanwhile)."""
+        cfg = self.cfg
         # This rank loads its own part of the global batch; the batching policy, given the model's per-sample
         # costs and the data-parallel group, returns the samples this rank trains. A policy with overlap = True
         # gets the next step's partition computed in a worker (thread or process) while this step trains
@@ -500,34 +529,49 @@ class Trainer:
         after = getattr(self.precision, "after_optimizer_step", None)
         if after is not None:
             after(self.model)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - t0
-        # Several ranks: the loss (and the model's logs) is the global batch's, each rank's weighted by its
-        # share of the loss terms, the objective the averaged gradients descend; throughput counts every
-        # rank's samples, tokens and FLOPs over the slowest rank's time; MFU is against the peak of all
-        # devices; memory is the largest rank's.
-        means = {"loss": float(loss.detach()), **{f"train/{k}": float(v) for k, v in out.logs.items()}}
-        means = {k: v * share for k, v in means.items()}  # weighted by the rank's share of the loss terms
-        # the ranks of a tensor-parallel group train the same samples: each counts 1/copies of them
-        sums = {"samples": batch.num_samples, "tokens": batch.num_tokens, "flops": self.model.flops(batch)}
-        if self.world.copies > 1:
-            sums = {k: v / self.world.copies for k, v in sums.items()}
-        maxes = {"seconds": seconds, "peak_mem_bytes": peak_memory_bytes(self.device)}
-        if world > 1:
-            means = {k: v / world for k, v in reduce_across_ranks(means, "sum", self.device).items()}
-            sums = reduce_across_ranks(sums, "sum", self.device)
-            maxes = reduce_across_ranks(maxes, "max", self.device)
-        if not math.isfinite(means["loss"]):  # the global loss, so every rank stops here together
-            raise TrainingError(
-                f"loss is {means['loss']} at step {step}. Lower optim.lr (now {cfg.optim.lr}), set "
-                f"optim.grad_clip, or try precision = \"fp32\"; checkpoints in {self.out_dir / 'checkpoints'} "
-                "are untouched (resume with --resume).")
-        metrics = step_metrics(loss=means.pop("loss"), seconds=maxes["seconds"], samples=int(sums["samples"]),
-                               tokens=int(sums["tokens"]), flops=sums["flops"], peak_flops=self.peak * world,
-                               device=self.device, peak_mem_bytes=maxes["peak_mem_bytes"])
-        metrics.update(means)
-        return metrics
+        # what the step's numbers need, read from the host copy of the batch (no device sync)
+        host = host_view(batch)
+        sums = {"samples": batch.num_samples, "tokens": host.num_tokens, "flops": self.model.flops(host)}
+        return _Launched(step, loss.detach(), {k: v.detach() if isinstance(v, torch.Tensor) else v
+                                               for k, v in out.logs.items()}, share, sums)
+
+    def finish_steps(self, launched: "list[_Launched]", seconds: float) -> list[dict[str, float]]:
+        """The metrics of steps queued by ``launch_step`` once the device has run them; ``seconds``: each
+        step's time (the stretch's mean when several were queued). Raises at the first non-finite loss.
+
+        Several ranks: the loss (and the model's logs) is the global batch's, each rank's weighted by its share
+        of the loss terms, the objective the averaged gradients descend; throughput counts every rank's
+        samples, tokens and FLOPs over the slowest rank's time; MFU is against the peak of all devices; memory
+        is the largest rank's."""
+        cfg, world = self.cfg, self.world.world_size
+        # one read for every queued value
+        values = [torch.as_tensor(v).detach().reshape(()).to("cpu", torch.float64)
+                  for s in launched for v in (s.loss, *s.logs.values())]
+        flat = iter(torch.stack(values).tolist() if values else [])
+        results = []
+        for s in launched:
+            means = {"loss": next(flat), **{f"train/{k}": next(flat) for k in s.logs}}
+            means = {k: v * s.share for k, v in means.items()}  # weighted by the rank's share of the loss terms
+            sums = dict(s.sums)
+            # the ranks of a tensor-parallel group train the same samples: each counts 1/copies of them
+            if self.world.copies > 1:
+                sums = {k: v / self.world.copies for k, v in sums.items()}
+            maxes = {"seconds": seconds, "peak_mem_bytes": peak_memory_bytes(self.device)}
+            if world > 1:
+                means = {k: v / world for k, v in reduce_across_ranks(means, "sum", self.device).items()}
+                sums = reduce_across_ranks(sums, "sum", self.device)
+                maxes = reduce_across_ranks(maxes, "max", self.device)
+            if not math.isfinite(means["loss"]):  # the global loss, so every rank stops here together
+                raise TrainingError(
+                    f"loss is {means['loss']} at step {s.step}. Lower optim.lr (now {cfg.optim.lr}), set "
+                    f"optim.grad_clip, or try precision = \"fp32\"; checkpoints in {self.out_dir / 'checkpoints'} "
+                    "are untouched (resume with --resume).")
+            metrics = step_metrics(loss=means.pop("loss"), seconds=maxes["seconds"], samples=int(sums["samples"]),
+                                   tokens=int(sums["tokens"]), flops=sums["flops"], peak_flops=self.peak * world,
+                                   device=self.device, peak_mem_bytes=maxes["peak_mem_bytes"])
+            metrics.update(means)
+            results.append(metrics)
+        return results
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -607,28 +651,39 @@ class Trainer:
         t_start = time.perf_counter()
         with progress, StopSignals(self.world, self.device) as stop, self.lookahead:
             task = progress.add_task(cfg.run.name, total=cfg.run.steps, completed=self.start_step, info="")
+            # Steps are queued (launch_step) and read together (finish_steps) at each *point*: every step with
+            # run.sync = "step"; with "log" only steps that write a row, evaluate, checkpoint, end the run or stop.
+            queued, t_mark = [], self._mark()
             for step in range(self.start_step, cfg.run.steps):
-                metrics = self.train_step(step)
-                loss = metrics["loss"]
+                queued.append(self.launch_step(step))
                 done = step + 1
-                evaluated = cfg.eval.every > 0 and (done % cfg.eval.every == 0 or done == cfg.run.steps)
-                if evaluated:
-                    last_eval = self.evaluate()
-                    metrics.update(last_eval)
-                record = {"step": done, **metrics, "mfu_peak": peak_source}
-                history.append(record)
-                logged = done % cfg.run.log_every == 0 or done == cfg.run.steps
-                if log and (logged or evaluated):
-                    log.write(record)
-                if lines and (logged or evaluated):
-                    eta = (time.perf_counter() - t_start) / (done - self.start_step) * (cfg.run.steps - done)
-                    print(log_line(done, cfg.run.steps, metrics, eta), flush=True)
-                self.hook.gemzoo_step_end(trainer=self, step=done, metrics=metrics)
-                saved = None
-                if cfg.checkpoint.every > 0 and (done % cfg.checkpoint.every == 0 or done == cfg.run.steps):
-                    saved = self.save(done)
+                last = done == cfg.run.steps
+                evaluated = cfg.eval.every > 0 and (done % cfg.eval.every == 0 or last)
+                logged = done % cfg.run.log_every == 0 or last
+                checkpointed = cfg.checkpoint.every > 0 and (done % cfg.checkpoint.every == 0 or last)
+                signum = None if cfg.run.sync == "step" else stop.requested()  # a stop request makes a point
+                if not (cfg.run.sync == "step" or logged or evaluated or checkpointed or last or signum):
+                    continue
+                self._wait()
+                seconds = (time.perf_counter() - t_mark) / len(queued)
+                for s, metrics in zip(queued, self.finish_steps(queued, seconds)):
+                    at = s.step + 1
+                    loss = metrics["loss"]
+                    if at == done and evaluated:
+                        last_eval = self.evaluate()
+                        metrics.update(last_eval)
+                    record = {"step": at, **metrics, "mfu_peak": peak_source}
+                    history.append(record)
+                    if at == done and log and (logged or evaluated):
+                        log.write(record)
+                    if at == done and lines and (logged or evaluated):
+                        eta = (time.perf_counter() - t_start) / (done - self.start_step) * (cfg.run.steps - done)
+                        print(log_line(done, cfg.run.steps, metrics, eta), flush=True)
+                    self.hook.gemzoo_step_end(trainer=self, step=at, metrics=metrics)
+                queued = []
+                saved = self.save(done) if checkpointed else None
                 progress.update(task, completed=done, info=_short(metrics))
-                signum = stop.requested()
+                signum = signum or stop.requested()  # one asked for meanwhile (by a step-end hook, say)
                 if signum and done < cfg.run.steps:
                     if saved is None:
                         saved = self.save(done)
@@ -636,6 +691,7 @@ class Trainer:
                         log.write({"event": "interrupted", "step": done, "signal": signal.Signals(signum).name})
                         log.close()
                     raise TrainingInterrupted(signum, done, saved, self.out_dir)
+                t_mark = self._mark()
         self.log_memory_reports(log)
         if log:
             log.write({"event": "end", "step": cfg.run.steps, "final_loss": loss, **last_eval})

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemzoo.data.batch import host_view
 from gemzoo.embedding import SparseArch, TableConfig
 from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest, validated_longest
 from gemzoo.interfaces.models import ModelOutput, ModelSpec
-from gemzoo.jagged import max_length, seq_ids
+from gemzoo.jagged import seq_ids
 from gemzoo.models.common import (
     require_data_info,
     MLP,
@@ -172,7 +173,12 @@ class GemModel(nn.Module):
         hist, hist_off = batch.history_items, batch.history_offsets
         cand, cand_off = batch.cand_items, batch.cand_offsets
         t, c = hist.numel(), cand.numel()
-        max_hist, max_cand = max_length(hist_off), max_length(cand_off)
+        # validated here, where the reads of the offsets wait only for the batch's copy; the attention sites
+        # then trust them (validated_longest), so no later layer waits for the device
+        host = host_view(batch)  # the batch before its copy to the device: read without waiting for it
+        max_hist = validated_longest(hist_off, t, device=hist.device, name="history_offsets",
+                                     host=host.history_offsets)
+        max_cand = validated_longest(cand_off, c, device=cand.device, name="cand_offsets", host=host.cand_offsets)
         if max_hist > self.max_len:
             raise ConfigError(
                 f"a history has {max_hist} events but the model was built for max_len={self.max_len}; "
@@ -182,7 +188,8 @@ class GemModel(nn.Module):
         # batch's copy; after the tower it would wait for the whole tower and leave the device idle meanwhile.
         pooled = None
         if self.sparse_arch is not None:
-            pooled = self.sparse_arch(batch.sparse_keys, batch.sparse_values, batch.sparse_lengths).to(dtype)
+            pooled = self.sparse_arch(batch.sparse_keys, batch.sparse_values, batch.sparse_lengths,
+                                      host.sparse_lengths).to(dtype)
         x = self.tower.input(self.item_emb(hist)).to(dtype)
         x = self.dropout(x + self.pos_emb(reverse_positions(hist_off, t, self.max_len)))
         for block in self.tower.blocks:

@@ -53,10 +53,18 @@ def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list
     walls = []
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        for step in range(steps - profiled, steps):
+        if cfg.run.sync == "log":  # as fit() runs them: queued, waited for once (each step the stretch's mean)
+            torch.cuda.synchronize()
             t = time.perf_counter()
-            tr.train_step(step)
-            walls.append(time.perf_counter() - t)
+            queued = [tr.launch_step(step) for step in range(steps - profiled, steps)]
+            torch.cuda.synchronize()
+            walls = [(time.perf_counter() - t) / profiled] * profiled
+            tr.finish_steps(queued, walls[0])
+        else:
+            for step in range(steps - profiled, steps):
+                t = time.perf_counter()
+                tr.train_step(step)
+                walls.append(time.perf_counter() - t)
     from gemzoo.profiling import annotations_ms, gpu_idle, kernel_ms
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +84,8 @@ def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list
     for name, ms in kernels.items():
         groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    row = {"plugins": plugins, "set": sets, "step_ms": 1e3 * statistics.median(walls), "warm_s": warm_s,
+    row = {"plugins": plugins, "set": sets, "sync": cfg.run.sync, "step_ms": 1e3 * statistics.median(walls),
+           "warm_s": warm_s,
            "gpu_ms_per_step": sum(kernels.values()), "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
            "top_kernels_ms": top, "host_ranges_ms": host,
            "annotated_ranges_gpu_ms": annotations_ms(events, profiled), "gpu_idle": idle,
