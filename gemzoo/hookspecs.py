@@ -65,7 +65,9 @@ def gemzoo_model_built(model, config):
 
 @hookspec
 def gemzoo_step_end(trainer, step, metrics):
-    """Called after every training step with that step's metrics dict."""
+    """Called for every training step, in order, with that step's metrics dict: right after it with
+    ``run.sync = "step"``; with ``"log"`` once its numbers are read, at the next step that writes a row,
+    evaluates, checkpoints or stops (the steps queued before it are called first)."""
 
 
 @hookspec
