@@ -2,7 +2,8 @@
 # The benchmarks still to run on the H200, each written to $OUT as it goes, in order of need. A step starts only
 # while time is left (LIMIT_S); ONLY="name ..." runs just those steps. GPU_CACHE=<folder> unpacks a Triton cache
 # first (bench/gpu_cache.py, as h200_suite.sh does); PACK=1 packs this machine's Triton cache into $OUT at the end.
-#   gpu_tests   the GPU tests of the jfa kernel family (jfa, gdpa, block-attention), which share the launchers
+#   gpu_tests   the GPU tests of the jfa kernel family (jfa, gdpa, block-attention), which share the launchers,
+#               and the sync-free step's (SparseAdagrad; launch_step under torch's sync debug mode: issue 17)
 #   jfa         bench_jfa.py: gem_lognormal, uniform_8k and short against Flex, FA varlen, NJT and padded SDPA,
 #               and the fused-dQ and length-bucket sweeps (issue 17)
 #   profile     a compiled jfa,bf16 gem-bench step under torch.profiler: kernel groups, and where the GPU waits
@@ -35,7 +36,8 @@ source "$(dirname "$0")/device_install.sh"; install_checkout "$LOGS/install.log"
 echo "installed at $(( $(date +%s) - t0 )) s"
 [ -n "${GPU_CACHE:-}" ] && python3 "$(dirname "$0")/gpu_cache.py" unpack "$GPU_CACHE"
 step gpu_tests 420 python3 -m pytest -q -c pyproject.toml -rfE plugins/gemzoo-jfa/tests/test_gpu.py \
-  plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py
+  plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py \
+  tests/test_sparse_adagrad.py "tests/test_trainer.py::test_a_gem_step_queues_on_cuda_without_a_host_sync"
 tail -8 "$LOGS/gpu_tests.log" 2>/dev/null
 step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep fused_dq,buckets --checks 2 --budget 230 \
   --methods jfa,jfa_buckets,flex,fa_varlen,njt_sdpa,padded_sdpa --out "$LOGS"
