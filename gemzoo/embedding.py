@@ -163,7 +163,9 @@ class SparseArch(nn.Module):
                 return pooled.values()
             by_key = pooled.to_dict()  # sharded EBCs may return features grouped by rank
             return torch.cat([by_key[k] for k in keys], dim=1)
-        return self.ebc(keys, values, lengths, totals)
+        if isinstance(self.ebc, TorchEmbeddingBagCollection):
+            return self.ebc(keys, values, lengths, totals)
+        return self.ebc(keys, values, lengths)  # a planner's sharded tables in its place
 
 
 class TorchEmbeddingBagCollection(nn.Module):
