@@ -34,9 +34,9 @@ from gemzoo.errors import PluginError
 
 KK_LIMIT = 1 << 16  # N * W above which method "auto" uses the balanced variant (kk merges N partitions of W lists)
 REFINE_STEPS = 1024  # moves/swaps at most after the partition
-# the local search stops once the heaviest rank is within this of the mean: the step it would still save is
-# below timing noise, and at 512 ranks its last steps were half of the partition's time (gem-lognormal: LPT
-# 1.00021 max/mean, refined to 1.00003 in 1024 steps, 57 of 108 ms on the 2-core CPU)
+# the local search stops once the heaviest rank is within this of the mean: what it would still save is below
+# timing noise. With gem-bench's cost model it stops there by itself (same groups and times, 2026-12-02, 64 to
+# 8192 ranks); on costs ~ L^2 + 1e4 L at 512 ranks it ran all 1024 steps, 57 of 108 ms, for 1.00021 -> 1.00003
 REFINE_TOL = 1e-4
 BLOCK_LPT_MIN_W = 256  # free counts on this many ranks or more: LPT in blocks (numpy) instead of the heap
 METHODS = ("auto", "kk", "bldm", "lpt")

@@ -350,3 +350,13 @@ def test_four_ranks_rebalance_and_train_like_the_unshuffled_run(tmp_path):
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-6, atol=0)
     assert ranks[0]["shuffle"]["samples"] == [9] * 10
+
+
+def test_refine_stops_within_its_tolerance_of_the_mean():
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")
+    c = np.array([4.0, 1.0, 5.0, 3.0, 3.0])
+    groups = [np.array([0, 1]), np.array([2, 3, 4])]  # loads 5 and 11, the mean 8: 37.5% above it
+    moved = part._refine(c, groups, False, max_steps=8, tol=0.0)
+    assert part._loads(c, moved).tolist() == [8.0, 8.0]
+    kept = part._refine(c, groups, False, max_steps=8, tol=0.4)  # within 40% already: nothing moves
+    assert [g.tolist() for g in kept] == [[0, 1], [2, 3, 4]]
