@@ -204,6 +204,53 @@ def test_two_ranks_log_the_global_loss_and_throughput(tmp_path):
     assert [r["is_main"] for r in ranks] == [True, False]  # rank 0 prints the summary
 
 
+def _host_group_rank(rank: int, world: int, port: int, tmp: str) -> None:
+    """A gloo group for host numbers beside the default group (what an NCCL run gets), and a toy run that
+    reduces its loss terms, stop requests and metrics over it under run.sync = "log"."""
+    import json
+
+    rank_env(rank, world, port, quiet=False)
+    sys.path.insert(0, SUPPORT)
+    import torch.distributed as dist
+
+    import gemzoo.distributed as gd
+    from gemzoo import registry
+    from gemzoo.config import load_config
+    from gemzoo.train.metrics import reduce_across_ranks
+    from gemzoo.train.trainer import train
+    from toy_plugin import TOY_CONFIG, install
+
+    dist.init_process_group("gloo")
+    assert gd.host_group_for("gloo") is None and gd.host_group_for("cpu:gloo,cuda:nccl") is None
+    group = gd.host_group_for("nccl")  # a default group that cannot run CPU tensors: a gloo group of its own
+    got = reduce_across_ranks({"a": float(rank), "b": 1.0}, "sum", torch.device("cpu"), group)
+    install(registry)
+    losses = {}
+    for name, force in (("default", False), ("own", True)):
+        plain = gd.host_group_for
+        gd.host_group_for = lambda backend, force=force: plain(backend, force=force)
+        raw = copy.deepcopy(TOY_CONFIG)
+        raw["run"].update(out_dir=os.path.join(tmp, name), steps=6, sync="log")
+        try:
+            losses[name] = [h["loss"] for h in train(load_config(raw=raw), progress=False).history]
+        finally:
+            gd.host_group_for = plain
+    with open(os.path.join(tmp, f"host{rank}.json"), "w") as f:
+        json.dump({"reduced": got, "losses": losses}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_host_numbers_reduce_over_a_gloo_group_of_their_own(tmp_path):
+    import json
+
+    _spawn(_host_group_rank, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"host{r}.json").read_text()) for r in range(2)]
+    assert all(r["reduced"] == {"a": 1.0, "b": 2.0} for r in ranks)
+    assert ranks[0]["losses"]["own"] == ranks[0]["losses"]["default"] == ranks[1]["losses"]["own"]
+    assert len(ranks[0]["losses"]["own"]) == 6
+
+
 def _mesh_rank(rank: int, world: int, port: int, tmp: str) -> None:
     import json
 

@@ -31,6 +31,9 @@ class World:
     mesh: object | None = None  # the N-D DeviceMesh with the planner's dims when world_size > 1
     dp_mesh: object | None = None  # the 1-D "dp" mesh of the ranks that load different samples (FSDP2, batching)
     dense_mesh: object | None = None  # run.mesh: the (replicate, shard, tp) mesh of HSDP + tensor parallelism
+    # the process group for numbers the host holds (loss terms, a stop request): gloo, so reducing them never
+    # waits for the GPU's queue; None: the default group, which runs CPU tensors itself
+    host_group: object | None = None
 
     @property
     def copies(self) -> int:
@@ -50,7 +53,16 @@ def init_distributed(comms, device_type: str) -> World:
     comms.install()
     if not dist.is_initialized():
         dist.init_process_group(backend=comms.backend_for(device_type))
-    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
+                 host_group=host_group_for(str(dist.get_backend())))
+
+
+def host_group_for(backend: str, *, force: bool = False):
+    """None when the default group (backend ``backend``) runs CPU tensors (gloo), else a new gloo group over
+    every rank (``force``: one anyway). Every rank must call it, in the same order of group creation."""
+    if "gloo" in backend and not force:
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def check_mesh_dims(dims: dict[str, int], world_size: int, who: str = "the planner") -> dict[str, int]:

@@ -36,14 +36,16 @@ def step_metrics(*, loss: float, seconds: float, samples: int, tokens: int, flop
     }
 
 
-def reduce_across_ranks(values: dict[str, float], op: str, device: torch.device) -> dict[str, float]:
-    """All-reduce a few numbers at once (``op`` "sum" or "max"), in float64; every rank must call it."""
+def reduce_across_ranks(values: dict[str, float], op: str, device: torch.device, group=None) -> dict[str, float]:
+    """All-reduce a few numbers at once (``op`` "sum" or "max"), in float64, over ``group`` (default: every
+    rank) with the tensor on ``device``; every rank of the group must call it. Host numbers reduced over a gloo
+    group on the CPU (``World.host_group``) need no wait for the GPU's queue; on the GPU the read-back does."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return dict(values)
     t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return dict(zip(values, t.tolist()))
 
 

@@ -128,8 +128,9 @@ class StopSignals:
             return self.signum
         import torch.distributed as dist
 
-        flag = torch.tensor([self.signum or 0], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        # on the CPU over gloo (World.host_group): agreed on without waiting for the GPU's queue
+        flag = torch.tensor([self.signum or 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world.host_group)
         return int(flag.item()) or None
 
 
@@ -465,6 +466,10 @@ class Trainer:
         self._wait()
         return self.finish_steps([launched], time.perf_counter() - t0)[0]
 
+    def _reduce_host(self, values: dict[str, float], op: str) -> dict[str, float]:
+        """Numbers the host holds, reduced over every rank without waiting for the device (World.host_group)."""
+        return reduce_across_ranks(values, op, torch.device("cpu"), self.world.host_group)
+
     def _mark(self) -> float:
         """The start of a timed stretch: the device's queue drained, the clock read."""
         self._wait()
@@ -497,7 +502,7 @@ class Trainer:
         share = 1.0
         if world > 1:
             terms = loss_terms(batch)
-            got = reduce_across_ranks({"terms": terms, "empty": float(terms == 0)}, "sum", self.device)
+            got = self._reduce_host({"terms": terms, "empty": float(terms == 0)}, "sum")
             total = got["terms"]
             if got["empty"]:  # every rank raises, none waits in a collective
                 raise TrainingError(f"{int(got['empty'])} of {world} ranks have no loss terms to train at step "
@@ -558,9 +563,9 @@ class Trainer:
                 sums = {k: v / self.world.copies for k, v in sums.items()}
             maxes = {"seconds": seconds, "peak_mem_bytes": peak_memory_bytes(self.device)}
             if world > 1:
-                means = {k: v / world for k, v in reduce_across_ranks(means, "sum", self.device).items()}
-                sums = reduce_across_ranks(sums, "sum", self.device)
-                maxes = reduce_across_ranks(maxes, "max", self.device)
+                means = {k: v / world for k, v in self._reduce_host(means, "sum").items()}
+                sums = self._reduce_host(sums, "sum")
+                maxes = self._reduce_host(maxes, "max")
             if not math.isfinite(means["loss"]):  # the global loss, so every rank stops here together
                 raise TrainingError(
                     f"loss is {means['loss']} at step {s.step}. Lower optim.lr (now {cfg.optim.lr}), set "
