@@ -44,7 +44,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gemzoo.data.batch import to_device
+from gemzoo.data.batch import host_view, to_device
 from gemzoo.errors import PluginError
 from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance, overlap_depth, overlap_worker, overlaps
 
@@ -447,7 +447,7 @@ class Lookahead:
 
     def _load(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable):
         part = to_device(self._loader.get(dataset, step, dp.rank, dp.size), device)
-        return part, cost_model(part)
+        return part, cost_model(host_view(part))  # priced from the host copy: no wait for the device
 
     def _drop_ahead(self) -> None:
         while self._ahead:
