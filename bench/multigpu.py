@@ -78,7 +78,7 @@ def plan_runs(rows, gpus: list[int], per_gpu_batch: int, dense_plugins: str) -> 
 
 
 def command(run: Run, config: str, steps: int, out: Path, extra_sets: list[str]) -> list[str]:
-    sets = ["run.log_every=1", "eval.every=0", "checkpoint.every=0", *extra_sets, *run.sets]
+    sets = ["eval.every=0", "checkpoint.every=0", *extra_sets, *run.sets]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.gpus}",
             "-m", "gemzoo.cli", "train", "--config", config, "--plugins", run.plugins, "--steps", str(steps),
             "--out", str(out), "--quiet"] + [a for s in sets for a in ("--set", s)]
@@ -195,6 +195,8 @@ def main() -> None:
     ap.add_argument("--per-gpu-batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--log-every", type=int, default=5,
+                    help="rows every N steps (gem-bench's run.sync = 'log' waits for the GPUs only there; 1 in a dry run)")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
     ap.add_argument("--timeout-s", type=float, default=900, help="per run")
     ap.add_argument("--no-retry", dest="retry", action="store_false", help="do not relaunch a run that failed")
@@ -207,13 +209,14 @@ def main() -> None:
     sets = list(args.set)
     if args.dry_run:
         gpus, config, steps, warmup, per_gpu = [1, 2], str(ROOT / "configs" / "gem-tiny.toml"), 4, 1, 8
-        sets.append("run.device='cpu'")
+        sets = ["run.log_every=1", *sets, "run.device='cpu'"]
     else:
         have = gpu_count()
         gpus = [n for n in map(int, args.gpus.split(",")) if n <= have]
         if not gpus:
             sys.exit(f"multigpu: no GPU count of --gpus {args.gpus} fits the {have} GPU(s) here")
         config, steps, warmup, per_gpu = args.config, args.steps, args.warmup, args.per_gpu_batch
+        sets = [f"run.log_every={args.log_every}", *sets]  # before the user's --set, which may change it
     runs = plan_runs(args.rows.split(","), gpus, per_gpu, args.plugins)
     env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1"}
     record = {"command": " ".join(sys.argv), "gpus": gpus, "config": config, "steps": steps, "warmup": warmup,
