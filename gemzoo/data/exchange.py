@@ -462,18 +462,19 @@ class Lookahead:
         ``last_step``, the run's last) loaded, their costs all-gathered (every rank calls this at the same point,
         so the collectives match) and their partitions started in the workers."""
         ahead = self._ahead.popleft() if self._ahead else None
+        pin = torch.device(device).type == "cuda"  # parts built ahead land in pinned memory for a GPU
         if dp.size == 1:  # one rank never calls the policy
             part = to_device(self._loader.get(dataset, step, 0, 1), device)
             self.last = {"step": step, "ahead": False, "assign_s": 0.0, "wait_s": 0.0,
                          "load_wait_s": self._loader.last_wait_s}
             if next_step is not None:  # built on the host while this step trains
-                self._loader.prefetch(dataset, next_step, 0, 1, pin=torch.device(device).type == "cuda")
+                self._loader.prefetch(dataset, next_step, 0, 1, pin=pin)
             return part
         if custom_rebalance(self.policy) is not None:  # it moves samples itself: as rebalance does
             self.last = {"step": step, "ahead": False, "assign_s": math.nan, "wait_s": math.nan}
             got = rebalance(self.policy, *self._load(dataset, step, dp, device, cost_model), dp, name=self.name)
             if next_step is not None:
-                self._loader.prefetch(dataset, next_step, dp.rank, dp.size)
+                self._loader.prefetch(dataset, next_step, dp.rank, dp.size, pin=pin)
             return got
         if self.overlap and next_step is not None and self._worker is None:  # a process starts meanwhile
             self._worker = PartitionWorker(overlap_worker(self.policy), self.depth)
@@ -498,7 +499,7 @@ class Lookahead:
                 self._ahead.append(plan(self.policy, *self._load(dataset, s, dp, device, cost_model), dp,
                                         name=self.name, step=s, worker=self._worker))
         elif next_step is not None:
-            self._loader.prefetch(dataset, next_step, dp.rank, dp.size)
+            self._loader.prefetch(dataset, next_step, dp.rank, dp.size, pin=pin)
         return mine
 
     def close(self) -> None:
