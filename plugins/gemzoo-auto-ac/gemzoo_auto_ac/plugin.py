@@ -337,8 +337,9 @@ class AutoACPolicy(TakesOptions):
         search = self.search
         measuring = search is not None and not search.done and step >= 1  # step 0 warms up (compile, opt state)
         cuda = self.device.type == "cuda"
+        # The caching allocator counts on the host, as the step allocates: its peak needs no wait for the GPU,
+        # so this policy does not stop the trainer queueing steps ahead (run.sync = "log").
         if cuda and (measuring or self._reset_pending):
-            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._reset_pending = False
         probe = measuring or step == self._probe_at
@@ -349,7 +350,6 @@ class AutoACPolicy(TakesOptions):
         if probe and counter.tensors:
             self.saved_bytes, self.saved_tensors = counter.bytes, counter.tensors
         if cuda:
-            torch.cuda.synchronize(self.device)
             peak = int(torch.cuda.max_memory_allocated(self.device))
         else:
             peak = self._static_bytes + (counter.bytes if probe else (self.saved_bytes or 0))
