@@ -221,14 +221,15 @@ def _host_group_rank(rank: int, world: int, port: int, tmp: str) -> None:
     from toy_plugin import TOY_CONFIG, install
 
     dist.init_process_group("gloo")
-    assert gd.host_group_for("gloo") is None and gd.host_group_for("cpu:gloo,cuda:nccl") is None
-    group = gd.host_group_for("nccl")  # a default group that cannot run CPU tensors: a gloo group of its own
+    comms = registry.get("comms", "torch")
+    assert gd.host_group_for(comms) is None  # the default group runs CPU tensors on the CPU transport already
+    group = gd.host_group_for(comms, force=True)  # what an NCCL default group gets: a gloo group of its own
     got = reduce_across_ranks({"a": float(rank), "b": 1.0}, "sum", torch.device("cpu"), group)
     install(registry)
     losses = {}
     for name, force in (("default", False), ("own", True)):
         plain = gd.host_group_for
-        gd.host_group_for = lambda backend, force=force: plain(backend, force=force)
+        gd.host_group_for = lambda comms, force=force: plain(comms, force=force)
         raw = copy.deepcopy(TOY_CONFIG)
         raw["run"].update(out_dir=os.path.join(tmp, name), steps=6, sync="log")
         try:
@@ -239,6 +240,13 @@ def _host_group_rank(rank: int, world: int, port: int, tmp: str) -> None:
         json.dump({"reduced": got, "losses": losses}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def test_the_cpu_backend_of_a_default_group():
+    import gemzoo.distributed as gd
+
+    assert gd.cpu_backend("gloo") == "gloo" and gd.cpu_backend("nccl") == "nccl"
+    assert gd.cpu_backend("cpu:gloo,cuda:nccl") == "gloo" and gd.cpu_backend("cuda:nccl") == "cuda:nccl"
 
 
 def test_host_numbers_reduce_over_a_gloo_group_of_their_own(tmp_path):

@@ -54,15 +54,27 @@ def init_distributed(comms, device_type: str) -> World:
     if not dist.is_initialized():
         dist.init_process_group(backend=comms.backend_for(device_type))
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
-                 host_group=host_group_for(str(dist.get_backend())))
+                 host_group=host_group_for(comms))
 
 
-def host_group_for(backend: str, *, force: bool = False):
-    """None when the default group (backend ``backend``) runs CPU tensors (gloo), else a new gloo group over
-    every rank (``force``: one anyway). Every rank must call it, in the same order of group creation."""
-    if "gloo" in backend and not force:
+def host_group_for(comms, *, force: bool = False):
+    """A process group over every rank for numbers the host holds: None when the default group already runs CPU
+    tensors on the comms backend's CPU transport (``comms.backend_for("cpu")``), else a new group on that
+    transport (``force``: one anyway), so reducing them never waits behind the GPU's queue. Every rank must
+    call it, in the same order of group creation."""
+    cpu = comms.backend_for("cpu")
+    if not force and cpu_backend(str(dist.get_backend())) == cpu:
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend=cpu)
+
+
+def cpu_backend(backend: str) -> str:
+    """The backend that runs CPU tensors in a group of ``backend``: a plain name is itself; a device map such as
+    ``"cpu:B1,cuda:B2"`` gives its ``cpu`` entry (the whole string when it has none)."""
+    if ":" not in backend:
+        return backend
+    devices = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return devices.get("cpu", backend)
 
 
 def check_mesh_dims(dims: dict[str, int], world_size: int, who: str = "the planner") -> dict[str, int]:
