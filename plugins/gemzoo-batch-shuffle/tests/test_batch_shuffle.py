@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -360,3 +361,50 @@ def test_refine_stops_within_its_tolerance_of_the_mean():
     assert part._loads(c, moved).tolist() == [8.0, 8.0]
     kept = part._refine(c, groups, False, max_steps=8, tol=0.4)  # within 40% already: nothing moves
     assert [g.tolist() for g in kept] == [[0, 1], [2, 3, 4]]
+
+
+def test_refine_is_skipped_when_its_steps_cannot_pay():
+    """Each step lowers one rank, so with more ranks than steps the heaviest cannot end below the (steps + 1)-th
+    heaviest load: where that is within the tolerance, the search does not run (8192 ranks)."""
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")
+    c = np.array([6.0, 5.0] * 3 + [5.0, 4.8] * 7)  # ranks 0-2 hold 11, ranks 3-9 hold 9.8
+    groups = [np.array([2 * r, 2 * r + 1]) for r in range(10)]
+    skipped = part._refine(c, groups, False, max_steps=2, tol=1e-4)  # 3 ranks at 11: 2 steps leave one there
+    assert [g.tolist() for g in skipped] == [g.tolist() for g in groups]
+    searched = part._refine(c, groups, False, max_steps=3, tol=1e-4)  # 3 steps can lower all three
+    assert part._loads(c, searched).max() < 11.0
+
+
+def _greedy_keep_local(groups, n, w):
+    """keep_local's rule in plain Python: (subset, rank) pairs sharing >= 2 samples, most first (ties by subset,
+    then rank), each taken while both are free; then each open subset, in order, its first free rank among
+    those it shares one sample with; the rest in order."""
+    loader = [r for r in range(w) for _ in range(n // w + (r < n % w))]
+    shared = Counter((s, loader[i]) for s, g in enumerate(groups) for i in g.tolist())
+    rank_of, taken = {}, set()
+    for (s, r), k in sorted(shared.items(), key=lambda kv: (-kv[1], kv[0])):
+        if k >= 2 and s not in rank_of and r not in taken:
+            rank_of[s] = r
+            taken.add(r)
+    for (s, r), k in sorted(shared.items()):
+        if k == 1 and s not in rank_of and r not in taken:
+            rank_of[s] = r
+            taken.add(r)
+    rest = iter(r for r in range(w) if r not in taken)
+    out = [None] * w
+    for s in range(w):
+        out[rank_of[s] if s in rank_of else next(rest)] = groups[s]
+    return out
+
+
+@pytest.mark.parametrize("world", [5, 256, 1024])
+def test_the_fast_paths_give_the_plain_answers(world):
+    """The radix sort of cost ranks gives a stable argsort's order, and keep_local's run counting the rule's
+    matching."""
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")
+    rng = np.random.default_rng(world)
+    for c in (rng.integers(0, 50, world * 7 + 3).astype(np.float64), rng.random(world * 5)):
+        assert np.array_equal(part._decreasing(c), np.argsort(-c, kind="stable"))
+        groups = part._block_lpt(c, world)
+        got = part._keep_local(groups, c.size, world)
+        assert [g.tolist() for g in got] == [g.tolist() for g in _greedy_keep_local(groups, c.size, world)]
