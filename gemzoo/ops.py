@@ -129,17 +129,19 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, 
     """[T, *F] -> [B, max_len, *F]; rows past a sequence's end hold ``pad``; longer sequences are cut."""
     if _use_extension("jagged_to_padded", values):
         return torch.ops.gemzoo.jagged_to_padded(values, offsets, max_len, float(pad))
-    lengths = offsets[1:] - offsets[:-1]
-    batch = lengths.numel()
-    out = values.new_full((batch, max_len, *values.shape[1:]), pad)
+    batch = offsets.numel() - 1
     if values.shape[0] == 0 or max_len == 0:
-        return out
+        return values.new_full((batch, max_len, *values.shape[1:]), pad)
     from gemzoo.jagged import positions, seq_ids
 
     ids = seq_ids(offsets, values.shape[0])
     pos = positions(offsets, values.shape[0])
+    # rows past max_len go to a spare sequence row that is cut off after: no boolean mask, whose size would be
+    # read back from the device (a host sync on a GPU); the result is a contiguous view of the first B rows
     keep = pos < max_len
-    return out.index_put((ids[keep], pos[keep]), values[keep])
+    out = values.new_full((batch + 1, max_len, *values.shape[1:]), pad)
+    out = out.index_put((torch.where(keep, ids, batch), torch.where(keep, pos, 0)), values)
+    return out[:batch]
 
 
 def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

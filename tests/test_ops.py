@@ -81,7 +81,10 @@ def _j2p_ref(values, off, max_len, pad):
     ([6], (1,), 6),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-def test_jagged_to_padded_matches_loop(lengths, feat, max_len, dtype):
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_jagged_to_padded_matches_loop(lengths, feat, max_len, dtype, path, monkeypatch):
+    if path == "torch":  # the path a GPU takes (the extension's jagged ops are CPU-only)
+        monkeypatch.setattr(ops, "_use_extension", lambda *a: False)
     values, off = _jagged(lengths, *feat, dtype=torch.float32)
     values = (values * 10).to(dtype)
     out = ops.jagged_to_padded(values, off, max_len, pad=-7)
@@ -95,7 +98,18 @@ def test_padded_to_jagged_roundtrip(lengths, feat):
     assert torch.equal(ops.padded_to_jagged(padded, off), values)
 
 
-def test_jagged_conversions_gradients():
+def test_the_torch_path_pads_on_meta():
+    """No boolean mask in the torch path (its size would be a device read, a host sync on a GPU): it runs on
+    the meta device, where any read of a value raises, and gives a contiguous [B, L, *F]."""
+    off = torch.tensor([0, 3, 3, 8], device="meta")
+    out = ops.jagged_to_padded(torch.empty(8, 2, 4, device="meta"), off, 4)
+    assert out.shape == (3, 4, 2, 4) and out.is_contiguous()
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_jagged_conversions_gradients(path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setattr(ops, "_use_extension", lambda *a: False)
     values, off = _jagged([3, 0, 5, 1], 4, seed=2)
     values = values.double().requires_grad_()
     torch.autograd.gradcheck(lambda v: ops.jagged_to_padded(v, off, 4, 0.5), (values,))  # truncates 5 -> 4

@@ -158,9 +158,12 @@ class RetrievalModel(nn.Module):
 
     def forward(self, batch) -> ModelOutput:
         h = self.encode(batch)
-        keep = batch.targets >= 0
-        user = F.normalize(h[keep].float(), dim=-1)
-        target = batch.targets[keep]
+        # the positions with a target, in order: counted on the host copy and picked by a stable sort on the
+        # device (a boolean mask's size would be read back from the device, a host sync on a GPU)
+        with_target = int((host_view(batch).targets >= 0).sum())
+        keep = torch.argsort((batch.targets < 0).to(torch.uint8), stable=True)[:with_target]
+        user = F.normalize(h.index_select(0, keep).float(), dim=-1)
+        target = batch.targets.index_select(0, keep)
         pos = F.normalize(self.item_emb(target).float(), dim=-1)
         pos_logit = (user * pos).sum(-1, keepdim=True)
         k = self.cfg.num_negatives
