@@ -21,7 +21,7 @@ import torch
 import gemzoo
 from gemzoo import registry
 from gemzoo.config import load_config
-from gemzoo.interfaces.attention import AttentionCapabilities, FunctionKernel
+from gemzoo.interfaces.attention import AttentionCapabilities, FunctionKernel, check_inputs
 from gemzoo.testing.models import _ratings
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -29,7 +29,10 @@ SMALL_RETRIEVAL = ["model.embedding_dim=16", "model.num_layers=1", "model.num_he
 
 
 def _shape_probe(q, k, v, q_offsets, k_offsets=None, **kw):
-    """[Tq, H, Dv] from q's rows and v's width; every input reaches the output, so gradients flow to each."""
+    """[Tq, H, Dv] from q's rows and v's width; every input reaches the output, so gradients flow to each.
+    First the shared input check every kernel runs: an offsets tensor the model did not validate from its host
+    copy would be validated here, from the device (a sync), and raises on meta."""
+    check_inputs(q, k, v, q_offsets, k_offsets, capabilities=PROBE.capabilities, kernel=PROBE, **kw)
     return (q[..., :1] * 0 + k.sum() * 0 + v.sum() * 0).expand(*q.shape[:-1], v.shape[-1]) + 0
 
 

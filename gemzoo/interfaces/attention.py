@@ -275,12 +275,11 @@ def _positive_int(value, name: str, meaning: str) -> None:
         raise ValueError(f"{name} must be an int >= 1 ({meaning}) or None, got {value!r}")
 
 
-def _check_bias(bias, q, q_offsets, k_offsets, compiling: bool) -> None:
+def _check_bias(bias, q, q_offsets, longest: tuple[int, int] | None) -> None:
     """``bias`` is a floating tensor [B, 1 or H, >= longest Lq, >= longest Lk] on q's device: entry
     [b, h, i, j] is added to the score of query i and key j of sequence b (rows and columns past a
-    sequence's lengths are ignored)."""
+    sequence's lengths are ignored). ``longest``: the validated (Lq, Lk) maxima (None while compiling)."""
     from gemzoo.errors import JaggedShapeError
-    from gemzoo.jagged import max_length
 
     if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.dim() != 4:
         raise JaggedShapeError(f"bias must be a floating tensor [B, 1 or H, Lq_max, Lk_max], got "
@@ -290,9 +289,9 @@ def _check_bias(bias, q, q_offsets, k_offsets, compiling: bool) -> None:
     b, h = q_offsets.numel() - 1, q.shape[1]
     if bias.shape[0] != b or bias.shape[1] not in (1, h):
         raise JaggedShapeError(f"bias has shape {tuple(bias.shape)}; it needs [B={b}, 1 or H={h}, Lq_max, Lk_max]")
-    if not compiling and (bias.shape[2] < max_length(q_offsets) or bias.shape[3] < max_length(k_offsets)):
+    if longest is not None and (bias.shape[2] < longest[0] or bias.shape[3] < longest[1]):
         raise JaggedShapeError(f"bias {tuple(bias.shape)} is smaller than the longest sequences (Lq "
-                               f"{max_length(q_offsets)}, Lk {max_length(k_offsets)}); pad it to at least those")
+                               f"{longest[0]}, Lk {longest[1]}); pad it to at least those")
 
 
 def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax", *, capabilities=None,
@@ -382,16 +381,18 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
     if k_offsets.numel() != q_offsets.numel():
         raise JaggedShapeError(
             f"q_offsets has {q_offsets.numel() - 1} sequences but k_offsets has {k_offsets.numel() - 1}")
+    longest = None  # (Lq, Lk): validated once per offsets tensor, then from the cache (no device read)
     if not compiling:
-        for name, off, t, hint in (("q", q_offsets, q, max_q_len), ("k", k_offsets, k, max_k_len)):
-            longest = _offsets_cache.longest(off, t.shape[0], t.device, f"{name}_offsets")
-            if hint is not None and hint < longest:
+        longest = tuple(_offsets_cache.longest(off, t.shape[0], t.device, f"{name}_offsets")
+                        for name, off, t in (("q", q_offsets, q), ("k", k_offsets, k)))
+        for name, hint, most in (("q", max_q_len, longest[0]), ("k", max_k_len, longest[1])):
+            if hint is not None and hint < most:
                 raise JaggedShapeError(
                     f"max_{name}_len={hint} is smaller than the longest {'query' if name == 'q' else 'key'} "
-                    f"sequence ({longest}); pass max_{name}_len >= {longest}, or None to have it computed"
+                    f"sequence ({most}); pass max_{name}_len >= {most}, or None to have it computed"
                 )
     if bias is not None:
-        _check_bias(bias, q, q_offsets, k_offsets, compiling)
+        _check_bias(bias, q, q_offsets, longest)
     same = k_offsets is q_offsets
     q_offsets = q_offsets if q_offsets.is_contiguous() else q_offsets.contiguous()
     k_offsets = q_offsets if same else (k_offsets if k_offsets.is_contiguous() else k_offsets.contiguous())
