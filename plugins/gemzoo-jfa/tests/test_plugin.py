@@ -223,3 +223,55 @@ def test_kernel_variants_compile_for_hopper_offline(variant, hopper_compiles):
     res = hopper_compiles[variant]
     assert res["ok"], res
     assert res["triton_shared"] <= 232448, "over Hopper's 227 KB of shared memory per block"
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: records ``kernel[grid](...)`` launches and runs nothing."""
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.name, grid))
+
+
+@pytest.mark.parametrize("variant", ["plain", "window", "buckets", "fused_dq", "pointwise_split", "block"])
+def test_the_launch_path_reads_no_device_value(monkeypatch, variant):
+    """Everything before a launch (schedules, length buckets, key splits, buffers) runs on the device without
+    a host sync: on the meta device, where any read of a value raises, with the kernels themselves stubbed out.
+    The launchers are the family's (jfa, gdpa and block-attention call them)."""
+    from gemzoo_jfa import kernels
+    from gemzoo_jfa import ops as jops
+
+    calls = []
+    for name in ("attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+        monkeypatch.setattr(kernels, name, _NoLaunch(name, calls))
+    lengths = [5, 0, 130, 7, 48]
+    q_off = lengths_to_offsets(torch.tensor(lengths)).to("meta")
+    k_off = q_off
+    t, h, d = sum(lengths), 2, 64
+    activation, block, window, causal = 0, -1, -1, True
+    options = {}
+    if variant == "window":
+        window = 16
+    elif variant == "buckets":
+        options = {"buckets": jops.short_buckets(d, "cuda")}
+    elif variant == "fused_dq":
+        options = {"fused_dq": True}
+    elif variant == "pointwise_split":  # gdpa's cross attention: 3 candidates a user over the history
+        activation, causal = jops.ACTIVATION_CODES["silu"], False
+        q_off = lengths_to_offsets(torch.full((len(lengths),), 3)).to("meta")
+    elif variant == "block":  # block-attention
+        activation, block, causal = jops.ACTIVATION_CODES["silu"], 32, False
+    tq = int(q_off.numel() - 1) * 3 if variant == "pointwise_split" else t
+    q = torch.empty(tq, h, d, device="meta", dtype=torch.bfloat16)
+    k, v = (torch.empty(t, h, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = torch.empty_like(q), torch.empty(h, tq, device="meta", dtype=torch.float32)
+    with jops.using(**options):
+        jops._launch_fwd(q, k, v, q_off, k_off, causal, 0.125, window, out, lse, activation, 1.0, block)
+        dq, dk, dv = jops.backward(torch.empty_like(q), q, k, v, out, lse, q_off, k_off, causal, 0.125, window,
+                                   activation, 1.0, block)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    launched = {name for name, _ in calls}
+    assert "attn_fwd_kernel" in launched and "attn_bwd_dkdv_kernel" in launched
+    assert ("attn_bwd_dq_kernel" in launched) == (variant != "fused_dq")
