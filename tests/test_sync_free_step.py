@@ -6,8 +6,9 @@ without ``output_size``) would stall the host until the GPU's queue drains. On t
 shape and no data, so every such read raises, while the batch's host copy (``host_view``) stays on the CPU,
 as it does beside a GPU: here the whole step (prefetched batch, embeddings, every block, the loss, backward,
 clipping, the optimizers, precision and memory policies) runs on meta, for every model family and precision
-policy. The attention kernels are swapped for a shape-only probe (they run on no meta device; the jfa family's
-CUDA test, ``test_a_gem_step_queues_on_cuda_without_a_host_sync``, covers the real kernels on a GPU).
+policy. The attention kernels are swapped for a shape-only probe that runs the shared input check (the kernels
+run on no meta device; the jfa family's launch path has its own meta check in its plugin's tests, and
+``test_a_gem_step_queues_on_cuda_without_a_host_sync`` covers the real step on a GPU).
 """
 
 from __future__ import annotations
