@@ -359,6 +359,21 @@ def _load_kv_t(base, n, stride, offs_n, offs_d, desc, row0, h, limit,
 
 
 @triton.jit
+def _load_rows_t(base, n, stride, offs, offs_d, desc, row0, h, limit, pos, rope_c, like,
+                 D: tl.constexpr, BD: tl.constexpr, B: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+                 UPCAST: tl.constexpr, ROPE: tl.constexpr):
+    """Rows [n, n + B) of one head of a [T, H, D] tensor, transposed to [BD, B]: with ROPE rotated at
+    positions ``pos`` (then in ``like``'s dtype), else as stored (the keys of the query-block kernels, the
+    queries of the key-block one)."""
+    if ROPE:
+        x = tl.trans(_rope_load(base + n.to(tl.int64) * stride, offs, stride, n + offs, limit, pos, rope_c,
+                                D, BD, B, UPCAST)).to(like.dtype)
+    else:
+        x = _load_kv_t(base, n, stride, offs, offs_d, desc, row0, h, limit, D, BD, B, MASKED, USE_TMA, True)
+    return x
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, end, rows, Lk, shift, window,
                qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
@@ -367,12 +382,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
-        if ROPE:
-            kt = tl.trans(_rope_load(k_base + n.to(tl.int64) * stride_kt, offs_n, stride_kt, cols, Lk, cols, rope_c,
-                                     D, BD, BN, UPCAST)).to(q.dtype)
-        else:
-            kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA,
-                            True)
+        kt = _load_rows_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, cols, rope_c, q, D, BD, BN,
+                          MASKED, USE_TMA, UPCAST, ROPE)
+        if not ROPE:  # the rotated keys come in q's dtype already
             if UPCAST:
                 kt = kt.to(tl.float32)
         qk = tl.dot(q, kt) * qk_scale
@@ -492,12 +504,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
     for m in range(start, end, BM):
         m = tl.multiple_of(m, BM)
         rows = m + offs_m
-        if ROPE:
-            qt = tl.trans(_rope_load(q_base + m.to(tl.int64) * stride_qt, offs_m, stride_qt, rows, Lq, rows + shift,
-                                     rope_c, D, BD, BM, UPCAST)).to(k.dtype)
-        else:
-            qt = _load_kv_t(q_base, m, stride_qt, offs_m, offs_d, QD, q_row0, h, Lq, D, BD, BM, MASKED, USE_TMA,
-                            True)
+        qt = _load_rows_t(q_base, m, stride_qt, offs_m, offs_d, QD, q_row0, h, Lq, rows + shift, rope_c, k, D, BD,
+                          BM, MASKED, USE_TMA, UPCAST, ROPE)
         do = _load_kv_t(do_base, m, stride_dot, offs_m, offs_dv, DOD, q_row0, h, Lq, DV, BDV, BM, MASKED, USE_TMA,
                         False)
         if UPCAST:
@@ -626,12 +634,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
-        if ROPE:
-            kt = tl.trans(_rope_load(k_base + n.to(tl.int64) * stride_kt, offs_n, stride_kt, cols, Lk, cols, rope_c,
-                                     D, BD, BN, UPCAST)).to(q.dtype)
-        else:
-            kt = _load_kv_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, D, BD, BN, MASKED, USE_TMA,
-                            True)
+        kt = _load_rows_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, cols, rope_c, q, D, BD, BN,
+                          MASKED, USE_TMA, UPCAST, ROPE)
         vt = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA, True)
         if UPCAST:
             kt = kt.to(tl.float32)
