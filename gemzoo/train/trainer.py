@@ -501,7 +501,7 @@ class Trainer:
         world = self.world.world_size
         share = 1.0
         if world > 1:
-            terms = loss_terms(batch)
+            terms = loss_terms(host_view(batch))  # retrieval counts its targets: from the host copy
             got = self._reduce_host({"terms": terms, "empty": float(terms == 0)}, "sum")
             total = got["terms"]
             if got["empty"]:  # every rank raises, none waits in a collective
