@@ -35,7 +35,11 @@ step() {  # step NAME MAX_S CMD...: runs CMD under min(MAX_S, time left) if at l
 source "$(dirname "$0")/device_install.sh"; install_checkout "$LOGS/install.log" || exit 1
 echo "installed at $(( $(date +%s) - t0 )) s"
 [ -n "${GPU_CACHE:-}" ] && python3 "$(dirname "$0")/gpu_cache.py" unpack "$GPU_CACHE"
-step gpu_tests 420 python3 -m pytest -q -c pyproject.toml -rfE plugins/gemzoo-jfa/tests/test_gpu.py \
+# the GPU tests spend most of their time compiling Triton kernels on the CPU: spread them over pytest-xdist's
+# workers (in the image) when it is there, all on the one GPU
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${XDIST_N:-8}")
+# shellcheck disable=SC2086
+step gpu_tests 420 python3 -m pytest -q -c pyproject.toml -rfE $XDIST plugins/gemzoo-jfa/tests/test_gpu.py \
   plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py \
   tests/test_sparse_adagrad.py "tests/test_trainer.py::test_a_gem_step_queues_on_cuda_without_a_host_sync"
 tail -8 "$LOGS/gpu_tests.log" 2>/dev/null

@@ -27,6 +27,7 @@ from gemzoo.interfaces.attention import reference_attention
 from gemzoo.jagged import lengths_to_offsets
 from gemzoo_jfa import ops as jfa_ops
 from gemzoo_jfa.ops import Configs, KernelConfig, _launch_bwd, _launch_fwd, default_configs, jfa_triton, using
+from gemzoo_jfa.schedule import build_schedule
 
 H, D, DTYPE = 4, 128, torch.bfloat16
 RESULTS: dict = {"device": None, "checks": [], "workloads": {}, "sweep": {}}
@@ -311,7 +312,7 @@ def _breakdown(w, tag):
     delta = jfa_ops._launch_preprocess(out, w.grad)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     parts = {
-        "schedule": lambda: jfa_ops.build_schedule(off, off, w.T, 128, over="q", causal=True, window=None),
+        "schedule": lambda: build_schedule(off, off, w.T, 128, over="q", causal=True, window=None),
         "fwd": lambda: _launch_fwd(q, k, v, off, off, True, scale, -1, out, lse),
         "preprocess": lambda: jfa_ops._launch_preprocess(out, w.grad),
         "dkdv": lambda: jfa_ops._launch_dkdv(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dk, dv),
