@@ -26,9 +26,22 @@ def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12):
 def quantize_rowwise_t(x: torch.Tensor, pad_to: int = 1):
     """quantize_rowwise(x.t()), with x's rows (the tokens) zero-padded to a multiple of ``pad_to``:
     _scaled_mm needs a contraction that is a multiple of 16, and zero tokens add nothing to dY^T X. No
-    tokens at all pad to one block. Its own function, so torch.compile keeps a separate cache for it."""
-    pad = (-x.shape[0]) % pad_to if x.shape[0] else pad_to
-    return quantize_rowwise(F.pad(x, (0, 0, 0, pad)).t())
+    tokens at all pad to one block. Its own function, so torch.compile keeps a separate cache for it.
+
+    The scales reduce over the R real tokens, and the zero rows join the scaled values before the cast (zeros
+    change no amax and quantize to zero). Padding the input first made the compiled forward hold two reductions
+    of one activation, over R and over R padded, which torch 2.11's Inductor fuses as one mix-order reduction
+    and then asserts equal (``get_numel_rnumel``: "90544 v.s. 90533", the compiled gem-bench
+    ``jfa,fp8-rowwise`` row of 2026-12-02)."""
+    rows, cols = x.shape
+    if rows == 0:
+        return (torch.zeros(cols, pad_to, device=x.device).to(torch.float8_e4m3fn),
+                torch.full((cols, 1), 1e-12 / E4M3_MAX, device=x.device))
+    xf = x.float()
+    scale = xf.abs().amax(dim=0, keepdim=True).clamp_min(1e-12) / E4M3_MAX  # [1, C]: one per column of x
+    scaled = F.pad(xf / scale, (0, 0, 0, (-rows) % pad_to))
+    data = scaled.t().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data.contiguous(), scale.view(cols, 1)  # view, not .t(): _scaled_mm wants stride (1, 1)
 
 
 _compiled = {}

@@ -178,3 +178,25 @@ def test_triton_rowwise_casts():
     empty = rowwise_cast(x[:0].to(_dev()), row=True, col=True, pad_to=16)  # no tokens: one zero block
     assert empty["row"][0].shape == (0, 300) and empty["col"][0].shape == (300, 16)
     assert torch.all(empty["col"][0].float() == 0)
+
+
+@pytest.mark.parametrize("rows,pad_to", [(0, 16), (1, 16), (17, 16), (33, 1), (48, 16)])
+def test_rowwise_transposed_cast_pads_after_its_scales(rows, pad_to):
+    """quantize_rowwise_t equals quantize_rowwise of the zero-padded transpose bit for bit, but its amax reads
+    only the real tokens: a reduction over the padded count beside the row cast's made torch 2.11's Inductor
+    assert in its mix-order reduction fusion (compiled gem-bench jfa,fp8-rowwise)."""
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gemzoo_mxfp8.rowwise import quantize_rowwise, quantize_rowwise_t
+
+    x = torch.randn(rows, 24, generator=torch.Generator().manual_seed(rows)).bfloat16() * 30
+    pad = (-rows) % pad_to if rows else pad_to
+    want_q, want_s = quantize_rowwise(F.pad(x, (0, 0, 0, pad)).t())
+    got_q, got_s = quantize_rowwise_t(x, pad_to)
+    assert got_q.shape == want_q.shape == (24, rows + pad) and got_s.shape == (24, 1) and got_s.stride() == (1, 1)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_s, want_s)
+    if rows:
+        graph = make_fx(quantize_rowwise_t)(x, pad_to).graph
+        amax_inputs = [n.args[0].meta["val"].shape for n in graph.nodes if n.target == torch.ops.aten.amax.default]
+        assert amax_inputs and all(shape.numel() == rows * 24 for shape in amax_inputs), amax_inputs
