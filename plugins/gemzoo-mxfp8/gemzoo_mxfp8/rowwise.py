@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 E4M3_MAX = 448.0
+EPS = 1e-12  # smallest amax a scale is taken from (an all-zero row or column)
 TOKEN_PAD = 16  # wgrad contracts over tokens: _scaled_mm needs a multiple of 16 (else an fp32 fallback)
 
 
-def quantize_rowwise(x: torch.Tensor, eps: float = 1e-12):
+def quantize_rowwise(x: torch.Tensor, eps: float = EPS):
     """x [R, C] -> (e4m3 [R, C], fp32 scale [R, 1]) with x ~= data * scale, scale = amax(row) / 448."""
     xf = x.float()
     scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(eps) / E4M3_MAX
@@ -36,9 +37,9 @@ def quantize_rowwise_t(x: torch.Tensor, pad_to: int = 1):
     rows, cols = x.shape
     if rows == 0:
         return (torch.zeros(cols, pad_to, device=x.device).to(torch.float8_e4m3fn),
-                torch.full((cols, 1), 1e-12 / E4M3_MAX, device=x.device))
+                torch.full((cols, 1), EPS / E4M3_MAX, device=x.device))
     xf = x.float()
-    scale = xf.abs().amax(dim=0, keepdim=True).clamp_min(1e-12) / E4M3_MAX  # [1, C]: one per column of x
+    scale = xf.abs().amax(dim=0, keepdim=True).clamp_min(EPS) / E4M3_MAX  # [1, C]: one per column of x
     scaled = F.pad(xf / scale, (0, 0, 0, (-rows) % pad_to))
     data = scaled.t().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return data.contiguous(), scale.view(cols, 1)  # view, not .t(): _scaled_mm wants stride (1, 1)
