@@ -10,6 +10,8 @@
 #               (gemzoo.profiling.gpu_idle); the chrome trace comes back gzipped (issue 17)
 #   e2e         the README's end-to-end table: gemzoo ablate configs/ablations/gem-bench.toml (compiled since
 #               2026-12-02), every row in this one step (issue 17)
+#   bucket_tests, mxfp8_tests: the family's GPU tests with length buckets on; mxfp8's tests (fp8-rowwise's cast)
+#   short_sweep the short workload against FA varlen / Flex, and its bucket tiles swept (SHORT_S seconds)
 #   host        where the ~1 ms of host time per attention call goes: torch.profiler and cProfile over the
 #               block-attention and gdpa cross64 cases (issues 11 follow-up, 17)
 #   shuffle     batch-shuffle's per-step overhead, 45 steps, with each step's wait for its prefetched batch (16)
@@ -43,6 +45,20 @@ step gpu_tests 420 python3 -m pytest -q -c pyproject.toml -rfE $XDIST plugins/ge
   plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py \
   tests/test_sparse_adagrad.py "tests/test_trainer.py::test_a_gem_step_queues_on_cuda_without_a_host_sync"
 tail -8 "$LOGS/gpu_tests.log" 2>/dev/null
+# the same GPU tests with the length buckets on by default (GEMZOO_JFA_BUCKETS=1): every short test batch of
+# jfa, gdpa, block attention and RoPE runs its bucketed launches (issue 17); and mxfp8's GPU tests (fp8-rowwise)
+# shellcheck disable=SC2086
+GEMZOO_JFA_BUCKETS=1 step bucket_tests 420 python3 -m pytest -q -c pyproject.toml -rfE $XDIST \
+  plugins/gemzoo-jfa/tests/test_gpu.py plugins/gemzoo-gdpa/tests/test_gpu.py plugins/gemzoo-block-attention/tests/test_gpu.py
+tail -8 "$LOGS/bucket_tests.log" 2>/dev/null
+# shellcheck disable=SC2086
+step mxfp8_tests 240 python3 -m pytest -q -c pyproject.toml -rfE $XDIST plugins/gemzoo-mxfp8/tests
+tail -8 "$LOGS/mxfp8_tests.log" 2>/dev/null
+# the short workload alone against FA varlen and Flex, and the short bucket's tile sweep (bench_jfa.py sweep_short)
+step short_sweep ${SHORT_S:-430} python3 plugins/gemzoo-jfa/bench/bench_jfa.py --workloads short --checks 1 \
+  --methods jfa,jfa_buckets,fa_varlen,flex --sweep short --budget $(( ${SHORT_S:-430} - 20 )) --out "$LOGS"
+cp "$LOGS/bench_jfa.json" "$OUT/bench_jfa_short.json" 2>/dev/null
+grep -v -e Warning -e create_block_mask "$LOGS/short_sweep.log" 2>/dev/null | grep -e "short" -e check | tail -90 | cut -c1-260
 step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep fused_dq,buckets --checks 2 --budget 230 \
   --methods jfa,jfa_buckets,flex,fa_varlen,njt_sdpa,padded_sdpa --out "$LOGS"
 cp "$LOGS/bench_jfa.json" "$OUT/" 2>/dev/null

@@ -406,6 +406,8 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             log(f"sweep {key}: {out[key]}")
     short = [w for w in workloads if w.name == "short"]
+    if "short" in parts and short:
+        sweep_short(short[0], deadline)
     if "buckets" in parts and short:
         for name, buckets in BUCKET_VARIANTS.items():
             if time.time() > deadline:
@@ -417,6 +419,112 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
             except Exception as exc:
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             log(f"sweep {key}: {out[key]}")
+
+
+SHORT_TILES = {  # candidates for a short bucket's tiles: (BM, BN, warps, stages) per kernel
+    "fwd": [(64, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 1), (64, 32, 4, 1), (32, 64, 4, 1), (32, 32, 4, 1),
+            (32, 32, 2, 1), (32, 32, 2, 2), (16, 32, 2, 1), (16, 16, 1, 1)],
+    "dkdv": [(64, 64, 8, 3), (64, 64, 4, 1), (32, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1), (32, 32, 2, 1),
+             (16, 32, 2, 1), (32, 16, 2, 1)],
+    "dq": [(64, 64, 8, 3), (64, 64, 4, 1), (32, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1), (32, 32, 2, 1),
+           (16, 32, 2, 1), (32, 16, 2, 1)],
+}
+MID_TILES = {  # for a second bucket, sequences of 65..128 tokens (pointer loads, as the short bucket's)
+    "fwd": [(128, 128, 8, 3), (128, 64, 4, 1), (64, 64, 4, 1), (64, 32, 4, 1), (64, 64, 4, 2), (32, 32, 2, 1)],
+    "dkdv": [(64, 128, 8, 3), (64, 64, 4, 1), (32, 64, 4, 1), (32, 32, 2, 1), (16, 32, 2, 1), (64, 64, 8, 2)],
+    "dq": [(128, 64, 8, 3), (64, 64, 4, 1), (64, 32, 4, 1), (32, 32, 2, 1), (128, 64, 4, 1), (64, 64, 8, 2)],
+}
+
+
+class ShortSweep:
+    """Tiles of the short workload's length buckets (bench_jfa.py --sweep short): each kernel's candidates in
+    one bucket, the other kernels and buckets fixed, every candidate checked against the unbucketed launch
+    (max relative error of out, dq, dk, dv) before its time counts; then combinations of the winners."""
+
+    def __init__(self, w, deadline):
+        self.w, self.deadline, self.out = w, deadline, RESULTS["sweep"].setdefault("short", {})
+        self.ref = self.outputs((), None)
+
+    def outputs(self, buckets, tma):
+        with using(buckets=buckets, tma=tma):
+            fn, leaves, grad = make_jfa(self.w)
+            for t in leaves:
+                t.grad = None
+            o = fn()
+            o.backward(grad)
+            res = [o.detach().clone()] + [t.grad.clone() for t in leaves]
+            for t in leaves:
+                t.grad = None
+            return res
+
+    def timed(self, buckets, mode, tma=None):
+        from triton.testing import do_bench
+
+        with using(buckets=buckets, tma=tma):
+            fn, leaves, grad = make_jfa(self.w)
+            if mode == "fwd":
+                def run():
+                    with torch.no_grad():
+                        fn()
+                return do_bench(run, warmup=10, rep=40, return_mode="median")
+            ms = do_bench(lambda: fn().backward(grad), warmup=10, rep=40, grad_to_none=leaves, return_mode="median")
+            for t in leaves:
+                t.grad = None
+            return ms
+
+    def measure(self, key, buckets, modes, tma=None):
+        """{mode: ms, max_rel_vs_unbucketed, ok} of one variant, or None past the deadline."""
+        if time.time() > self.deadline:
+            log("sweep short: out of time budget, stopping")
+            return None
+        try:
+            err = max(rel(a, b) for a, b in zip(self.outputs(buckets, tma), self.ref))
+            res = {m: self.timed(buckets, m, tma) for m in modes}
+            res.update(max_rel_vs_unbucketed=err, ok=err < 1e-2)
+        except Exception as exc:
+            res = {"error": f"{type(exc).__name__}: {exc}"[:300], "ok": False}
+        self.out[key] = res
+        log(f"sweep short {key}: {res}")
+        return res
+
+    def tiles(self, name, below, max_len, configs, candidates, tmas):
+        """The best config per kernel for the bucket (previous max, max_len], ``below`` the buckets under it."""
+        best = {}
+        for kind, tiles in candidates.items():
+            for tile in tiles:
+                for tma in tmas:
+                    c = KernelConfig(*tile, tma=tma)
+                    key = (f"{name} {kind} BM{c.block_m} BN{c.block_n} w{c.num_warps} s{c.num_stages}"
+                           + (" ptr" if tma is False else ""))
+                    mode = "fwd" if kind == "fwd" else "fwd_bwd"
+                    res = self.measure(key, (*below, jfa_ops.Bucket(max_len, Configs(**{**configs.__dict__, kind: c}))),
+                                       (mode,))
+                    if res is None:
+                        return best
+                    if res["ok"] and (kind not in best or res[mode] < best[kind][0]):
+                        best[kind] = (res[mode], c)
+        RESULTS["sweep"][f"short_best {name}"] = {k: {"ms": v[0], "config": str(v[1])} for k, v in best.items()}
+        return best
+
+
+def sweep_short(w, deadline):
+    """The <= 64 bucket's tiles (ops.short_buckets) fixed, a 65..128 bucket's swept (pointer loads); then the
+    default buckets, with the 128 bucket's winners, with TMA forced on everywhere, and with pointer loads in the
+    main launch too (fwd and fwd+bwd, each checked against the unbucketed launch)."""
+    sw = ShortSweep(w, deadline)
+    short = jfa_ops.short_buckets(D, "cuda")
+    mid_base = Configs(*(KernelConfig(64, 64, 4, 1, tma=False),) * 3)
+    best = sw.tiles("128", short, 128, mid_base, MID_TILES, (False,))
+    combos = {"off": ((), None), "default": (short, None), "default, TMA everywhere": (short, True),
+              "default, pointer loads everywhere": (short, False),
+              "default + 128 on 64x64 w4 s1": ((*short, jfa_ops.Bucket(128, mid_base)), None)}
+    if len(best) == 3:
+        mid = Configs(best["fwd"][1], best["dkdv"][1], best["dq"][1])
+        combos["default + 128 best"] = ((*short, jfa_ops.Bucket(128, mid)), None)
+        combos["default + 128 best, pointer loads everywhere"] = ((*short, jfa_ops.Bucket(128, mid)), False)
+    for name, (buckets, tma) in combos.items():
+        if sw.measure(f"combo {name}", buckets, ("fwd", "fwd_bwd"), tma) is None:
+            return
 
 
 def table():
@@ -440,7 +548,7 @@ def table():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_jfa.json ($OUT)")
-    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma, fused_dq, buckets")
+    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma, fused_dq, buckets, short")
     ap.add_argument("--workloads", default="gem_lognormal,uniform_8k,short", help="comma-separated subset")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")
     ap.add_argument("--checks", type=int, default=4, help="how many small correctness cases to run (1-4)")

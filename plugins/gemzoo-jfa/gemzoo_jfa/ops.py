@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class KernelConfig:
     block_n: int  # keys per block
     num_warps: int
     num_stages: int
+    tma: bool | None = None  # False: pointer loads for this config's launches; None: where _tma_ok allows TMA
 
 
 @dataclass(frozen=True)
@@ -78,18 +80,23 @@ SHORT_AVERAGE = 256
 # workload fwd 1.27 -> 1.10 ms, fwd+bwd 4.32 -> 4.07 ms, gem_lognormal and uniform_8k unchanged. Turning them on
 # would also send gdpa's, block attention's and RoPE's short batches through 64 x 64 tiles, which have run only
 # under the interpreter and the offline sm_90a compile: the next device run flips this with their GPU tests.
-BUCKETS_BY_DEFAULT = False
+# GEMZOO_JFA_BUCKETS=1 (or 0) sets it for a process: the GPU tests of the family run once with it on.
+BUCKETS_BY_DEFAULT = os.environ.get("GEMZOO_JFA_BUCKETS", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def short_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
     """The short-sequence buckets for a head dim and element size (2-byte dtypes, D <= 128 on CUDA): sequences
-    of at most 64 tokens on 64 x 64 tiles instead of 128 x 128 (forward) or 64 x 128 (dk/dv), a quarter of the
-    tile work for a median-48 history. 8 warps: compiled offline for sm_90a (bench/compile_sm90.py), 4 warps
-    spilled 1.1 KB (dk/dv, TMA) to 13 KB (dk/dv, pointer loads) per thread, 8 warps 0.3 KB and 4 KB."""
+    of at most 64 tokens on small tiles with pointer loads instead of 128 x 128 (forward) or 64 x 128 (dk/dv).
+    From the H200 sweep on the short workload (bench_jfa.py --sweep short, 2026-12-02: one kernel at a time, the
+    others fixed, each checked against the unbucketed launch): forward 64 x 32, 4 warps, 1 stage (0.77 ms
+    against 1.09 on the earlier 64 x 64, 8 warps, 3 stages, TMA); dk/dv 16 q x 32 k, 2 warps (fwd+bwd 3.27
+    against 4.09); dq 64 x 64, 4 warps (3.49 against 3.73 on pointer loads). Short programs are latency-bound:
+    small tiles and one stage keep more of them resident per SM, and pointer loads fetch only the rows a
+    sequence has (a TMA box fetches its full height)."""
     if device_type != "cuda" or elem_bytes != 2 or head_dim > 128:
         return ()
-    c = KernelConfig(64, 64, 8, 3)
-    return (Bucket(64, Configs(c, c, c)),)
+    return (Bucket(64, Configs(KernelConfig(64, 32, 4, 1, tma=False), KernelConfig(16, 32, 2, 1, tma=False),
+                               KernelConfig(64, 64, 4, 1, tma=False))),)
 
 
 def default_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
@@ -260,8 +267,9 @@ def _q_launches(q, k, v, q_offsets, k_offsets, kind, causal, window, activation,
         items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, dest,
                                               block, lengths)
         if items.shape[1]:
-            kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if tma else (k, v)
-            yield cfg, items, bm, split_n, target, kd, vd
+            use_tma = tma and cfg.tma is not False
+            kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if use_tma else (k, v)
+            yield cfg, items, bm, split_n, target, kd, vd, use_tma
 
 
 def _warps(c: KernelConfig, bm: int) -> int:
@@ -284,8 +292,8 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, 
     tq, h, d = q.shape
     dv = v.shape[2]
     tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal, pointwise=activation != 0)
-    for cfg, items, bm, split_n, target, kd, vd in _q_launches(q, k, v, q_offsets, k_offsets, "fwd", causal, window,
-                                                               activation, out, block, tma):
+    for cfg, items, bm, split_n, target, kd, vd, use_tma in _q_launches(q, k, v, q_offsets, k_offsets, "fwd", causal,
+                                                                        window, activation, out, block, tma):
         cap = items.shape[1]
         kernels.attn_fwd_kernel[(cap * h,)](
             q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
@@ -293,7 +301,7 @@ def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, 
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             target.stride(0), target.stride(1),
             H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
-            CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=tma,
+            CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=use_tma,
             ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
             **_block_rope(block, rope_theta, d),
         )
@@ -369,13 +377,14 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
         cap = items.shape[1]
         if cap == 0:
             continue
-        qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if tma else (q, do)
+        use_tma = tma and c.tma is not False
+        qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if use_tma else (q, do)
         kernels.attn_bwd_dkdv_kernel[(cap * q.shape[1],)](
             q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0],
             _act_scale(activation, scale), scale * inv_norm, 1.0 if activation == 0 else inv_norm,
             max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
-            BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=tma,
+            BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=use_tma,
             **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
             **({} if dq_acc is None else dict(DQACC=dq_acc, stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1),
                                               FUSED_DQ=True)),
@@ -388,8 +397,8 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal, pointwise=activation != 0)
-    for c, items, bm, split_n, target, kd, vd in _q_launches(q, k, v, q_offsets, k_offsets, "dq", causal, window,
-                                                             activation, dq, block, tma):
+    for c, items, bm, split_n, target, kd, vd, use_tma in _q_launches(q, k, v, q_offsets, k_offsets, "dq", causal,
+                                                                      window, activation, dq, block, tma):
         cap = items.shape[1]
         if activation != 0:
             lse = delta = target
@@ -398,7 +407,7 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
             _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm), max(window, 0), split_n,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), target.stride(0), target.stride(1),
-            BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=tma,
+            BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=use_tma,
             SPLIT=split_n > 0, **_common(q, v, causal, window, activation),
             **_block_rope(block, rope_theta, q.shape[2]),
         )
