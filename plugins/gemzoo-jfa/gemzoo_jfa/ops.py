@@ -72,35 +72,33 @@ class Bucket:
     configs: Configs
 
 
-# Buckets apply (when on by default) where the average sequence is at most this long, decided from shapes alone
-# (no host sync): gem_lognormal (average 1,529) and uniform_8k keep one launch per kernel, many short histories not.
+# Buckets apply (on by default) where the average sequence is at most this long, decided from shapes alone (no
+# host sync): gem_lognormal (average 1,529) and uniform_8k keep one launch per kernel, many short histories not.
 SHORT_AVERAGE = 256
-# Off by default. On the H200 (2026-12-02, bench/results_h200_2026-12-02.json) the bucket tiles passed their GPU
-# test (softmax: causal, window, non-causal; D 64/128) and gave outputs equal to the unbucketed launch; short
-# workload fwd 1.27 -> 1.10 ms, fwd+bwd 4.32 -> 4.07 ms, gem_lognormal and uniform_8k unchanged. Turning them on
-# would also send gdpa's, block attention's and RoPE's short batches through 64 x 64 tiles, which have run only
-# under the interpreter and the offline sm_90a compile: the next device run flips this with their GPU tests.
-# GEMZOO_JFA_BUCKETS=1 (or 0) sets it for a process: the GPU tests of the family run once with it on.
-BUCKETS_BY_DEFAULT = os.environ.get("GEMZOO_JFA_BUCKETS", "0").strip().lower() in ("1", "true", "on", "yes")
+# On since 2026-12-02: on the H200 the family's GPU tests (jfa, gdpa, block attention, RoPE; 63) passed with the
+# buckets on for every short test batch (GEMZOO_JFA_BUCKETS=1), and the short workload went from fwd 1.26 /
+# fwd+bwd 4.31 ms to 0.68 / 2.67 (bench_jfa.py --sweep short). GEMZOO_JFA_BUCKETS=0 turns them off for a process.
+BUCKETS_BY_DEFAULT = os.environ.get("GEMZOO_JFA_BUCKETS", "1").strip().lower() in ("1", "true", "on", "yes")
 
 
 def short_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
-    """The short-sequence buckets for a head dim and element size (2-byte dtypes, D <= 128 on CUDA): sequences
-    of at most 64 tokens on small tiles with pointer loads instead of 128 x 128 (forward) or 64 x 128 (dk/dv).
-    From the H200 sweep on the short workload (bench_jfa.py --sweep short, 2026-12-02: one kernel at a time, the
-    others fixed, each checked against the unbucketed launch): forward 64 x 32, 4 warps, 1 stage (0.77 ms
-    against 1.09 on the earlier 64 x 64, 8 warps, 3 stages, TMA); dk/dv 16 q x 32 k, 2 warps (fwd+bwd 3.27
-    against 4.09); dq 64 x 64, 4 warps (3.49 against 3.73 on pointer loads). Short programs are latency-bound:
-    small tiles and one stage keep more of them resident per SM, and pointer loads fetch only the rows a
-    sequence has (a TMA box fetches its full height)."""
+    """The short-sequence buckets for a head dim and element size (2-byte dtypes, D <= 128 on CUDA): sequences of
+    at most 64 tokens, and of 65 to 128, on small tiles with pointer loads instead of 128 x 128 (forward) or
+    64 x 128 (dk/dv) with TMA. From the H200 sweep on the short workload (bench_jfa.py --sweep short, 2026-12-02:
+    one kernel at a time, the others fixed, each candidate checked against the unbucketed launch). <= 64:
+    forward 64 x 32, 4 warps, 1 stage (0.77 ms against 1.09 on the earlier 64 x 64, 8 warps, 3 stages, TMA);
+    dk/dv 16 q x 32 k, 2 warps (fwd+bwd 3.27 against 4.09); dq 64 x 64, 4 warps. 65..128: the same forward and
+    dk/dv tiles won, and dq 64 x 32. Short programs are latency-bound: small tiles and one stage keep more of
+    them resident per SM, and pointer loads fetch only the rows a sequence has (a TMA box its full height)."""
     if device_type != "cuda" or elem_bytes != 2 or head_dim > 128:
         return ()
-    return (Bucket(64, Configs(KernelConfig(64, 32, 4, 1, tma=False), KernelConfig(16, 32, 2, 1, tma=False),
-                               KernelConfig(64, 64, 4, 1, tma=False))),)
+    fwd, dkdv = KernelConfig(64, 32, 4, 1, tma=False), KernelConfig(16, 32, 2, 1, tma=False)
+    return (Bucket(64, Configs(fwd, dkdv, KernelConfig(64, 64, 4, 1, tma=False))),
+            Bucket(128, Configs(fwd, dkdv, KernelConfig(64, 32, 4, 1, tma=False))))
 
 
 def default_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
-    """The buckets a short batch gets without ``using(buckets=...)``: ``short_buckets`` once BUCKETS_BY_DEFAULT."""
+    """The buckets a short batch gets without ``using(buckets=...)``: ``short_buckets`` while BUCKETS_BY_DEFAULT."""
     return short_buckets(head_dim, device_type, elem_bytes) if BUCKETS_BY_DEFAULT else ()
 
 

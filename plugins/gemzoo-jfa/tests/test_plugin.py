@@ -232,7 +232,29 @@ class _NoLaunch:
         self.name, self.calls = name, calls
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((self.name, grid))
+        return lambda *args, **kwargs: self.calls.append((self.name, grid, kwargs.get("USE_TMA")))
+
+
+def test_a_config_may_turn_tma_off_for_its_own_launches(monkeypatch):
+    """KernelConfig.tma=False: that config's launches load tiles through pointers, the others keep TMA (the short
+    buckets' tiles use it)."""
+    from gemzoo_jfa import kernels
+    from gemzoo_jfa import ops as jops
+
+    calls = []
+    for name in ("attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+        monkeypatch.setattr(kernels, name, _NoLaunch(name, calls))
+    monkeypatch.setattr(jops, "_tma_ok", lambda *a, **k: True)
+    monkeypatch.setattr(jops, "_desc", lambda t, rows: t)
+    off = lengths_to_offsets(torch.tensor([5, 0, 130, 7])).to("meta")
+    q = torch.empty(142, 2, 64, device="meta", dtype=torch.bfloat16)
+    ptr = jops.KernelConfig(16, 16, 1, 1, tma=False)
+    lse = torch.empty(2, 142, device="meta", dtype=torch.float32)
+    with jops.using(buckets=(jops.Bucket(64, jops.Configs(ptr, ptr, ptr)),)):
+        jops._launch_fwd(q, q, q, off, off, True, 0.125, -1, torch.empty_like(q), lse)
+        jops.backward(torch.empty_like(q), q, q, q, q, lse, off, off, True, 0.125, -1)
+    for name in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+        assert [tma for n, _, tma in calls if n == name] == [False, True], name  # the bucket, then the main tiles
 
 
 @pytest.mark.parametrize("variant", ["plain", "window", "buckets", "fused_dq", "pointwise_split", "block"])
@@ -272,6 +294,6 @@ def test_the_launch_path_reads_no_device_value(monkeypatch, variant):
         dq, dk, dv = jops.backward(torch.empty_like(q), q, k, v, out, lse, q_off, k_off, causal, 0.125, window,
                                    activation, 1.0, block)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-    launched = {name for name, _ in calls}
+    launched = {name for name, *_ in calls}
     assert "attn_fwd_kernel" in launched and "attn_bwd_dkdv_kernel" in launched
     assert ("attn_bwd_dq_kernel" in launched) == (variant != "fused_dq")
