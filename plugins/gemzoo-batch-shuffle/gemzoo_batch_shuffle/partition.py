@@ -40,7 +40,10 @@ REFINE_STEPS = 1024  # moves/swaps at most after the partition
 # 8192 ranks); on costs ~ L^2 + 1e4 L at 512 ranks it ran all 1024 steps, 57 of 108 ms, for 1.00021 -> 1.00003
 REFINE_TOL = 1e-4
 BLOCK_LPT_MIN_W = 256  # free counts on this many ranks or more: LPT in blocks (numpy) instead of the heap
+BLOCK_DIV = 4  # the block LPT's blocks: W // BLOCK_DIV samples to as many least-loaded ranks
 METHODS = ("auto", "kk", "bldm", "lpt")
+REFINE_PAIRS = 128  # the refine on many ranks: pairs of ranks searched at once
+FIRST_FREE_CHUNK = 64  # keep_local's single-sample matching: subsets whose first free ranks are found at once
 
 
 def check_costs(costs, world_size: int) -> np.ndarray:
@@ -60,13 +63,33 @@ def check_costs(costs, world_size: int) -> np.ndarray:
 
 
 def _decreasing(c: np.ndarray) -> np.ndarray:
-    """The samples by decreasing cost, ties by index: ``np.argsort(-c, kind="stable")``. Costs repeat (they
-    follow the lengths), so with at most 2**15 distinct values it sorts their 16-bit ranks instead (numpy
-    radix-sorts those: ~2x faster at 524,288 samples), which gives the same order."""
-    values, inverse = np.unique(c, return_inverse=True)
-    if values.size <= 1 << 15:
-        return np.argsort((values.size - 1 - inverse).astype(np.int16), kind="stable")
-    return np.argsort(-c, kind="stable")
+    """The samples by decreasing cost, ties by index: ``np.argsort(-c, kind="stable")``."""
+    return _decreasing_costs(c)[0]
+
+
+def _decreasing_costs(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the samples by decreasing cost, ties by index, and their costs in that order), the order exactly
+    ``np.argsort(-c, kind="stable")``'s. One plain sort of distinct int64 keys: a cost's bits (a float >= 0
+    orders as its bit pattern) less the low ``b`` bits, ``2**b >= N``, complemented (larger first), then the
+    index. Distinct keys sort the same with any algorithm, so numpy's vectorised sort is safe (~3x faster than
+    the stable sort of the costs' 16-bit ranks at 524,288 samples); where two different costs agree in all
+    but those low bits (relative 2**(b-52): 1e-10 at 524,288 samples) it falls back to the stable sort."""
+    c = np.asarray(c, dtype=np.float64)
+    n = c.size
+    b = max(1, (n - 1).bit_length())
+    if b > 32:
+        order = np.argsort(-c, kind="stable")
+        return order, c[order]
+    hi = (c + 0.0).view(np.int64) >> b  # + 0.0: -0.0 (allowed: not < 0) sorts as 0.0; hi < 2**(63 - b)
+    key = (((1 << (63 - b)) - 1 - hi) << b) | np.arange(n)
+    key.sort()
+    order = key & ((1 << b) - 1)
+    cs = c[order]
+    hi = key >> b
+    if ((hi[1:] == hi[:-1]) & (cs[1:] != cs[:-1])).any():  # two costs told apart only by the bits dropped
+        order = np.argsort(-c, kind="stable")
+        return order, c[order]
+    return order, cs
 
 
 def _merge(a, b):
@@ -155,42 +178,60 @@ def _lpt(c: np.ndarray, w: int, equal_count: bool) -> list[list[int]]:
 
 
 def _block_lpt(c: np.ndarray, w: int, equal_count: bool = False) -> list[np.ndarray]:
+    """``_block_owner``'s partition as each rank's members in the order they were placed."""
+    order, placed = _block_owner(c, w, equal_count)
+    return _by_owner(order, placed, w)
+
+
+def _block_owner(c: np.ndarray, w: int, equal_count: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """LPT in blocks, for many ranks: the W largest samples one to each rank, then blocks of W // 4 samples (by
     decreasing cost) to the W // 4 least-loaded ranks, the largest to the lightest. With ``equal_count`` only
     ranks holding fewer than floor(N/W) samples take part, and the N % W smallest samples go last, one each to
     the N % W lightest ranks. Within 1e-4 of the heap's LPT at 8192 ranks on gem-lognormal, uniform-8k and
-    zipf (with free and equal counts), and numpy-fast (the heap's per-sample loop takes seconds there)."""
-    order = _decreasing(c)
+    zipf (with free and equal counts), and numpy-fast (the heap's per-sample loop takes seconds there).
+
+    Returns (the samples in placement order, the rank each went to): one array each, no per-rank lists. The
+    ranks that take part are kept sorted by load (``ld``, ``rk``; ties: the longer-untouched first, then the
+    block's order); a block takes the first ``k``, and their new loads are merged back with one stable sort
+    (the untouched rest is one sorted run, so the sort is mostly a merge): no selection over all W loads."""
+    order, cs = _decreasing_costs(c)
     n = c.size
-    loads = np.zeros(w)
-    owner = np.empty(n, dtype=np.int64)
+    placed = np.empty(n, dtype=np.int64)  # placed[j]: the rank of order[j]
     base, extra = divmod(n, w) if equal_count else (n, 0)
+    loads = np.zeros(w)
     counts = np.zeros(w, dtype=np.int64)
-    eligible = loads
-    start, block, body = 0, max(1, w // 4), n - extra
+    rk, ld = np.arange(w), np.zeros(w)  # the open ranks by increasing load
+    start, block, body = 0, max(1, w // BLOCK_DIV), n - extra
     while start < body:
-        k = min(w if start == 0 else block, body - start)
-        if equal_count:
-            eligible = np.where(counts < base, loads, np.inf)
-            k = min(k, int((counts < base).sum()))  # every chosen rank has room: one sample each per block
-        chunk = order[start:start + k]
-        ranks = _lightest(eligible, k)
-        owner[chunk] = ranks
-        np.add.at(loads, ranks, c[chunk])
-        counts[ranks] += 1
+        k = min(w if start == 0 else block, body - start, rk.size)
+        ranks = rk[:k]
+        placed[start:start + k] = ranks
+        new = ld[:k] + cs[start:start + k]
+        if equal_count:  # full ranks (floor(N/W) samples) leave the open list
+            loads[ranks] = new
+            counts[ranks] += 1
+            room = counts[ranks] < base
+            ranks, new = ranks[room], new[room]
+        merged = np.concatenate((ld[k:], new))
+        by_load = np.argsort(merged, kind="stable")
+        ld, rk = merged[by_load], np.concatenate((rk[k:], ranks))[by_load]
         start += k
     if extra:  # equal counts: the smallest N % W samples, one to each of the lightest N % W ranks
-        chunk = order[start:]
-        ranks = _lightest(loads, extra)
-        owner[chunk] = ranks
-        np.add.at(loads, ranks, c[chunk])
-    return _by_owner(order, owner[order], w)
+        placed[start:] = _lightest(loads, extra)
+    return order, placed
 
 
 def _group_by_rank(owner: np.ndarray, w: int) -> np.ndarray:
-    """``np.argsort(owner, kind="stable")`` for ranks 0..w-1: numpy radix-sorts 16-bit keys (7x faster than the
-    int64 merge sort at 524,288 samples), so the keys go to int16 where every rank fits."""
-    return np.argsort(owner.astype(np.int16) if w <= np.iinfo(np.int16).max + 1 else owner, kind="stable")
+    """``np.argsort(owner, kind="stable")`` for ranks 0..w-1, as one plain sort of distinct int64 keys (the rank,
+    then the index: any sort gives the stable order; ~1.3x numpy's radix sort of 16-bit keys at 524,288
+    samples, and 6x the int32 merge sort)."""
+    n = owner.size
+    b = max(1, (n - 1).bit_length())
+    if b + max(1, w - 1).bit_length() > 62:
+        return np.argsort(owner, kind="stable")
+    key = (owner.astype(np.int64) << b) | np.arange(n)
+    key.sort()
+    return key & ((1 << b) - 1)
 
 
 def _by_owner(placed: np.ndarray, owner: np.ndarray, w: int) -> list[np.ndarray]:
@@ -222,6 +263,18 @@ def _lightest(loads: np.ndarray, k: int) -> np.ndarray:
     return chosen[np.argsort(loads[chosen], kind="stable")]
 
 
+def _refine_pays(loads: np.ndarray, max_steps: int, tol: float = REFINE_TOL) -> bool:
+    """Whether ``_refine`` may lower the heaviest rank by more than ``tol`` of the mean. Each step lowers one
+    rank, so the ranks it never lowers keep at least their load: the heaviest cannot end below the
+    (max_steps + 1)-th heaviest load. Where that saves at most tol of the mean, the search is skipped (8192
+    ranks: thousands of ranks just above the mean, 1024 steps for ~1e-5, ~50 ms)."""
+    w = loads.size
+    if w <= max_steps + 1:
+        return True
+    floor = np.partition(loads, w - max_steps - 1)[w - max_steps - 1]
+    return loads.max() - max(floor, loads.mean() * (1 + tol)) > loads.mean() * tol
+
+
 def _refine(c: np.ndarray, groups, equal_count: bool, max_steps: int, tol: float = REFINE_TOL) -> list[np.ndarray]:
     """Move or swap one sample between the heaviest and the lightest rank while that lowers the heaviest and
     the heaviest is more than ``tol`` above the mean."""
@@ -231,13 +284,8 @@ def _refine(c: np.ndarray, groups, equal_count: bool, max_steps: int, tol: float
     arrs = [np.asarray(g, dtype=np.int64) for g in groups]
     loads = _loads(c, arrs)
     enough = loads.mean() * (1 + tol)  # moves keep the total, so the mean
-    if w > max_steps + 1:
-        # each step lowers one rank, so the ranks it never lowers keep at least their load: the heaviest cannot
-        # end below the (max_steps + 1)-th heaviest load. Where that saves at most tol of the mean, skip the
-        # search (8192 ranks: thousands of ranks just above the mean, 1024 steps for ~1e-5, ~50 ms)
-        floor = np.partition(loads, w - max_steps - 1)[w - max_steps - 1]
-        if loads.max() - max(floor, enough) <= loads.mean() * tol:
-            return arrs
+    if not _refine_pays(loads, max_steps, tol):
+        return arrs
     for _ in range(max_steps):
         h, l = int(np.argmax(loads)), int(np.argmin(loads))
         gap = loads[h] - loads[l]
@@ -281,6 +329,104 @@ def _refine(c: np.ndarray, groups, equal_count: bool, max_steps: int, tol: float
     return arrs
 
 
+def _refine_pairs(c: np.ndarray, owner: np.ndarray, w: int, equal_count: bool, max_steps: int,
+                  tol: float = REFINE_TOL) -> np.ndarray:
+    """``_refine``'s search for many ranks, on the owner array and REFINE_PAIRS pairs at a time: the heaviest
+    ranks (above ``tol`` of the mean) paired with as many lightest (the heaviest with the lightest, and so on),
+    and in each pair at once the exchange that best halves its gap, the same choice as ``_refine``'s (every
+    swap of a sample of the heavy rank for one of the light, and with free counts every move of one sample
+    of the heavy rank to the light), kept where it lowers the pair's heavier rank. Until the heaviest rank is
+    within ``tol`` of the mean, its pair finds no exchange, or ``max_steps`` exchanges are made. Each round is
+    a few numpy operations on [pairs, members, members] arrays instead of ~20 per exchange."""
+    n = owner.size
+    loads = np.bincount(owner, weights=c, minlength=w)
+    enough = loads.mean() * (1 + tol)
+    sizes = np.bincount(owner, minlength=w)
+    by = _group_by_rank(owner, w)
+    room = int(sizes.max()) + (0 if equal_count else 8)
+    if sizes.min() == room:  # every rank as many samples (equal counts, W divides N)
+        members = by.reshape(w, room).copy()
+    else:
+        members = np.full((w, room), -1, dtype=np.int64)  # each rank's samples, -1 past its size
+        rank = np.repeat(np.arange(w), sizes)
+        members.ravel()[rank * room + np.arange(n) - (np.cumsum(sizes) - sizes)[rank]] = by
+    owner = owner.copy()
+    cost = np.append(c, np.nan)  # a member -1 costs NaN: never chosen
+    steps = 0
+    while steps < max_steps:
+        by_load = np.argsort(loads, kind="stable")
+        m = min(REFINE_PAIRS, w // 2, max_steps - steps)
+        heavy, light = by_load[::-1][:m], by_load[:m]
+        if loads[heavy[0]] <= enough:
+            break
+        on = loads[heavy] > enough
+        heavy, light = heavy[on], light[on]
+        gap = (loads[heavy] - loads[light])[:, None]
+        ch, cl = cost[members[heavy]], cost[members[light]]  # [pairs, room]
+        hl, ll = loads[heavy][:, None], loads[light][:, None]
+        pairs = np.arange(len(heavy))[:, None]
+        # swap x of heavy for y of light (heavy - d, light + d, d = x - y): for each x the y nearest x - gap / 2
+        # on either side (one searchsorted over the rows' sorted costs laid end to end, each row offset by
+        # ``span``; a NaN pad sorts as ``top``, inside its row, and is never chosen)
+        top = float(np.nanmax(cl)) + 1.0 if not np.isnan(cl).all() else 1.0
+        span = 2.0 * (top + float(gap.max())) + 1.0
+        by_cost = np.argsort(np.where(np.isnan(cl), top, cl), axis=1, kind="stable")
+        sl = np.take_along_axis(cl, by_cost, axis=1)  # NaNs last
+        keyed = (np.where(np.isnan(sl), top, sl) + pairs * span).ravel()
+        want = np.where(np.isnan(ch), 0.0, ch - gap / 2) + pairs * span
+        pos = np.searchsorted(keyed, want.ravel()).reshape(want.shape) - pairs * room
+        best = np.full(len(heavy), np.inf)
+        swap = np.zeros(len(heavy), dtype=np.int64)
+        with np.errstate(invalid="ignore"):
+            for cand in (np.clip(pos, 0, room - 1), np.clip(pos - 1, 0, room - 1)):
+                d = ch - np.take_along_axis(sl, cand, axis=1)
+                new = np.where((d > 0) & (d < gap), np.maximum(hl - d, ll + d), np.inf)
+                i = np.argmin(new, axis=1)
+                got = new[pairs[:, 0], i]
+                take = got < best
+                best = np.where(take, got, best)
+                swap = np.where(take, i * room + by_cost[pairs[:, 0], cand[pairs[:, 0], i]], swap)
+            move = np.full(len(heavy), -1)
+            if not equal_count:  # or move x of heavy to light, where heavy keeps a sample
+                moved = np.maximum(hl - ch, ll + ch)
+                moved = np.where((ch > 0) & (ch < gap) & (sizes[heavy] > 1)[:, None], moved, np.inf)
+                i = np.argmin(moved, axis=1)
+                better = moved[pairs[:, 0], i] <= best  # a move first on ties, as _refine
+                move = np.where(better, i, -1)
+                best = np.where(better, moved[pairs[:, 0], i], best)
+        ok = best < loads[heavy]
+        if not ok[0] and not ok.any():
+            break
+        k = np.flatnonzero(ok)
+        h, l = heavy[k], light[k]
+        i, j = np.where(move[k] >= 0, move[k], swap[k] // room), swap[k] % room
+        x = members[h, i]
+        is_move = move[k] >= 0
+        y = np.where(is_move, -1, members[l, j])
+        delta = c[x] - np.where(is_move, 0.0, c[np.maximum(y, 0)])
+        # swaps: exchange in place; moves: x to the light rank's end, the heavy rank's last member into x's slot
+        sw = ~is_move
+        members[h[sw], i[sw]], members[l[sw], j[sw]] = y[sw], x[sw]
+        hm, lm, im = h[is_move], l[is_move], i[is_move]
+        if hm.size:
+            if int(sizes[lm].max()) >= members.shape[1]:
+                members = np.concatenate([members, np.full((w, 8), -1, dtype=np.int64)], axis=1)
+                room = members.shape[1]
+            members[lm, sizes[lm]] = x[is_move]
+            members[hm, im] = members[hm, sizes[hm] - 1]
+            members[hm, sizes[hm] - 1] = -1
+            sizes[hm] -= 1
+            sizes[lm] += 1
+        loads[h] -= delta
+        loads[l] += delta
+        owner[x] = l
+        owner[y[sw]] = h[sw]
+        steps += k.size
+        if not ok[0]:  # the heaviest rank's pair found nothing: as _refine, stop there
+            break
+    return owner
+
+
 def _fill_empty(c: np.ndarray, groups) -> list[np.ndarray]:
     """Free counts with N >= W: no rank is left without samples (its loss would be a mean over nothing);
     an empty rank takes the cheapest sample of the rank with the most samples (ties: the lowest index)."""
@@ -297,44 +443,83 @@ def _fill_empty(c: np.ndarray, groups) -> list[np.ndarray]:
     return groups
 
 
+def _owner_of(groups, n: int) -> np.ndarray:
+    """The group of each of the ``n`` samples (every sample in exactly one of ``groups``)."""
+    owner = np.empty(n, dtype=np.int64)
+    if n:
+        owner[np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])] = np.repeat(
+            np.arange(len(groups)), [len(g) for g in groups])
+    return owner
+
+
 def _keep_local(groups, n: int, w: int) -> list:
-    """Give each subset to a rank so that the most samples stay where they were loaded (greedy matching on
-    the overlap counts, largest first, ties by subset then rank)."""
+    """Give each subset to a rank so that the most samples stay where they were loaded (``_keep_local_owner``'s
+    matching, on a list of subsets)."""
+    owner = _owner_of(groups, n)
+    rank_of = _keep_local_owner(owner, _group_by_rank(owner, w), n, w)
+    out = [None] * w
+    for s, r in enumerate(rank_of):
+        out[r] = groups[s]
+    return out
+
+
+def _keep_local_owner(owner: np.ndarray, by_subset: np.ndarray, n: int, w: int) -> list[int]:
+    """The rank of each subset (``owner``: the subset of each sample; ``by_subset``: the samples by subset, then
+    index, ``_group_by_rank(owner, w)``), so that the most samples stay where they were loaded: greedy matching
+    on the overlap counts, the (subset, rank) pairs sharing two samples or more first, most first, ties by
+    subset then rank; then each open subset, in order, its first free rank among those it shares one sample
+    with; the rest in order."""
     base, extra = divmod(n, w)
-    subset_of = np.empty(n, dtype=np.int64)
-    subset_of[np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])] = np.repeat(
-        np.arange(w), [len(g) for g in groups])
-    by_subset = _group_by_rank(subset_of, w)  # stable: by subset, then by index, so by loading rank too
     big = extra * (base + 1)  # rank r loaded shard_range(N, r, W): the first N % W ranks one sample more
-    loader = np.where(by_subset < big, by_subset // (base + 1), extra + (by_subset - big) // max(base, 1))
-    pair = subset_of[by_subset] * w + loader  # sorted, so the distinct (subset, rank) pairs are its runs
-    cut = np.flatnonzero(np.diff(pair)) + 1
-    first = np.concatenate([[0], cut])
-    keys, counts = pair[first], np.diff(np.concatenate([first, [n]]))
+    if extra:
+        loader = np.where(by_subset < big, by_subset // (base + 1), extra + (by_subset - big) // max(base, 1))
+    else:
+        loader = by_subset // base
+    sizes = np.bincount(owner, minlength=w)
+    subset = np.repeat(np.arange(w), sizes)  # of each sample in by_subset's order
+    # (subset, loader) is sorted along by_subset, so a pair sharing k samples is a run of k: the runs longer
+    # than one, from the (few) places where a sample's pair is its successor's
+    same = loader[1:] == loader[:-1]
+    ends = (np.cumsum(sizes) - 1)[sizes > 0]
+    same[ends[ends < n - 1]] = False  # a subset's last sample and the next one's first
+    dup = np.flatnonzero(same)
+    starts = dup[np.concatenate([[True], np.diff(dup) > 1])] if dup.size else dup
+    counts = np.diff(np.append(np.searchsorted(dup, starts), dup.size)) + 1 if dup.size else dup
     rank_of = [-1] * w  # plain lists: the greedy loops below index them once per pair
     taken = [False] * w
-    shared = counts >= 2
-    ranked = np.lexsort((keys[shared], -counts[shared]))  # most shared samples first, ties by (subset, rank)
-    for s, r in zip((keys[shared][ranked] // w).tolist(), (keys[shared][ranked] % w).tolist()):
+    ranked = np.lexsort((loader[starts], subset[starts], -counts))  # most first, ties by (subset, rank)
+    for s, r in zip(subset[starts][ranked].tolist(), loader[starts][ranked].tolist()):
         if rank_of[s] < 0 and not taken[r]:
             rank_of[s], taken[r] = r, True
-    # then the pairs sharing one sample, in (subset, rank) order: each open subset its first free rank (the
-    # pairs of subsets or ranks matched above dropped first: the loop then skips only ranks it takes itself)
-    single = keys[~shared]
-    single = single[(np.array(rank_of)[single // w] < 0) & ~np.array(taken)[single % w]]
-    cuts = np.searchsorted(single // w, np.arange(w + 1)).tolist()
-    ranks = (single % w).tolist()
-    for s in range(w):
-        if rank_of[s] < 0:
-            for r in ranks[cuts[s]:cuts[s + 1]]:
-                if not taken[r]:
-                    rank_of[s], taken[r] = r, True
-                    break
-    out = [None] * w
+    # then the pairs sharing one sample, in (subset, rank) order: each open subset its first free rank. An open
+    # subset's pairs with a free rank all share one sample (a longer one would have been matched above), so
+    # these are its samples whose loading rank is free, in order. In chunks of FIRST_FREE_CHUNK subsets: each
+    # one's first rank free before the chunk in one pass (numpy); that is its answer unless an earlier subset
+    # of the same chunk took it, and then the loop looks further along that subset's pairs
+    single = np.flatnonzero((np.array(rank_of) < 0)[subset] & ~np.array(taken)[loader])
+    subset, rank = subset[single], loader[single]
+    if subset.size:
+        heads = np.flatnonzero(np.concatenate([[True], subset[1:] != subset[:-1]]))
+        ends = np.append(heads[1:], subset.size)
+        is_taken = np.array(taken)
+        for lo in range(0, heads.size, FIRST_FREE_CHUNK):
+            hs, es = heads[lo:lo + FIRST_FREE_CHUNK], ends[lo:lo + FIRST_FREE_CHUNK]
+            free = np.flatnonzero(~is_taken[rank[hs[0]:es[-1]]]) + hs[0]  # positions of pairs still free
+            at = free[np.minimum(np.searchsorted(free, hs), max(free.size - 1, 0))] if free.size else es
+            at = np.where((at >= hs) & (at < es), at, -1)  # the first free pair of each subset, or none
+            got = []
+            for s, a, e, r in zip(subset[hs].tolist(), at.tolist(), es.tolist(), rank[np.maximum(at, 0)].tolist()):
+                if a < 0:
+                    continue
+                if taken[r]:  # taken by an earlier subset of this chunk
+                    r = next((q for q in rank[a + 1:e].tolist() if not taken[q]), -1)
+                    if r < 0:
+                        continue
+                rank_of[s], taken[r] = r, True
+                got.append(r)
+            is_taken[got] = True
     rest = iter([r for r in range(w) if not taken[r]])
-    for s in range(w):
-        out[rank_of[s] if rank_of[s] >= 0 else next(rest)] = groups[s]
-    return out
+    return [r if r >= 0 else next(rest) for r in rank_of]
 
 
 def partition(costs, world_size: int, *, equal_count: bool = False, method: str = "auto", refine: bool = True,
@@ -349,31 +534,45 @@ def partition(costs, world_size: int, *, equal_count: bool = False, method: str 
     if method == "kk" and equal_count:
         raise PluginError("base-batch-shuffle: method \"kk\" gives free counts; with equal_count = true use "
                           "method \"bldm\", \"lpt\" or \"auto\"")
-    differencing = _bldm if equal_count else _kk
-    if method == "auto":  # the better of differencing and LPT while differencing is cheap, else LPT
-        tries = [_lpt(c, w, equal_count)] + ([differencing(c, w)] if n * w <= KK_LIMIT else [])
-    else:
-        tries = [{"kk": _kk, "bldm": _bldm}[method](c, w) if method != "lpt" else _lpt(c, w, equal_count)]
+    # every try as one array, the subset of each sample (no per-rank lists on many ranks)
+    tries = []
+    if method in ("auto", "lpt") and w >= BLOCK_LPT_MIN_W:
+        order, placed = _block_owner(c, w, equal_count)
+        owner = np.empty(n, dtype=np.int64)
+        owner[order] = placed
+        if refine and _refine_pays(np.bincount(owner, weights=c, minlength=w), REFINE_STEPS):
+            owner = _refine_pairs(c, owner, w, equal_count, REFINE_STEPS)
+        tries.append(owner)
+    elif method in ("auto", "lpt"):
+        tries.append(_lpt(c, w, equal_count))
+    if method in ("kk", "bldm") or (method == "auto" and n * w <= KK_LIMIT):  # differencing while it is cheap
+        tries.append((_bldm if equal_count or method == "bldm" else _kk)(c, w))
     if refine:
-        tries = [_refine(c, g, equal_count, max_steps=REFINE_STEPS) for g in tries]
-    peaks = [_loads(c, g).max() for g in tries]
+        tries = [t if isinstance(t, np.ndarray) else _refine(c, t, equal_count, max_steps=REFINE_STEPS)
+                 for t in tries]
+    tries = [t if isinstance(t, np.ndarray) else _owner_of(t, n) for t in tries]
+    peaks = [np.bincount(t, weights=c, minlength=w).max() for t in tries]
     peak = min(peaks)
-    groups = tries[peaks.index(peak)]  # first of the best on ties
-    if not equal_count and n >= w and any(len(g) == 0 for g in groups):
-        groups = _fill_empty(c, groups)
-        peak = _loads(c, groups).max()
+    owner = tries[peaks.index(peak)]  # first of the best on ties
+    sizes = np.bincount(owner, minlength=w)
+    if not equal_count and n >= w and not sizes.all():
+        owner = _owner_of(_fill_empty(c, _by_owner(np.arange(n), owner, w)), n)
+        sizes = np.bincount(owner, minlength=w)
+        peak = np.bincount(owner, weights=c, minlength=w).max()
     if keep_local:
-        # what rank r loaded: shard_range, the first N % W ranks one sample more (summed in index order, as _loads)
-        sizes = np.full(w, n // w) + (np.arange(w) < n % w)
-        if np.bincount(np.repeat(np.arange(w), sizes), weights=c, minlength=w).max() <= peak:
-            groups = np.split(np.arange(n), np.cumsum(sizes)[:-1])  # already as balanced: nothing moves
-        else:
-            groups = _keep_local(groups, n, w)
-    # each rank's indices in increasing order: one stable sort of the owners, then views of it
-    owner = np.empty(n, dtype=np.int64)
-    sizes = [len(g) for g in groups]
-    owner[np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])] = np.repeat(np.arange(w), sizes)
-    return list(torch.from_numpy(_group_by_rank(owner, w)).split(sizes))
+        # what rank r loaded: shard_range, the first N % W ranks one sample more (summed in index order)
+        loaded = np.full(w, n // w) + (np.arange(w) < n % w)
+        if np.bincount(np.repeat(np.arange(w), loaded), weights=c, minlength=w).max() <= peak:
+            return list(torch.arange(n, dtype=torch.int64).split(loaded.tolist()))  # already as balanced
+    # each subset's indices in increasing order: one stable sort of the owners, then views of it
+    by_subset = _group_by_rank(owner, w)
+    parts = torch.from_numpy(by_subset).split(sizes.tolist())
+    if not keep_local:
+        return list(parts)
+    out = [None] * w
+    for s, r in enumerate(_keep_local_owner(owner, by_subset, n, w)):
+        out[r] = parts[s]
+    return out
 
 
 def imbalance(costs, groups) -> float:

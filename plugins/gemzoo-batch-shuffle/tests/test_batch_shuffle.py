@@ -397,6 +397,73 @@ def _greedy_keep_local(groups, n, w):
     return out
 
 
+def _heap_lpt(c, w, equal_count):
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")
+    part.BLOCK_LPT_MIN_W, saved = w + 1, part.BLOCK_LPT_MIN_W
+    try:
+        return part._lpt(c, w, equal_count)
+    finally:
+        part.BLOCK_LPT_MIN_W = saved
+
+
+@pytest.mark.parametrize("dist", ["gem", "zipf-like", "ties"])
+@pytest.mark.parametrize("world,extra", [(256, 0), (512, 7), (1024, 3)])
+def test_block_lpt_and_pair_refine_balance_like_the_heap(world, extra, dist):
+    """The block LPT (ranks kept sorted by load, merged back after each block) and the refine on pairs of ranks
+    (many ranks): every sample once, floor/ceil(N/W) each with equal counts, a rank for every sample's owner,
+    and max/mean within 1e-4 of the heap LPT followed by the sequential refine."""
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")
+    n = 64 * world + extra
+    rng = np.random.default_rng(world + extra)
+    if dist == "gem":
+        lengths = cases.gem_lognormal(n, seed=world).double().numpy()
+        c = lengths**2 + 512 * lengths
+    elif dist == "zipf-like":
+        c = (32.0 * np.minimum(rng.zipf(1.5, n), 512)) ** 2
+    else:
+        c = rng.integers(0, 4, n).astype(np.float64)  # zeros and ties everywhere
+    for eq in (False, True):
+        order, placed = part._block_owner(c, world, eq)
+        assert sorted(order.tolist()) == list(range(n)) and placed.min() >= 0 and placed.max() < world
+        owner = np.empty(n, dtype=np.int64)
+        owner[order] = placed
+        refined = part._refine_pairs(c, owner, world, eq, part.REFINE_STEPS)
+        heap = part._refine(c, _heap_lpt(c, world, eq), eq, part.REFINE_STEPS)
+        for got in (owner, refined):
+            sizes = np.bincount(got, minlength=world)
+            assert sizes.sum() == n and (not eq or set(sizes.tolist()) <= {n // world, -(-n // world)})
+        loads = np.bincount(refined, weights=c, minlength=world)
+        assert loads.max() <= np.bincount(owner, weights=c, minlength=world).max()  # the refine never worsens
+        assert loads.max() / loads.mean() <= part._loads(c, heap).max() / loads.mean() * (1 + 1e-4)
+
+
+def test_the_pair_refine_moves_and_swaps_toward_the_mean():
+    """Free counts: the heavy rank's sample that halves the gap moves; equal counts: the best swap, the same
+    exchange the sequential refine makes on two ranks."""
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")
+    c = np.array([4.0, 1.0, 5.0, 3.0, 3.0])
+    owner = np.array([0, 0, 1, 1, 1])  # loads 5 and 11
+    moved = part._refine_pairs(c, owner, 2, False, 8, tol=0.0)
+    assert np.bincount(moved, weights=c).tolist() == [8.0, 8.0]
+    seq = part._refine(c, [np.array([0, 1]), np.array([2, 3, 4])], True, 8, tol=0.0)
+    swapped = part._refine_pairs(c, owner, 2, True, 8, tol=0.0)
+    assert np.bincount(swapped, minlength=2).tolist() == [2, 3]
+    assert sorted(np.bincount(swapped, weights=c).tolist()) == sorted(part._loads(c, seq).tolist())
+    assert part._refine_pairs(c, owner, 2, False, 8, tol=0.4).tolist() == owner.tolist()  # within 40%: nothing
+
+
+def test_keep_local_with_empty_subsets_and_fewer_samples_than_ranks():
+    """keep_local's run counting on subsets that are empty (first, last, inside) matches the plain rule."""
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")
+    for n, w in ((3, 5), (7, 7), (40, 6)):
+        rng = np.random.default_rng(n)
+        for _ in range(20):
+            owner = rng.integers(1, w - 1, n) if w > 2 else rng.integers(0, w, n)  # subsets 0 and w-1 empty
+            groups = [np.flatnonzero(owner == s) for s in range(w)]
+            got = part._keep_local(groups, n, w)
+            assert [g.tolist() for g in got] == [g.tolist() for g in _greedy_keep_local(groups, n, w)]
+
+
 @pytest.mark.parametrize("world", [5, 256, 1024])
 def test_the_fast_paths_give_the_plain_answers(world):
     """The radix sort of cost ranks gives a stable argsort's order, and keep_local's run counting the rule's
@@ -408,3 +475,32 @@ def test_the_fast_paths_give_the_plain_answers(world):
         groups = part._block_lpt(c, world)
         got = part._keep_local(groups, c.size, world)
         assert [g.tolist() for g in got] == [g.tolist() for g in _greedy_keep_local(groups, c.size, world)]
+
+
+def test_the_sort_keys_give_the_stable_orders():
+    """_decreasing's one sort of distinct int64 keys is the stable argsort, also for -0.0, ties, and two costs
+    that differ only in the bits the key drops (the stable sort then); _group_by_rank likewise."""
+    part = importlib.import_module("gemzoo_batch_shuffle.partition")
+    rng = np.random.default_rng(0)
+    for c in (np.array([0.0, -0.0, 0.0, 1.0]), np.zeros(5), np.array([1.0, 1.0 + 2**-52, 1.0, 1.0 + 2**-51]),
+              rng.integers(0, 3, 1000).astype(np.float64), rng.random(70000) * 1e12, np.array([3.0])):
+        order, cs = part._decreasing_costs(c)
+        assert np.array_equal(order, np.argsort(-c, kind="stable")) and np.array_equal(cs, c[order])
+    for w in (1, 7, 8192):
+        owner = rng.integers(0, w, 5000)
+        assert np.array_equal(part._group_by_rank(owner, w), np.argsort(owner, kind="stable"))
+
+
+def test_8192_ranks_balance_and_counts():
+    """The issue's size: 8192 ranks x 64 samples (+ 5) of gem-lognormal costs, free and equal counts: every
+    sample once, max/mean <= 1.001, equal counts floor/ceil(N/W), no rank empty."""
+    w = 8192
+    lengths = cases.gem_lognormal(64 * w + 5, seed=8192).double()
+    costs = lengths**2 + 512 * lengths
+    for eq in (False, True):
+        groups = partition(costs, w, equal_count=eq)
+        assert len(groups) == w and torch.equal(torch.cat(groups).sort().values, torch.arange(costs.numel()))
+        assert all(bool((g[1:] > g[:-1]).all()) for g in groups if len(g) > 1)
+        assert imbalance(costs, groups) <= 1.001
+        sizes = {len(g) for g in groups}
+        assert min(sizes) >= 1 and (not eq or sizes <= {64, 65})
