@@ -16,12 +16,18 @@ each sample in exactly one, as a pure function of its inputs (every rank compute
   ``REFINE_TOL`` (1e-4) above the mean, move one sample from the heaviest to the lightest rank (free counts
   only) or swap one pair between them, the exchange that best halves their gap; not at all where its
   ``REFINE_STEPS`` steps cannot lower the heaviest rank by more than that (many ranks just above the mean).
+  On ``BLOCK_LPT_MIN_W`` ranks or more, ``REFINE_PAIRS`` such pairs (the heaviest with the lightest, the
+  second heaviest with the second lightest, ...) at a time, in numpy (``_refine_pairs``).
 - finally (``keep_local``) subsets are matched to ranks so that as many samples as possible stay on the rank
   that loaded them (rank r loaded the contiguous part ``shard_range(N, r, W)``): fewer bytes in the
   all-to-all; when the loaded parts are already as balanced as the partition, nothing moves at all.
 
-Ties are broken by index everywhere (stable sorts, a counter in the heap), so the answer does not depend on
-anything but ``costs`` and ``world_size``.
+On ``BLOCK_LPT_MIN_W`` ranks or more the assignment is one array, the subset of each sample, from the LPT to
+the result (no per-rank lists: at 8192 ranks splitting and joining them cost more than the LPT).
+
+Ties are broken by index or position everywhere (stable sorts or sorts of distinct keys, a counter in the
+heap; the block LPT's equal loads by how long the rank has gone without a sample), so the answer does not
+depend on anything but ``costs`` and ``world_size`` (nor on which sort algorithm numpy picks on a CPU).
 """
 
 from __future__ import annotations
