@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemzoo.train.sparse_adagrad import SparseAdagrad, sync_free_update
+from gemzoo.train.sparse_adagrad import SparseAdagrad, sync_free_update, sync_free_update_many
 
 CUDA = torch.cuda.is_available()
 
@@ -69,6 +69,55 @@ def test_the_update_has_no_data_dependent_op():
             data_dependent()
 
 
+def _tables(seed: int):
+    """Tables as a step gives them: different sizes, repeated ids, one looked up not at all, one wider."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(50, 8, 40), (7, 8, 30), (120, 8, 5), (30, 8, 0), (40, 16, 25)]  # rows, width, lookups
+    out = []
+    for rows, dim, n in shapes:
+        ids = torch.randint(0, max(rows // 3, 1), (n,), generator=g)
+        out.append((torch.randn(rows, dim, generator=g), torch.rand(rows, dim, generator=g), ids,
+                    torch.randn(n, dim, generator=g), 0.05 + 0.01 * len(out)))
+    return out
+
+
+def test_many_tables_in_one_batch_equal_each_table_alone_bit_for_bit():
+    """The batched update (one sort of every table's lookups, one segment sum) gives each table exactly what
+    its own update gives, on the CPU, where the additions run in the same order."""
+    for seed in range(3):
+        tables = _tables(seed)
+        alone = [(p.clone(), s.clone()) for p, s, *_ in tables]
+        for (p, s), (_, _, ids, vals, clr) in zip(alone, tables):
+            sync_free_update(p, s, ids, vals, clr=clr, eps=1e-10)
+        together = [(p.clone(), s.clone(), ids, vals, clr) for p, s, ids, vals, clr in tables]
+        sync_free_update_many(together, eps=1e-10)
+        for (p1, s1), (p2, s2, *_) in zip(alone, together):
+            assert torch.equal(p1, p2) and torch.equal(s1, s2)
+
+
+def test_several_tables_train_like_torch_adagrad():
+    params = [torch.randn(50, 8), torch.randn(9, 8), torch.randn(64, 4)]
+    grads = [table_grads(10 + i, rows=p.shape[0], dim=p.shape[1]) for i, p in enumerate(params)]
+    results = []
+    for cls, kw in ((torch.optim.Adagrad, {}), (SparseAdagrad, {"sync_free": True})):
+        ps = [torch.nn.Parameter(p.clone()) for p in params]
+        opt = cls(ps, lr=0.1, **kw)
+        for step in range(3):
+            for p, g in zip(ps, grads):
+                p.grad = g[step]
+            opt.step()
+        results.append([p.detach() for p in ps])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_batched_update_has_no_data_dependent_op():
+    tables = [(torch.empty(r, 8, device="meta"), torch.empty(r, 8, device="meta"),
+               torch.empty(n, dtype=torch.long, device="meta"), torch.empty(n, 8, device="meta"), 0.1)
+              for r, n in ((50, 40), (7, 3), (100, 0))]
+    sync_free_update_many(tables, eps=1e-10)
+
+
 def test_dense_gradients_and_empty_lookups_take_their_usual_path():
     dense = torch.nn.Parameter(torch.randn(4, 3))
     table = torch.nn.Parameter(torch.randn(50, 8))
@@ -125,6 +174,24 @@ def test_embedding_bag_gradients_train_like_torch_adagrad():
             opt.zero_grad(set_to_none=True)
         results.append(w.detach())
     torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_batched_tables_never_sync_and_match_each_table_alone():
+    tables = [tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in u) for u in _tables(7)]
+    alone = [(p.clone(), s.clone()) for p, s, *_ in tables]
+    for (p, s), (_, _, ids, vals, clr) in zip(alone, tables):
+        sync_free_update(p, s, ids, vals, clr=clr, eps=1e-10)
+    together = [(p.clone(), s.clone(), ids, vals, clr) for p, s, ids, vals, clr in tables]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sync_free_update_many(together, eps=1e-10)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for (p1, s1), (p2, s2, *_) in zip(alone, together):  # atomics: the duplicate rows' sums may round apart
+        torch.testing.assert_close(p2, p1, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(s2, s1, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
