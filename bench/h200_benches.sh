@@ -56,11 +56,11 @@ step mxfp8_tests 240 python3 -m pytest -q -c pyproject.toml -rfE $XDIST plugins/
 tail -8 "$LOGS/mxfp8_tests.log" 2>/dev/null
 # the short workload alone against FA varlen and Flex, and the short bucket's tile sweep (bench_jfa.py sweep_short)
 step short_sweep ${SHORT_S:-430} python3 plugins/gemzoo-jfa/bench/bench_jfa.py --workloads short --checks 1 \
-  --methods jfa,jfa_buckets,fa_varlen,flex --sweep short --budget $(( ${SHORT_S:-430} - 20 )) --out "$LOGS"
+  --methods jfa,jfa_nobuckets,fa_varlen,flex --sweep short --budget $(( ${SHORT_S:-430} - 20 )) --out "$LOGS"
 cp "$LOGS/bench_jfa.json" "$OUT/bench_jfa_short.json" 2>/dev/null
 grep -v -e Warning -e create_block_mask "$LOGS/short_sweep.log" 2>/dev/null | grep -e "short" -e check | tail -90 | cut -c1-260
-step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep "${JFA_SWEEP-fused_dq,buckets}" --checks 2 \
-  --budget 230 --methods "${JFA_METHODS:-jfa,jfa_buckets,flex,fa_varlen,njt_sdpa,padded_sdpa}" --out "$LOGS"
+step jfa 260 python3 plugins/gemzoo-jfa/bench/bench_jfa.py --sweep "${JFA_SWEEP-fused_dq}" --checks 2 \
+  --budget 230 --methods "${JFA_METHODS:-jfa,jfa_nobuckets,flex,fa_varlen,njt_sdpa,padded_sdpa}" --out "$LOGS"
 cp "$LOGS/bench_jfa.json" "$OUT/" 2>/dev/null
 grep -v -e Warning -e create_block_mask "$LOGS/jfa.log" 2>/dev/null | tail -40
 step profile 150 python3 plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml \

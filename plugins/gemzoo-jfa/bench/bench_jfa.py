@@ -144,10 +144,10 @@ def make_jfa_ptr(w):
     return fn, leaves, grad, lambda: using(tma=False)
 
 
-def make_jfa_buckets(w):
-    """jfa with the short-sequence length buckets on (ops.short_buckets), whatever BUCKETS_BY_DEFAULT says."""
+def make_jfa_nobuckets(w):
+    """jfa without length buckets (one launch per kernel on the main tiles), whatever BUCKETS_BY_DEFAULT says."""
     fn, leaves, grad = make_jfa(w)
-    return fn, leaves, grad, lambda: using(buckets=jfa_ops.short_buckets(D, "cuda"))
+    return fn, leaves, grad, lambda: using(buckets=())
 
 
 def make_flex(w):
@@ -222,10 +222,10 @@ def make_padded(w):
     return fn, pads, grad
 
 
-METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "jfa_buckets": make_jfa_buckets, "flex": make_flex,
+METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "jfa_nobuckets": make_jfa_nobuckets, "flex": make_flex,
            "fa_varlen": make_fa_varlen, "njt_sdpa": make_njt, "padded_sdpa": make_padded}
 # the methods on jfa's [T, H, D] layout, whose outputs and gradients are cross-checked against jfa's
-SAME_LAYOUT = ("jfa", "jfa_ptr", "jfa_buckets", "flex", "fa_varlen", "njt_sdpa")
+SAME_LAYOUT = ("jfa", "jfa_ptr", "jfa_nobuckets", "flex", "fa_varlen", "njt_sdpa")
 
 
 def bench(fn, leaves, grad, warmup=25, rep=100, ctx=contextlib.nullcontext):
@@ -326,20 +326,9 @@ def _breakdown(w, tag):
     log(f"{w.name} {tag} breakdown: " + " ".join(f"{k}={v:.3f}" for k, v in res.items()))
 
 
-BUCKET_VARIANTS = {  # the length buckets the sweep times on the short workload ("64": ops.short_buckets)
-    "off": (),
-    "64": jfa_ops.short_buckets(D, "cuda"),
-    "32,64": (jfa_ops.Bucket(32, Configs(*(KernelConfig(32, 32, 4, 2),) * 3)),
-              *jfa_ops.short_buckets(D, "cuda")),
-    "64,128 on 64x64": (*jfa_ops.short_buckets(D, "cuda"),
-                        jfa_ops.Bucket(128, Configs(*(KernelConfig(64, 64, 4, 3),) * 3))),
-    "64 w4": (jfa_ops.Bucket(64, Configs(*(KernelConfig(64, 64, 4, 3),) * 3)),),
-}
-
-
 def sweep(workloads, deadline, parts=("configs", "order", "tma")):
     """Block shapes / warps / stages per kernel, longest-first vs natural order, TMA forward tiles, dQ fused
-    into the dk/dv kernel, and length buckets (on the short workload)."""
+    into the dk/dv kernel, and the short workload's length-bucket tiles (``sweep_short``)."""
     from triton.testing import do_bench
 
     base = default_configs(D, "cuda")
@@ -408,17 +397,6 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
     short = [w for w in workloads if w.name == "short"]
     if "short" in parts and short:
         sweep_short(short[0], deadline)
-    if "buckets" in parts and short:
-        for name, buckets in BUCKET_VARIANTS.items():
-            if time.time() > deadline:
-                return
-            key = f"buckets {name}"
-            try:
-                out[key] = {"short": {"fwd": timed(short[0], base, "fwd", buckets=buckets),
-                                      "fwd_bwd": timed(short[0], base, "fwd_bwd", buckets=buckets)}}
-            except Exception as exc:
-                out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            log(f"sweep {key}: {out[key]}")
 
 
 SHORT_TILES = {  # candidates for a short bucket's tiles: (BM, BN, warps, stages) per kernel
@@ -548,7 +526,7 @@ def table():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_jfa.json ($OUT)")
-    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma, fused_dq, buckets, short")
+    ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma, fused_dq, short")
     ap.add_argument("--workloads", default="gem_lognormal,uniform_8k,short", help="comma-separated subset")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")
     ap.add_argument("--checks", type=int, default=4, help="how many small correctness cases to run (1-4)")
