@@ -12,7 +12,7 @@ import contextlib
 import math
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -228,6 +228,12 @@ def length_buckets(q: torch.Tensor, k: torch.Tensor, batch: int, kind: str, acti
     for b in buckets:
         launches.append((b.configs.of(kind), (lo, b.max_len)))
         lo = b.max_len
+    if activation == 0 and block <= 0 and _buckets is None and main.tma is None:
+        # a short softmax batch's longer sequences load through pointers too: on the H200's short workload
+        # (2026-12-02, one run) 2.633 ms fwd+bwd against 2.694 with TMA there; long batches keep TMA (uniform_8k
+        # 15.52 against 14.95 with pointers). Pointwise activations keep TMA (their non-causal pointer path
+        # spills at 128-wide tiles), and so do block masks (that variant's main tiles untried on pointers).
+        main = replace(main, tma=False)
     return launches + [(main, (lo, None))]
 
 

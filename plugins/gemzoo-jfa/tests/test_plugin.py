@@ -160,6 +160,21 @@ def test_length_buckets_apply_to_short_batches_only():
     assert ops.default_buckets(128, "cuda", 2) == (ops.short_buckets(128, "cuda", 2) if ops.BUCKETS_BY_DEFAULT else ())
 
 
+def test_a_short_softmax_batch_loads_its_long_sequences_through_pointers(monkeypatch):
+    from gemzoo_jfa import ops
+
+    monkeypatch.setattr(ops, "default_buckets", lambda *a: ops.short_buckets(128, "cuda", 2))
+    monkeypatch.setattr(ops, "default_configs", lambda *a: ops.Configs(*(ops.KernelConfig(128, 128, 8, 3),) * 3))
+    q = torch.empty(300, 4, 128, dtype=torch.bfloat16, device="meta")
+    softmax = ops.length_buckets(q, q, 10, "fwd")
+    assert [c.tma for c, _ in softmax] == [False, False, False]  # both buckets and the main tiles
+    silu = ops.length_buckets(q, q, 10, "fwd", activation=ops.ACTIVATION_CODES["silu"])
+    assert [c.tma for c, _ in silu] == [False, False, None]  # pointwise: the main tiles keep TMA
+    assert [c.tma for c, _ in ops.length_buckets(q, q, 10, "fwd", block=64)] == [False, False, None]  # block masks
+    long = torch.empty(10 * 2000, 4, 128, dtype=torch.bfloat16, device="meta")
+    assert [c.tma for c, _ in ops.length_buckets(long, long, 10, "fwd")] == [None]  # a long batch: one launch
+
+
 def test_schedule_long_sequence_int64():
     lens = torch.tensor([70_000, 0, 3])
     off = lengths_to_offsets(lens)
