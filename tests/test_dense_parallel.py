@@ -6,6 +6,7 @@ one-process runs happen in the test process."""
 
 import json
 import os
+import shutil
 import socket
 
 import pytest
@@ -157,13 +158,8 @@ def _rel(a, b) -> float:
     return float(((a - b).abs() / b.abs()).max())
 
 
-@pytest.mark.distributed
-def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between_layouts(tmp_path):
-    """gem-tiny, 5 steps, the same global batch: HSDP (replicate=2 x shard=2) and TP=2 x DP=2 on 4 gloo ranks
-    each match one process within 1e-5 relative; resuming HSDP is bit-exact; checkpoints written under HSDP, TP
-    and one process resume under each other's layouts and continue the one-process run."""
-    tmp = str(tmp_path)
-    one = _train(f"{tmp}/one", [])
+def _spawn_phases(tmp: str) -> list:
+    """Every multi-rank phase on 4 spawned gloo ranks; their exit codes."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_phases, args=(r, 4, port, tmp)) for r in range(4)]
@@ -175,6 +171,29 @@ def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between
     for p in procs:
         if p.is_alive():
             p.kill()
+    return codes
+
+
+@pytest.mark.distributed
+def test_hsdp_and_tensor_parallel_match_one_process_and_checkpoints_move_between_layouts(tmp_path):
+    """gem-tiny, 5 steps, the same global batch: HSDP (replicate=2 x shard=2) and TP=2 x DP=2 on 4 gloo ranks
+    each match one process within 1e-5 relative; resuming HSDP is bit-exact; checkpoints written under HSDP, TP
+    and one process resume under each other's layouts and continue the one-process run."""
+    tmp = str(tmp_path)
+    one = _train(f"{tmp}/one", [])
+    codes = _spawn_phases(tmp)
+    if any(c is not None and c < 0 for c in codes):
+        # A rank killed by a signal is a native crash, not a failed check (those exit with 1). Once, in CI on the
+        # 2-core machine (2026-12-02), a rank aborted with glibc's "malloc_consolidate(): invalid chunk size"
+        # inside torch's gloo all-gather (DTensor.full_tensor while gathering a checkpoint's optimizer state);
+        # the same test passed alone 3 times and in the other full runs. Run the phases once more; a second
+        # crash, or any failed check, fails the test.
+        print(f"ranks exited with {codes} (a native crash): running the phases once more", flush=True)
+        for name in os.listdir(tmp):
+            if name != "one":
+                path = os.path.join(tmp, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        codes = _spawn_phases(tmp)
     assert codes == [0] * 4, f"ranks exited with {codes}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     got = ranks[0]
