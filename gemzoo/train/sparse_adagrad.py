@@ -20,6 +20,8 @@ step; ``sync_free=True`` takes this path on every device.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -34,16 +36,15 @@ def _layout(device, counts: tuple[int, ...], rows: tuple[int, ...]) -> tuple[tor
     if key not in _LAYOUTS:
         if len(_LAYOUTS) > 64:
             _LAYOUTS.clear()
-        starts = [0]
-        for n in counts[:-1]:
-            starts.append(starts[-1] + n)
-        row_starts = [0]
-        for r in rows[:-1]:
-            row_starts.append(row_starts[-1] + r)
-        first = [torch.full((n,), o, dtype=torch.long, device=device) for n, o in zip(counts, starts)]
-        offset = [torch.full((n,), r, dtype=torch.long, device=device) for n, r in zip(counts, row_starts)]
+        first = [torch.full((n,), o, dtype=torch.long, device=device) for n, o in zip(counts, _starts(counts))]
+        offset = [torch.full((n,), r, dtype=torch.long, device=device) for n, r in zip(counts, _starts(rows))]
         _LAYOUTS[key] = (torch.cat(first), torch.cat(offset))
     return _LAYOUTS[key]
+
+
+def _starts(sizes: tuple[int, ...]) -> list[int]:
+    """Where each of consecutive blocks of ``sizes`` begins."""
+    return list(itertools.accumulate(sizes[:-1], initial=0))
 
 
 def sync_free_update(param: torch.Tensor, state_sum: torch.Tensor, index: torch.Tensor, values: torch.Tensor, *,
@@ -88,12 +89,9 @@ def _update_group(group, eps: float) -> None:
     rows = torch.zeros(n, dtype=torch.long, device=device).scatter_(0, slot, ordered - row_offset)
     used = torch.zeros(n, dtype=torch.bool, device=device).scatter_(0, slot, True)  # unused slots: row 0, grad 0
     square = grad * grad
-    spans = []
-    lo = 0
-    for (_, state_sum, _, _, _), count in zip(group, counts):
-        spans.append((lo, lo + count))
-        state_sum.index_add_(0, rows[lo:lo + count], square[lo:lo + count])
-        lo += count
+    spans = [(lo, lo + count) for lo, count in zip(_starts(counts), counts)]
+    for (_, state_sum, _, _, _), (a, b) in zip(group, spans):
+        state_sum.index_add_(0, rows[a:b], square[a:b])
     std = torch.cat([u[1].index_select(0, rows[a:b]) for u, (a, b) in zip(group, spans)]).sqrt_().add_(eps)
     # where(): an unused slot points at row 0 with a zero gradient; with eps = 0 its 0 / 0 must add nothing
     step = torch.where(used[:, None], grad / std, 0.0)
