@@ -86,7 +86,7 @@ def test_gem_prologue_reads_only_the_host_copy(gem_batch, engine, monkeypatch):
         monkeypatch.setenv("GEMZOO_NO_TORCHREC", "1")
     elif not torchrec_available():
         pytest.skip("needs torchrec")
-    model = build_on_meta(load_config("configs/gem-tiny.toml", plugins="cpu,fp32"))
+    model = build_on_meta(load_config("configs/gem-tiny.toml", plugins="cpu,fp32", overrides=["run.device=cpu"]))
     assert model.sparse_arch.engine == engine
     with pytest.raises(PluginError, match="does not support device 'meta'"):  # the first attention site
         model(gem_batch.to("meta"))
