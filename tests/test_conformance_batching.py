@@ -62,6 +62,47 @@ def test_cat_undoes_select():
         assert not batches_equal(cls.cat([batch]), batch)
 
 
+def test_columns_route_and_chunk_transpose_match_the_plain_rules():
+    """The exchange's vectorised pieces against what they stand for: ``columns``/``from_columns`` round-trip
+    (GemBatch, SeqBatch, no samples) and select by sample; ``route`` gives the per-destination lists and the
+    arrival order a loop over ranks would; ``_transpose_chunks`` is a split and a cat in the other order."""
+    from gemzoo.data.batch import GemBatch, SeqBatch
+    from gemzoo.data.exchange import _transpose_chunks, route
+    from gemzoo.testing.batching import _SeqStream, batches_equal
+    from gemzoo.testing.memory import tiny_model
+
+    _, gem = tiny_model(0, d_model=16, batch_size=9)
+    seq = _SeqStream(9).train_batch(1)
+    for batch, cls in ((gem, GemBatch), (seq, SeqBatch)):
+        for pick in (torch.arange(9), torch.tensor([7, 2, 2, 0]), torch.zeros(0, dtype=torch.long)):
+            part = batch.select(pick)
+            rows, cols = part.columns()
+            assert rows.shape[0] == pick.numel() and all(c.shape[0] == int(n) for c, n in zip(cols, rows.sum(0)))
+            assert not batches_equal(cls.from_columns(batch, rows, cols), part)
+            one = [batch.select(pick[i:i + 1]).columns()[0] for i in range(pick.numel())]
+            assert torch.equal(rows, torch.cat(one) if one else rows)  # row i describes sample i alone
+
+    gen = torch.Generator().manual_seed(3)
+    for world, counts in ((3, [4, 0, 5]), (5, [2, 3, 0, 1, 4])):
+        perm = torch.randperm(sum(counts), generator=gen)
+        cut = torch.randint(0, perm.numel() + 1, (world - 1,), generator=gen).sort().values.tolist()
+        groups = list(perm.tensor_split(cut))
+        starts = [sum(counts[:r]) for r in range(world + 1)]
+        for rank in range(world):
+            rt = route(groups, counts, rank)
+            sends = [g[(g >= starts[rank]) & (g < starts[rank + 1])] - starts[rank] for g in groups]
+            assert torch.equal(rt.send_index, torch.cat(sends)) and rt.send_counts.tolist() == [len(s) for s in sends]
+            arrived = torch.cat([groups[rank][(groups[rank] >= starts[s]) & (groups[rank] < starts[s + 1])]
+                                 for s in range(world)])  # what arrives, one source rank after another
+            assert rt.recv_counts.sum() == groups[rank].numel() and torch.equal(arrived[rt.order], groups[rank])
+
+    sizes = torch.tensor([[2, 0, 3], [1, 4, 0]])
+    buf = torch.arange(int(sizes.sum()), dtype=torch.uint8)
+    chunks = buf.split(sizes.reshape(-1).tolist())
+    expect = torch.cat([chunks[a * 3 + b] for b in range(3) for a in range(2)])
+    assert torch.equal(_transpose_chunks(buf, sizes), expect)
+
+
 @pytest.mark.parametrize("n,world", [(13, 2), (1, 2), (0, 3), (10, 4)])
 def test_shards_are_tensor_split_parts(n, world):
     from gemzoo.data.exchange import shard_range

@@ -125,6 +125,31 @@ class GemBatch(_Movable):
         return GemBatch(hist, hist_off, cand, cand_off, click, conv, self.sparse_keys, sp_vals,
                         (sp_off[1:] - sp_off[:-1]).to(self.sparse_lengths.dtype))
 
+    def columns(self) -> "tuple[torch.Tensor, list[torch.Tensor]]":
+        """The batch sample-major, for moving samples between ranks (``gemzoo.data.exchange``): (rows [B, 6]
+        int64, columns); column j holds every sample's ``rows[:, j]`` rows, one sample after another:
+        history items; candidates, clicks, conversions; each sample's F bag lengths, then its F bags' values
+        (the key-major sparse layout turned sample-major). ``from_columns`` is the inverse."""
+        n, n_keys = self.num_samples, len(self.sparse_keys)
+        dev = self.sparse_lengths.device
+        lens = self.sparse_lengths.reshape(n_keys, n).t()  # [B, F]
+        bags = (torch.arange(n, device=dev).unsqueeze(1) + n * torch.arange(n_keys, device=dev)).reshape(-1)
+        _, values = gather_jagged(lengths_to_offsets(self.sparse_lengths), bags, self.sparse_values)
+        cand = self.cand_lengths
+        rows = torch.stack([self.lengths, cand, cand, cand, torch.full_like(cand, n_keys), lens.sum(1).long()], 1)
+        return rows, [self.history_items, self.cand_items, self.click, self.conversion, lens.reshape(-1), values]
+
+    @classmethod
+    def from_columns(cls, like: "GemBatch", rows: torch.Tensor, columns: "list[torch.Tensor]") -> "GemBatch":
+        """The batch whose ``columns()`` are (``rows``, ``columns``); ``like`` gives what is not per sample."""
+        hist, cand, click, conv, lens, values = columns
+        n, n_keys = rows.shape[0], len(like.sparse_keys)
+        dev = lens.device
+        bags = (torch.arange(n_keys, device=dev).unsqueeze(1) + n_keys * torch.arange(n, device=dev)).reshape(-1)
+        _, key_major = gather_jagged(lengths_to_offsets(lens), bags, values)
+        return cls(hist, lengths_to_offsets(rows[:, 0]), cand, lengths_to_offsets(rows[:, 1]), click, conv,
+                   like.sparse_keys, key_major, lens.reshape(n, n_keys).t().reshape(-1))
+
     @classmethod
     def cat(cls, parts: "list[GemBatch]") -> "GemBatch":
         """The samples of ``parts``, one batch after another (what ``select`` of their union gives)."""
@@ -184,6 +209,18 @@ class SeqBatch(_Movable):
         offsets, items, targets, *times = gather_jagged(self.offsets, torch.as_tensor(index, dtype=torch.int64),
                                                         self.items, self.targets, *extra)
         return SeqBatch(items, offsets, targets, *times)
+
+    def columns(self) -> "tuple[torch.Tensor, list[torch.Tensor]]":
+        """Sample-major, for moving samples between ranks: (rows [B, k] int64, columns), each column every
+        sample's rows one after another: items, targets (and times, next times). ``from_columns`` inverts it."""
+        timed = self.times is not None and self.next_times is not None
+        cols = [self.items, self.targets, *((self.times, self.next_times) if timed else ())]
+        return self.lengths.unsqueeze(1).expand(-1, len(cols)).contiguous(), cols
+
+    @classmethod
+    def from_columns(cls, like: "SeqBatch", rows: torch.Tensor, columns: "list[torch.Tensor]") -> "SeqBatch":
+        items, targets, *times = columns
+        return cls(items, lengths_to_offsets(rows[:, 0]), targets, *times)
 
     @classmethod
     def cat(cls, parts: "list[SeqBatch]") -> "SeqBatch":

@@ -9,17 +9,21 @@ world_size)`` when the dataset can build part of a batch, else by building the b
 
 1. all-gather the per-sample costs (two small collectives: the counts, then the costs);
 2. ``policy.assign(global_costs, W)``: the same partition on every rank, checked (each sample once);
-3. one all-to-all of the jagged batch: every tensor field of every sample going to rank d is packed into
-   one byte buffer (an all-to-all of the byte counts first), so values and offsets travel together;
-4. the parts received are concatenated (``type(batch).cat``) and put in the order ``assign`` gave.
+3. this rank's ``Route`` through the partition (``route``: what it sends where, what arrives from whom);
+4. one all-to-all of the jagged batch: the samples going to each rank, sample-major (``batch.columns()``:
+   per-sample row counts, then each column's rows), packed into one byte buffer (an all-to-all of the byte
+   counts first), so values and lengths travel together; what arrives is rebuilt (``from_columns``) and put in
+   the order ``assign`` gave. Every step of it is a fixed number of vectorised ops (no loop over ranks): at
+   8192 ranks a loop per destination and per source cost seconds of host time a step. A batch type without
+   ``columns`` is packed field by field, one ``select`` per rank it sends to and a ``cat`` of what arrives.
 
 The result equals ``global_batch.select(groups[rank])`` exactly, as if every rank had built the whole batch
 (tests/test_conformance_batching.py checks it on 2 gloo ranks).
 
 ``Lookahead`` is what the trainer calls each step: this rank's samples of step t, and, when the policy
 overlaps (``gemzoo.interfaces.batching.overlaps``: it sets ``overlap = True``, so its ``assign`` may run in a
-thread, and leaves the moving to gemzoo), step t+1's partition computed while step t trains. Only step 2
-moves to a worker: right after step t's samples have arrived, the main thread loads step t+1's part, prices
+thread, and leaves the moving to gemzoo), step t+1's partition computed while step t trains. Only steps 2-3
+move to a worker: right after step t's samples have arrived, the main thread loads step t+1's part, prices
 it and all-gathers its costs (step 1), then hands ``assign`` to one worker (``PartitionWorker``: a
 thread, or a spawned process with ``overlap_worker = "process"``); step t+1 waits for the result and does the
 all-to-all itself. Every collective stays on the main thread, in the same order on every rank, so no two
@@ -141,8 +145,9 @@ def gather_costs(costs: torch.Tensor, dp: DataParallelGroup, device=None) -> tup
     padded[:local.numel()] = local
     every = torch.empty(dp.size * width, dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(every, padded, group=dp.group)
-    every = every.view(dp.size, width)
-    return torch.cat([every[r, :c] for r, c in enumerate(counts)]).cpu(), counts
+    every = every.view(dp.size, width).cpu()
+    real = torch.arange(width) < torch.tensor(counts).unsqueeze(1)  # each rank's samples, in rank order
+    return every[real], counts
 
 
 def check_costs(costs: torch.Tensor) -> None:
@@ -183,64 +188,161 @@ def _tensor_fields(batch) -> list[str]:
     return [f.name for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
 
 
-def exchange(batch, send: list[torch.Tensor], dp: DataParallelGroup) -> list:
-    """Send this rank's samples ``send[d]`` (local indices, in that order) to rank d; return the parts
-    received, one per source rank in rank order. One all-to-all of byte counts, one of the packed bytes."""
+@dataclasses.dataclass
+class Route:
+    """This rank's part of a checked partition (int64 CPU tensors; W ranks, this rank's ``n`` loaded samples).
+
+    ``send_index`` [n]: this rank's samples grouped by the rank they go to (rank order), each group in the order
+    that rank trains them; ``send_counts`` [W]: the group sizes. ``recv_counts`` [W]: how many samples arrive
+    from each rank; ``order``: the arrived samples (source-rank order) put in the order ``assign`` gave."""
+
+    send_index: torch.Tensor
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    order: torch.Tensor
+
+    def arrays(self) -> tuple:
+        return tuple(t.numpy() for t in (self.send_index, self.send_counts, self.recv_counts, self.order))
+
+    @classmethod
+    def from_arrays(cls, arrays) -> "Route":
+        return cls(*(torch.from_numpy(a) for a in arrays))
+
+
+def route(groups: list[torch.Tensor], counts: list[int], rank: int) -> Route:
+    """This rank's ``Route`` through the partition ``groups`` of a global batch whose rank r loaded ``counts[r]``
+    samples (contiguous, in rank order). O(samples + ranks) vectorised work, whatever the world size."""
+    world = len(groups)
+    sizes = torch.tensor([g.numel() for g in groups], dtype=torch.int64)
+    flat = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.int64)
+    starts = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    lo, hi = int(starts[rank]), int(starts[rank + 1])
+    local = (flat >= lo) & (flat < hi)
+    dest = torch.repeat_interleave(torch.arange(world), sizes)
+    mine = groups[rank]
+    source = torch.bucketize(mine, starts[1:], right=True)
+    arrived = torch.argsort(source, stable=True)  # the k-th sample to arrive is mine[arrived[k]]
+    return Route(flat[local] - lo, torch.bincount(dest[local], minlength=world),
+                 torch.bincount(source, minlength=world), torch.argsort(arrived))
+
+
+def _transpose_chunks(buf: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """``buf`` holds chunks of ``sizes[a, b]`` bytes in row-major order (a, then b): the same chunks in
+    column-major order (b, then a). Only the non-empty chunks are touched (at most one per sample and column,
+    however many ranks there are), by one split and one cat."""
+    flat = sizes.reshape(-1)
+    full = flat.nonzero().flatten()
+    if full.numel() == 0:
+        return buf[:0]
+    rows, cols = full // sizes.shape[1], full % sizes.shape[1]
+    pieces = buf.split(flat[full].tolist())
+    return torch.cat([pieces[i] for i in torch.argsort(cols * sizes.shape[0] + rows).tolist()])
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def exchange(batch, rt: Route, dp: DataParallelGroup):
+    """Send this rank's samples ``rt.send_index`` (grouped by destination, ``rt.send_counts``) to their ranks;
+    return the samples that arrive, one source rank after another. One all-to-all of byte counts, one of the
+    packed bytes; the host work is a fixed number of vectorised ops, however many ranks there are."""
     import torch.distributed as dist
 
     if not callable(getattr(type(batch), "cat", None)):
         raise PluginError(f"{type(batch).__name__} has no cat(parts) classmethod; moving samples between ranks "
                           "needs one (gemzoo.data.batch.GemBatch.cat is an example)")
-    names = _tensor_fields(batch)
+    if not (callable(getattr(batch, "columns", None)) and callable(getattr(type(batch), "from_columns", None))):
+        return _exchange_fields(batch, rt, dp)
     device = _comm_device(batch)
-    parts = [batch.select(idx) for idx in send]
-    # bytes of each field of the part for each destination
-    sizes = torch.tensor([[getattr(p, f).numel() * getattr(p, f).element_size() for f in names] for p in parts],
-                         dtype=torch.int64).reshape(dp.size, len(names))
+    rows, cols = batch.select(rt.send_index).columns()  # samples in destination order, sample-major
+    rows = rows.to(torch.int64).cpu()
+    k = rows.shape[1]
+    unit = torch.tensor([c.element_size() * math.prod(c.shape[1:]) for c in cols], dtype=torch.int64)
+    ends = rt.send_counts.cumsum(0)
+    csum = torch.cat([torch.zeros(1, k, dtype=torch.int64), rows.cumsum(0)])
+    per_dest = csum[ends] - csum[ends - rt.send_counts]  # [W, k] rows of each column for each destination
+    sizes = torch.cat([(rt.send_counts * 8 * k).unsqueeze(1), per_dest * unit], 1)  # bytes [W, 1 + k]
     recv_sizes = torch.empty_like(sizes, device=device)
     dist.all_to_all_single(recv_sizes, sizes.to(device), group=dp.group)
     recv_sizes = recv_sizes.cpu()
-    payload = [getattr(p, f).contiguous().reshape(-1).view(torch.uint8) for p in parts for f in names]
+    column_major = torch.cat([_flat_bytes(rows.to(device)), *(_flat_bytes(c) for c in cols)])
+    out = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, _transpose_chunks(column_major, sizes.t()),
+                           output_split_sizes=recv_sizes.sum(1).tolist(),
+                           input_split_sizes=sizes.sum(1).tolist(), group=dp.group)
+    pieces = _transpose_chunks(out, recv_sizes).split(recv_sizes.sum(0).tolist())  # one per column
+    # clone: a piece's byte offset need not be aligned for its dtype
+    got_rows = pieces[0].clone().view(torch.int64).reshape(-1, k)
+    got = [p.clone().view(c.dtype).reshape(-1, *c.shape[1:]) for p, c in zip(pieces[1:], cols)]
+    return type(batch).from_columns(batch, got_rows, got)
+
+
+def _exchange_fields(batch, rt: Route, dp: DataParallelGroup):
+    """``exchange`` for a batch type without ``columns``/``from_columns``: each tensor field of each part
+    packed (a select per destination and a cat of the parts, for the ranks that send or receive samples)."""
+    import torch.distributed as dist
+
+    names = _tensor_fields(batch)
+    device = _comm_device(batch)
+    sends = rt.send_index.split(rt.send_counts.tolist())
+    to = rt.send_counts.nonzero().flatten().tolist()
+    parts = [batch.select(sends[d]) for d in to]
+    sizes = torch.zeros(dp.size, len(names), dtype=torch.int64)
+    if to:
+        sizes[to] = torch.tensor([[getattr(p, f).numel() * getattr(p, f).element_size() for f in names]
+                                  for p in parts], dtype=torch.int64)
+    recv_sizes = torch.empty_like(sizes, device=device)
+    dist.all_to_all_single(recv_sizes, sizes.to(device), group=dp.group)
+    recv_sizes = recv_sizes.cpu()
+    payload = [_flat_bytes(getattr(p, f)) for p in parts for f in names]
     out = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
     send_buf = torch.cat(payload).to(device) if payload else torch.zeros(0, dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, send_buf, output_split_sizes=recv_sizes.sum(1).tolist(),
                            input_split_sizes=sizes.sum(1).tolist(), group=dp.group)
     received, chunks = [], out.split(recv_sizes.reshape(-1).tolist())
-    for src in range(dp.size):
+    for src in rt.recv_counts.nonzero().flatten().tolist():
         fields = {}
         for j, f in enumerate(names):
             like = getattr(batch, f)
             raw = chunks[src * len(names) + j]
             row = math.prod(like.shape[1:])
             n = raw.numel() // like.element_size()
-            # clone: a chunk's byte offset need not be aligned for its dtype
             fields[f] = raw.clone().view(like.dtype).reshape(n // row if row else 0, *like.shape[1:])
         received.append(dataclasses.replace(batch, **fields))
-    return received
+    return type(batch).cat(received) if received else batch.select(torch.zeros(0, dtype=torch.int64))
 
 
 @dataclasses.dataclass
 class Planned:
-    """One step's partition on its way: this rank's loaded part, every rank's sample count, and the checked
-    groups (``groups``) or the worker computing them (``future``: ``(groups, assign seconds)``)."""
+    """One step's partition on its way: this rank's loaded part, every rank's sample count, and this rank's
+    ``Route`` through the checked partition (``route``) or the worker computing it (``future``: ``(route,
+    seconds)``)."""
 
     step: int
     batch: Any
     counts: list[int]
     dp: DataParallelGroup
     future: "Pending | None" = None
-    groups: list[torch.Tensor] | None = None
+    route: Route | None = None
     assign_s: float = 0.0
 
 
 def partition_checked(policy, costs: torch.Tensor, world_size: int, name: str) -> tuple[list[torch.Tensor], float]:
-    """(``policy.assign(costs, world_size)`` checked, its seconds): step 2 of ``rebalance``, no collectives
-    (what a ``PartitionWorker`` runs). Bad costs raise here, so ahead of time they raise at the step
-    that uses them, as in the synchronous path."""
+    """(``policy.assign(costs, world_size)`` checked, its seconds): step 2 of ``rebalance``, no collectives.
+    Bad costs raise here, so ahead of time they raise at the step that uses them, as in the synchronous path."""
     t0 = time.perf_counter()
     check_costs(costs)
     groups = check_groups(policy.assign(costs, world_size), costs.numel(), world_size, name)
     return groups, time.perf_counter() - t0
+
+
+def route_checked(policy, costs: torch.Tensor, counts: list[int], rank: int, name: str) -> tuple[Route, float]:
+    """This rank's ``route`` through ``partition_checked``, and the seconds of both (what a ``PartitionWorker``
+    runs: it hands back a few KB for this rank, not the whole partition)."""
+    t0 = time.perf_counter()
+    groups, _ = partition_checked(policy, costs, len(counts), name)
+    return route(groups, counts, rank), time.perf_counter() - t0
 
 
 WORKERS = ("thread", "process")
@@ -288,21 +390,21 @@ def _ready() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def _partition_arrays(policy, costs: np.ndarray, world_size: int, name: str):
-    """``partition_checked`` in a process worker: numpy in and out (no tensor sharing between processes)."""
-    groups, seconds = partition_checked(policy, torch.from_numpy(costs), world_size, name)
-    return [g.numpy() for g in groups], seconds
+def _route_arrays(policy, costs: np.ndarray, counts: list[int], rank: int, name: str):
+    """``route_checked`` in a process worker: numpy in and out (no tensor sharing between processes)."""
+    rt, seconds = route_checked(policy, torch.from_numpy(costs), counts, rank, name)
+    return rt.arrays(), seconds
 
 
 class Pending:
-    """A partition being computed by a ``PartitionWorker``: ``result()`` -> (groups, assign seconds)."""
+    """A route being computed by a ``PartitionWorker``: ``result()`` -> (``Route``, seconds)."""
 
     def __init__(self, future, arrays: bool):
         self.future, self.arrays = future, arrays
 
-    def result(self) -> tuple[list[torch.Tensor], float]:
-        groups, seconds = self.future.result()
-        return ([torch.from_numpy(g) for g in groups] if self.arrays else groups), seconds
+    def result(self) -> tuple[Route, float]:
+        rt, seconds = self.future.result()
+        return (Route.from_arrays(rt) if self.arrays else rt), seconds
 
     def cancel(self) -> None:
         self.future.cancel()
@@ -314,7 +416,7 @@ class PartitionWorker:
 
     - ``"process"``: a spawned interpreter (started, and torch imported, when this is created). ``assign``
       runs beside the trainer without sharing its GIL; the policy is pickled to it (it must be picklable and
-      importable), costs and groups travel as numpy arrays (8 bytes a sample each way).
+      importable), costs travel as a numpy array (8 bytes a sample) and only this rank's route comes back.
     - ``"thread"``: a thread of this process. ``assign``'s Python and numpy code takes the GIL from the
       trainer's thread, whose every torch op (kernel launches included) releases and retakes it: on a 2-core
       CPU, 3000 small torch ops took 8x longer beside a 21 ms partition of 512 samples (bench/overhead.py
@@ -346,10 +448,11 @@ class PartitionWorker:
             return {"pid": os.getpid(), "cpus": None, "threads": 1}
         return self._started.result()
 
-    def submit(self, policy, costs: torch.Tensor, world_size: int, name: str) -> Pending:
+    def submit(self, policy, costs: torch.Tensor, counts: list[int], rank: int, name: str) -> Pending:
+        """``route_checked(policy, costs, counts, rank, name)`` in the worker."""
         if self.kind == "thread":
-            return Pending(self._pool.submit(partition_checked, policy, costs, world_size, name), arrays=False)
-        return Pending(self._pool.submit(_partition_arrays, policy, costs.numpy(), world_size, name), arrays=True)
+            return Pending(self._pool.submit(route_checked, policy, costs, counts, rank, name), arrays=False)
+        return Pending(self._pool.submit(_route_arrays, policy, costs.numpy(), list(counts), rank, name), arrays=True)
 
     def leave_a_core(self) -> None:
         """Shrink the caller's intra-op team by one thread a worker while they live, if it fills every core: an
@@ -373,26 +476,17 @@ def plan(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name: str
     everything, counts = gather_costs(costs, dp, _comm_device(batch))
     planned = Planned(step, batch, counts, dp)
     if worker is None:
-        planned.groups, planned.assign_s = partition_checked(policy, everything, dp.size, name)
+        planned.route, planned.assign_s = route_checked(policy, everything, counts, dp.rank, name)
     else:
-        planned.future = worker.submit(policy, everything, dp.size, name)
+        planned.future = worker.submit(policy, everything, counts, dp.rank, name)
     return planned
 
 
 def move(planned: Planned):
-    """Steps 3-4 of ``rebalance``: this rank's samples (waits for the worker's partition first)."""
-    if planned.groups is None:
-        planned.groups, planned.assign_s = planned.future.result()
-    batch, counts, dp, groups = planned.batch, planned.counts, planned.dp, planned.groups
-    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
-    lo, hi = starts[dp.rank], starts[dp.rank + 1]
-    send = [g[(g >= lo) & (g < hi)] - lo for g in groups]  # in the order rank d trains them
-    parts = exchange(batch, send, dp)
-    merged = type(batch).cat(parts)
-    mine = groups[dp.rank]
-    owner = torch.bucketize(mine, torch.tensor(starts[1:], dtype=torch.long), right=True)
-    arrived = torch.argsort(owner, stable=True)  # merged[k] is mine[arrived[k]]
-    return merged.select(torch.argsort(arrived))
+    """Steps 3-4 of ``rebalance``: this rank's samples (waits for the worker's route first)."""
+    if planned.route is None:
+        planned.route, planned.assign_s = planned.future.result()
+    return exchange(planned.batch, planned.route, planned.dp).select(planned.route.order)
 
 
 def rebalance(policy, batch, costs: torch.Tensor, dp: DataParallelGroup, *, name: str | None = None):
@@ -488,7 +582,7 @@ class Lookahead:
                          step=step)
         t0 = time.perf_counter()
         if ahead.future is not None:
-            ahead.groups, ahead.assign_s = ahead.future.result()
+            ahead.route, ahead.assign_s = ahead.future.result()
         wait = time.perf_counter() - t0 if ahead.future is not None else ahead.assign_s
         mine = move(ahead)
         self.last = {"step": step, "ahead": ahead.future is not None, "assign_s": ahead.assign_s, "wait_s": wait}

@@ -14,7 +14,7 @@ batches; a step's time is its whole ``train_step`` call, data included, between 
 3. For each W of ``--worlds``, a realistic world's partition: a global batch of W x ``--per-rank`` samples,
    lengths and candidates drawn like the config's dataset (gem-lognormal), priced by this model's own
    ``cost_model``, one fresh draw per step.
-   - ``alone``: ``assign`` on the main thread with nothing else running (median of the steps' draws): what
+   - ``alone``: ``assign`` and rank 0's route on the main thread with nothing else running (median of the steps' draws): what
      the synchronous path (``overlap = false``) adds to every step, in ms and in % of the ``base-batch-shuffle``
      median step.
    - ``process`` and ``thread`` (``--workers``): what ``overlap = true`` does in a W-rank run with that
@@ -180,7 +180,7 @@ def overlapped(tr, worker, policy, draws: dict, world: int, measured, base: list
         in_worker.append(seconds)
 
     def submit(s):
-        pending.append(worker.submit(policy, draws[s], world, "base-batch-shuffle"))
+        pending.append(worker.submit(policy, draws[s], [draws[s].numel() // world] * world, 0, "base-batch-shuffle"))
 
     def after(_):
         if len(pending) >= depth:
@@ -207,7 +207,7 @@ def ms(xs) -> list[float]:
 def main(argv=None) -> int:
     a = parse(argv)
     t_start = time.perf_counter()
-    from gemzoo.data.exchange import PartitionWorker, partition_checked
+    from gemzoo.data.exchange import PartitionWorker, route_checked
 
     out = {"config": os.path.relpath(a.config, ROOT), "plugins": a.plugins, "dry_run": a.dry_run,
            "steps": a.steps, "warmup": a.warmup, "per_rank": a.per_rank, "depth": a.depth, "target_pct": TARGET_PCT,
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
             alone = []
             for s in measured:
                 t = time.perf_counter()
-                partition_checked(policy, draws[s], w, "base-batch-shuffle")
+                route_checked(policy, draws[s], [a.per_rank] * w, 0, "base-batch-shuffle")
                 alone.append(time.perf_counter() - t)
             alone_med = statistics.median(alone)
             row = {"world": w, "samples": w * a.per_rank,

@@ -196,18 +196,21 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
 
 def test_partition_workers_give_the_synchronous_answer_and_its_errors():
     """A process worker (the policy pickled to a spawned interpreter, numpy both ways) and a thread give
-    partition_checked's groups exactly; bad costs raise the same PluginError from result(); a bad kind is named."""
-    from gemzoo.data.exchange import PartitionWorker, partition_checked
+    route_checked's route exactly; bad costs raise the same PluginError from result(); a bad kind is named."""
+    from gemzoo.data.exchange import PartitionWorker, route_checked
 
     costs = cases.gem_lognormal(8 * 64, seed=3).double() ** 2
-    want, _ = partition_checked(BatchShuffle(), costs, 8, "base-batch-shuffle")
+    counts = [60, 70, 64, 64, 64, 64, 64, 62]
+    want, _ = route_checked(BatchShuffle(), costs, counts, 2, "base-batch-shuffle")
     for kind in ("process", "thread"):
         worker = PartitionWorker(kind)
         try:
-            got, seconds = worker.submit(BatchShuffle(), costs, 8, "base-batch-shuffle").result()
-            assert seconds > 0 and len(got) == 8
-            assert all(g.dtype == torch.int64 and torch.equal(g, w) for g, w in zip(got, want))
-            bad = worker.submit(BatchShuffle(), torch.tensor([1.0, float("nan")], dtype=torch.float64), 2, "x")
+            got, seconds = worker.submit(BatchShuffle(), costs, counts, 2, "base-batch-shuffle").result()
+            assert seconds > 0
+            for f in ("send_index", "send_counts", "recv_counts", "order"):
+                g, w = getattr(got, f), getattr(want, f)
+                assert g.dtype == torch.int64 and torch.equal(g, w), f
+            bad = worker.submit(BatchShuffle(), torch.tensor([1.0, float("nan")], dtype=torch.float64), [1, 1], 0, "x")
             with pytest.raises(PluginError, match=r"samples \[1\]"):
                 bad.result()
         finally:
