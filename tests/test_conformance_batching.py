@@ -187,3 +187,110 @@ def test_the_trainer_trains_what_a_moving_policy_gives(tmp_path):
     ranks = [json.loads((tmp_path / f"toy-lpt-{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["losses"] == ranks[1]["losses"] and all(math.isfinite(x) for x in ranks[0]["losses"])
     assert ranks[0]["samples"] == pytest.approx([9, 9])
+
+
+def _report_and_leave(path: str, result) -> None:
+    """A rank's result as JSON, then the process group torn down once every rank is done with it."""
+    import json
+
+    import torch.distributed as dist
+
+    with open(path, "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _host_path_rank(rank: int, world: int, port: int, tmp: str) -> None:
+    import os
+
+    from gemzoo.testing.comms import rank_env
+
+    rank_env(rank, world, port)
+    import torch.distributed as dist
+
+    from gemzoo.data.batch import host_view
+    from gemzoo.data.exchange import Lookahead
+    from gemzoo.interfaces.batching import DataParallelGroup
+    from gemzoo import registry
+    from gemzoo.testing.batching import ReverseStride, batches_equal
+
+    class Ahead(ReverseStride):
+        overlap = True
+        overlap_worker = "thread"
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    spec = registry.get("dataset", "synthetic-gem")
+    data = spec.build(spec.config_cls(batch_size=11, max_len=48, median_len=16, min_len=0, max_candidates=4,
+                                      num_items=120, num_clusters=4, num_sparse_tables=2, sparse_table_size=30), 0)
+    cost = lambda b: b.lengths.double() ** 2 + 1  # noqa: E731
+    dp = DataParallelGroup(rank, world, host=DataParallelGroup(rank, world))
+    placed = []
+    with Lookahead(Ahead()) as look:
+        for step in range(3):
+            got = look.batch(data, step, dp, torch.device("meta"), cost, next_step=step + 1 if step < 2 else None)
+            full = data.train_batch(step)
+            want = full.select(Ahead().assign(cost(full), world)[rank])
+            bad = batches_equal(host_view(got), want)
+            assert not bad, f"rank {rank} step {step}: the samples moved on the host differ in {bad}"
+            placed.append({"device": got.history_items.device.type, "ahead": look.last["ahead"]})
+    _report_and_leave(os.path.join(tmp, f"host{rank}.json"), placed)
+
+
+@pytest.mark.distributed
+def test_a_host_group_moves_samples_on_the_host_and_reads_no_device_value(tmp_path):
+    """2 gloo ranks, the trainer's device on ``meta`` (any read of a device value raises there): with the data-
+    parallel group's ``host`` group, Lookahead loads, prices, partitions (ahead, in a thread) and moves the samples
+    on the host and only then puts them on the device; each step's samples (their host copy) are the global
+    batch's select of the partition."""
+    import json
+
+    from gemzoo.testing.comms import spawn
+
+    spawn(_host_path_rank, 2, str(tmp_path))
+    for r in range(2):
+        placed = json.loads((tmp_path / f"host{r}.json").read_text())
+        assert placed == [{"device": "meta", "ahead": False}] + [{"device": "meta", "ahead": True}] * 2
+
+
+def _dp_host_rank(rank: int, world: int, port: int, tmp: str) -> None:
+    import os
+
+    from gemzoo.testing.comms import rank_env
+
+    rank_env(rank, world, port)
+    import torch.distributed as dist
+
+    from gemzoo import registry
+    from gemzoo.distributed import World, build_mesh, dp_host_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    comms = registry.get("comms", "torch")
+    out = {}
+    for label, dense in {"dp": None, "tp2": {"replicate": 1, "shard": 2, "tp": 2}}.items():
+        w = build_mesh(World(rank, world), "cpu", {"dp": world}, dense, comms=comms)
+        for force in (False, True):
+            group = dp_host_group(w, comms, force=force)
+            ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(w.dp_mesh.size())]
+            dist.all_gather(ranks, torch.tensor([rank]), group=group)
+            out[f"{label}/{force}"] = {"gathered": [int(t) for t in ranks], "dp_rank": w.dp_host.rank,
+                                       "mesh": w.dp_mesh.mesh.tolist()}
+    _report_and_leave(os.path.join(tmp, f"dp{rank}.json"), out)
+
+
+@pytest.mark.distributed
+def test_the_dp_host_group_has_the_dp_ranks_in_the_dp_order(tmp_path):
+    """4 gloo ranks: the dp ranks' CPU group (World.dp_host, and the groups dp_host_group builds when the dp group
+    cannot run CPU tensors: forced here) gathers from exactly dp_mesh's ranks in its order, with tensor
+    parallelism (one dp group per tp index) and without."""
+    import json
+
+    from gemzoo.testing.comms import spawn
+
+    spawn(_dp_host_rank, 4, str(tmp_path))
+    for r in range(4):
+        out = json.loads((tmp_path / f"dp{r}.json").read_text())
+        for key, got in out.items():
+            assert got["gathered"] == got["mesh"], (r, key, got)
+            assert got["mesh"][got["dp_rank"]] == r, (r, key, got)
+        assert out["dp/False"]["mesh"] == [0, 1, 2, 3] and out["tp2/True"]["mesh"] == [r % 2, r % 2 + 2]

@@ -32,6 +32,13 @@ so the samples (and the losses) are bit-identical to the synchronous path; the f
 resume has nothing ahead and partitions synchronously, which gives the same answer. With the policy's
 ``overlap_depth = d`` the main thread keeps steps t+1..t+d planned (their parts loaded and costs all-gathered,
 in step order) in d workers, so a partition may take up to d steps.
+
+Where the data-parallel group has a ``host`` group (the same ranks over a CPU transport, gloo: the trainer's
+``World.dp_host``), all of it runs on the host: each rank's part stays in host memory, its costs, the
+partition and the all-to-alls go over that group, and only this rank's samples are then copied to the device
+(pinned, without blocking). A step on a GPU then waits for no device value, where the device path's reads
+(byte counts, the arrived rows, the all-gathered costs) each wait for the GPU's whole queue. Without one, the
+collectives run on the group on the batch's device.
 """
 
 from __future__ import annotations
@@ -539,8 +546,10 @@ class Lookahead:
             # spawned now: the processes start while the trainer builds the model
             self._worker = PartitionWorker("process", self.depth)
 
-    def _load(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable):
-        part = to_device(self._loader.get(dataset, step, dp.rank, dp.size), device)
+    def _load(self, dataset, step: int, dp: DataParallelGroup, device, cost_model: Callable, *, on_host=False):
+        part = self._loader.get(dataset, step, dp.rank, dp.size)
+        if not on_host:
+            part = to_device(part, device)
         return part, cost_model(host_view(part))  # priced from the host copy: no wait for the device
 
     def _drop_ahead(self) -> None:
@@ -574,24 +583,28 @@ class Lookahead:
             self._worker = PartitionWorker(overlap_worker(self.policy), self.depth)
         if self._worker is not None and torch.device(device).type != "cpu":
             self._worker.leave_a_core()
-        if ahead is None or ahead.step != step or ahead.dp != dp:  # nothing ahead (or not this step's): now
+        on_host = dp.host is not None  # samples move over a CPU transport, then go to the device
+        comm = dp.host if on_host else dp
+        if ahead is None or ahead.step != step or ahead.dp != comm:  # nothing ahead (or not this step's): now
             if ahead is not None and ahead.future is not None:
                 ahead.future.cancel()
             self._drop_ahead()
-            ahead = plan(self.policy, *self._load(dataset, step, dp, device, cost_model), dp, name=self.name,
-                         step=step)
+            ahead = plan(self.policy, *self._load(dataset, step, dp, device, cost_model, on_host=on_host), comm,
+                         name=self.name, step=step)
         t0 = time.perf_counter()
         if ahead.future is not None:
             ahead.route, ahead.assign_s = ahead.future.result()
         wait = time.perf_counter() - t0 if ahead.future is not None else ahead.assign_s
         mine = move(ahead)
+        if on_host:
+            mine = to_device(mine, device)  # pinned and queued behind the device's work: no wait for it
         self.last = {"step": step, "ahead": ahead.future is not None, "assign_s": ahead.assign_s, "wait_s": wait}
         if next_step is not None and self.overlap:
             first = self._ahead[-1].step + 1 if self._ahead else next_step
             end = next_step + self.depth if last_step is None else min(next_step + self.depth, last_step + 1)
             for s in range(first, end):
-                self._ahead.append(plan(self.policy, *self._load(dataset, s, dp, device, cost_model), dp,
-                                        name=self.name, step=s, worker=self._worker))
+                part, costs = self._load(dataset, s, dp, device, cost_model, on_host=on_host)
+                self._ahead.append(plan(self.policy, part, costs, comm, name=self.name, step=s, worker=self._worker))
         elif next_step is not None:
             self._loader.prefetch(dataset, next_step, dp.rank, dp.size, pin=pin)
         return mine

@@ -34,6 +34,9 @@ class World:
     # the process group for numbers the host holds (loss terms, a stop request): gloo, so reducing them never
     # waits for the GPU's queue; None: the default group, which runs CPU tensors itself
     host_group: object | None = None
+    # this rank's dp ranks (dp_mesh's order) over a group that runs CPU tensors, for moving samples between them
+    # on the host (gemzoo.data.exchange.Lookahead); built by build_mesh with a comms backend; None: not built
+    dp_host: object | None = None  # gemzoo.interfaces.batching.DataParallelGroup
 
     @property
     def copies(self) -> int:
@@ -130,7 +133,31 @@ def build_mesh(world: World, device_type: str, dims: dict[str, int], dense: dict
         world.dp_mesh = world.mesh
     else:  # kept here rather than sliced from the root again (deprecated since torch 2.11)
         world.dp_mesh = world.mesh[tuple(dims)]._flatten("dp", backend_override=backend)
+    if comms is not None:
+        from gemzoo.interfaces.batching import DataParallelGroup
+
+        world.dp_host = DataParallelGroup(world.dp_mesh.get_local_rank(), world.dp_mesh.size(),
+                                          dp_host_group(world, comms))
     return world
+
+
+def dp_host_group(world: World, comms, *, force: bool = False):
+    """A group of ``world.dp_mesh``'s ranks, in its order, that runs CPU tensors on the comms backend's CPU
+    transport (None: the default group): the dp group itself when it does; the host group when dp spans every
+    rank in rank order; else (tensor parallelism: one dp group per tp index) new groups on that transport, one per
+    tp index (``force``: those even when the dp group runs CPU tensors). Every rank calls it, in the same order."""
+    cpu = comms.backend_for("cpu")
+    group = world.dp_mesh.get_group()
+    if not force and cpu_backend(str(dist.get_backend(group))) == cpu:
+        return group
+    if not force and world.dp_mesh.size() == world.world_size and world.dp_mesh.get_local_rank() == world.rank:
+        return world.host_group
+    if world.dense_mesh is None:  # dp spans every planner dim, flattened in rank order
+        return dist.new_group(backend=cpu) if force else world.host_group
+    ranks = world.dense_mesh.mesh  # (replicate, shard, tp): dp is replicate x shard, one group per tp index
+    mine, _ = dist.new_subgroups_by_enumeration(ranks.permute(2, 0, 1).reshape(ranks.shape[2], -1).tolist(),
+                                                backend=cpu)
+    return mine
 
 
 def pick_device(name: str, world: World) -> torch.device:

@@ -36,10 +36,17 @@ class DataParallelGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup
+    # the same ranks, in the same order, over a group that runs CPU tensors (gloo): with one, the trainer's
+    # Lookahead loads, prices and moves the samples on the host and then copies them to the device, so a GPU
+    # step waits for no device value; None: the batching collectives run on ``group``, on the batch's device
+    host: "DataParallelGroup | None" = None
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"DataParallelGroup needs 0 <= rank < size, got rank={self.rank}, size={self.size}")
+        if self.host is not None and (self.host.rank, self.host.size) != (self.rank, self.size):
+            raise ValueError(f"DataParallelGroup's host group is rank {self.host.rank} of {self.host.size}, the group "
+                             f"rank {self.rank} of {self.size}: they must be the same ranks in the same order")
 
 
 @runtime_checkable

@@ -491,7 +491,7 @@ class Trainer:
         # (collectives stay here; the samples are the same as without: gemzoo.data.exchange.Lookahead).
         dp_mesh = self.world.dp_mesh
         dp = DataParallelGroup() if dp_mesh is None else DataParallelGroup(
-            dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group())
+            dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group(), host=self.world.dp_host)
         batch = self.lookahead.batch(self.dataset, step, dp, self.device,
                                      lambda part: self.model.cost_model(part),  # looked up only with >1 rank
                                      next_step=step + 1 if step + 1 < cfg.run.steps else None,
