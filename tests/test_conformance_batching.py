@@ -139,7 +139,6 @@ def test_bad_partitions_and_costs_are_named():
 
 
 def _train_rank(rank: int, world: int, port: int, tmp: str, batching: str) -> None:
-    import json
     import os
     import sys
 
@@ -148,7 +147,6 @@ def _train_rank(rank: int, world: int, port: int, tmp: str, batching: str) -> No
     rank_env(rank, world, port)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
     import toy_kinds
-    import torch.distributed as dist
 
     from gemzoo import registry
     from gemzoo.config import load_config
@@ -168,10 +166,8 @@ def _train_rank(rank: int, world: int, port: int, tmp: str, batching: str) -> No
         "run.steps=2", "run.device='cpu'", "eval.every=0", "checkpoint.every=0", f"run.out_dir='{tmp}/{batching}'",
         "data.batch_size=9", "model.d_model=16", "model.embedding_dim=8", f"plugins.batching='{batching}'"])
     result = train(cfg, progress=False)
-    with open(os.path.join(tmp, f"{batching}-{rank}.json"), "w") as f:
-        json.dump({"losses": [h["loss"] for h in result.history], "samples": seen}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    _report_and_leave(os.path.join(tmp, f"{batching}-{rank}.json"),
+                      {"losses": [h["loss"] for h in result.history], "samples": seen})
 
 
 @pytest.mark.distributed
@@ -209,20 +205,17 @@ def _host_path_rank(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port)
     import torch.distributed as dist
 
-    from gemzoo import registry
     from gemzoo.data.batch import host_view
     from gemzoo.data.exchange import Lookahead
     from gemzoo.interfaces.batching import DataParallelGroup
-    from gemzoo.testing.batching import ReverseStride, batches_equal
+    from gemzoo.testing.batching import ReverseStride, batches_equal, small_gem_stream
 
     class Ahead(ReverseStride):
         overlap = True
         overlap_worker = "thread"
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    spec = registry.get("dataset", "synthetic-gem")
-    data = spec.build(spec.config_cls(batch_size=11, max_len=48, median_len=16, min_len=0, max_candidates=4,
-                                      num_items=120, num_clusters=4, num_sparse_tables=2, sparse_table_size=30), 0)
+    data = small_gem_stream(11)
     cost = lambda b: b.lengths.double() ** 2 + 1  # noqa: E731
     dp = DataParallelGroup(rank, world, host=DataParallelGroup(rank, world))
     placed = []

@@ -605,8 +605,8 @@ class Lookahead:
             for s in range(first, end):
                 part, costs = self._load(dataset, s, dp, device, cost_model, on_host=on_host)
                 self._ahead.append(plan(self.policy, part, costs, comm, name=self.name, step=s, worker=self._worker))
-        elif next_step is not None:
-            self._loader.prefetch(dataset, next_step, dp.rank, dp.size, pin=pin)
+        elif next_step is not None:  # a part moved on the host is repacked anyway: pinned only once it arrives
+            self._loader.prefetch(dataset, next_step, dp.rank, dp.size, pin=pin and not on_host)
         return mine
 
     def close(self) -> None:

@@ -214,6 +214,15 @@ def batches_equal(a, b) -> list[str]:
     return out
 
 
+def small_gem_stream(batch_size: int):
+    """A small synthetic-gem dataset (histories of 0..48 events, 2 sparse tables) for the gloo batching checks."""
+    from gemzoo import registry
+
+    data = registry.get("dataset", "synthetic-gem")
+    return data.build(data.config_cls(batch_size=batch_size, max_len=48, median_len=16, min_len=0, max_candidates=4,
+                                      num_items=120, num_clusters=4, num_sparse_tables=2, sparse_table_size=30), 0)
+
+
 def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: str, steps: int = 2) -> None:
     """One rank of ``check_rebalance_on_gloo``: for each policy (a registered name -> None, or an object) and
     each step, the samples it gets from its own part equal the global batch's ``select`` of the partition."""
@@ -231,13 +240,7 @@ def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: st
     dp = DataParallelGroup(rank, world)
     model, _ = tiny_model(0, d_model=16, batch_size=13)
     model = model.double()
-    data = registry.get("dataset", "synthetic-gem")
-    def gem(batch_size):
-        return data.build(data.config_cls(batch_size=batch_size, max_len=48, median_len=16, min_len=0,
-                                          max_candidates=4, num_items=120, num_clusters=4, num_sparse_tables=2,
-                                          sparse_table_size=30), 0)
-
-    streams = {"gem": (gem(13), model.cost_model), "gem-1": (gem(1), model.cost_model),
+    streams = {"gem": (small_gem_stream(13), model.cost_model), "gem-1": (small_gem_stream(1), model.cost_model),
                "seq-13": (_SeqStream(13), None), "seq-1": (_SeqStream(1), None),  # *-1: a rank has no samples
                "features": (_FeatureStream(13), None)}
     summary = {}
