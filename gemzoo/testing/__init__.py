@@ -16,13 +16,40 @@ from gemzoo.testing.models import check_dataset, check_model
 from gemzoo.testing.planner import check_planner_local, check_planner_on_gloo, check_planner_protocol_on_gloo
 from gemzoo.testing.precision import check_precision_apply, check_precision_linear, precision_linear_cases
 
+# Names a plugin's tests and benchmarks use beside gemzoo.api, from modules above the plugin layer; imported on
+# first use so that collecting a test file does not build the trainer.
+_LAZY = {
+    "cli_main": ("gemzoo.cli", "main"),
+    "SyntheticGemConfig": ("gemzoo.data.synthetic", "SyntheticGemConfig"),
+    "SyntheticGemDataset": ("gemzoo.data.synthetic", "SyntheticGemDataset"),
+    "gem_lognormal_lengths": ("gemzoo.data.synthetic", "gem_lognormal_lengths"),
+    "config_changes": ("gemzoo.train.resume", "config_changes"),
+    "select_attention": ("gemzoo.train.trainer", "select_attention"),
+    "kernel_ms": ("gemzoo.profiling", "kernel_ms"),
+    "gpu_idle": ("gemzoo.profiling", "gpu_idle"),
+    "annotations_ms": ("gemzoo.profiling", "annotations_ms"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gemzoo.testing' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
 __all__ = ["AttentionCase", "attention_cases", "check_attention", "random_jagged_lengths", "check_precision_linear",
            "skip_unless_torchrec",
            # one suite per kind (gemzoo.kinds lists which); gemzoo.testing.pytest_plugin parametrises over entries
            "check_precision_apply", "precision_linear_cases", "check_memory_policy", "check_planner_local",
            "check_planner_on_gloo", "check_planner_protocol_on_gloo", "check_comms_on_gloo", "BatchingCase",
            "batching_cases", "check_assignment",
-           "check_global_loss", "check_dataset", "check_model"]
+           "check_global_loss", "check_dataset", "check_model",
+           # harness helpers for plugin tests and benchmarks, loaded on first use
+           *sorted(_LAZY)]
 
 
 def skip_unless_torchrec() -> None:
