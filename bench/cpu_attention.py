@@ -1,9 +1,10 @@
 """Benchmark: the ``cpu`` attention kernel (gemzoo._C) against ``reference`` and ``sdpa-padded`` on CPU.
 
-Workload "brief" (the issue's gem-tiny shapes): B=32 sequences, gem-lognormal lengths (median 64, sigma 1,
+Workload "brief" (small gem-like shapes): B=32 sequences, gem-lognormal lengths (median 64, sigma 1,
 clamped to [32, 256]), H=2, D=64, fp32, causal softmax and HSTU-style silu. Workload "gem-tiny": the shapes of
 configs/gem-tiny.toml (B=64, median 16 in [2, 64], H=2, D=32), causal softmax. Forward and forward+backward: median wall time of --reps runs,
-the kernels taking turns in each run (triton's do_bench needs a GPU). Prints a table and writes JSON (to $OUT/cpu_attention.json when $OUT is set).
+the kernels taking turns in each run (triton's do_bench needs a GPU). Prints a table, and writes JSON
+when --json names a file.
 
     .venv/bin/python bench/cpu_attention.py [--reps 20] [--threads N] [--json path]
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -28,7 +28,7 @@ def gem_lognormal(B=64, median=1024, sigma=1.0, lo=32, hi=16384, seed=1):
     return (median * torch.exp(sigma * z)).round().clamp(lo, hi).long()
 
 
-# (name, lengths, H, D, activations). "brief": the issue's gem-tiny shapes; "gem-tiny": configs/gem-tiny.toml
+# (name, lengths, H, D, activations). "brief": small gem-like shapes; "gem-tiny": configs/gem-tiny.toml
 # (d_model 64 over 2 heads, batch 64, median length 16 in [2, 64]).
 WORKLOADS = (
     ("brief", gem_lognormal(B=32, median=64, hi=256), 2, 64, ("softmax", "silu")),
@@ -39,7 +39,7 @@ WORKLOADS = (
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the rows as JSON to this file")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores)")
     args = ap.parse_args()
     if args.threads:
@@ -54,7 +54,7 @@ def main() -> None:
         q, k, v = (torch.randn(T, H, D) for _ in range(3))
         grad = torch.randn(T, H, D)
         sum_l2 = int((lengths.double() ** 2).sum())
-        flops_fwd, flops_fb = 2 * H * D * sum_l2, 7 * H * D * sum_l2  # causal, real tokens (BENCHMARKS.md)
+        flops_fwd, flops_fb = 2 * H * D * sum_l2, 7 * H * D * sum_l2  # causal, real tokens only
         for activation in activations:
             norm = None if activation == "softmax" else float(lengths.max())
             kw = dict(causal=True, activation=activation, norm=norm)
@@ -66,11 +66,11 @@ def main() -> None:
                 errs[name] = float((out - ref_out).norm() / ref_out.norm())
                 leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
 
-                def fwd(kernel=kernel):
+                def fwd(kernel=kernel, inputs=(q, k, v, offsets), kw=kw):
                     with torch.no_grad():
-                        kernel(q, k, v, offsets, **kw)
+                        kernel(*inputs, **kw)
 
-                def fwd_bwd(kernel=kernel, leaves=leaves):
+                def fwd_bwd(kernel=kernel, leaves=leaves, offsets=offsets, kw=kw, grad=grad):
                     for t in leaves:
                         t.grad = None
                     kernel(*leaves, offsets, **kw).backward(grad)
@@ -107,9 +107,8 @@ def main() -> None:
         print(f"{r['workload']:10} {r['activation']:8} {r['kernel']:12} {r['fwd_ms']:8.2f} {r['fwd_speedup_vs_reference']:6.1f} "
               f"{r['fwd_bwd_ms']:11.2f} {r['fwd_bwd_speedup_vs_reference']:6.1f} {r['fwd_bwd_gflops']:8.1f} "
               f"{r['rel_err']:8.1e}")
-    path = args.json or (os.path.join(os.environ["OUT"], "cpu_attention.json") if os.environ.get("OUT") else None)
-    if path:
-        with open(path, "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)
 
 

@@ -4,14 +4,13 @@ commands recorded in the READMEs still run.
     python bench/e2e.py --ablation configs/ablations/gem-bench.toml [--steps N] [--out DIR]
     python bench/e2e.py --config configs/gem-bench.toml --runs sdpa-padded,bf16,full-ac jfa,bf16 --steps 50
 
-Each plugin set trains in its own process and run folder under --out (default $OUT/e2e when $OUT is
-set, else runs/ablations/<name>), which gets ablation.json, ablation.csv, PNG plots and report.md.
+Each plugin set trains in its own process and run folder under --out (default
+runs/ablations/<name>), which gets ablation.json, ablation.csv, PNG plots and report.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 
@@ -26,7 +25,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, help="default 50, or the ablation's")
     p.add_argument("--warmup", type=int, help="default 5, or the ablation's")
     p.add_argument("--set", action="append", default=[], help="extra config overrides")
-    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "e2e") if os.environ.get("OUT") else None)
+    p.add_argument("--out", help="output folder (default runs/ablations/<name>)")
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args()
     command = shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv])

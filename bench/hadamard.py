@@ -3,15 +3,15 @@
 On a GPU: the CUDA kernel (warp-shuffle butterflies) for blocks 16/32, with and without signs, forward and
 inverse, fp32/bf16/fp16, against ``hadamard_transform_torch``; opcheck; then bandwidth (bytes read + written)
 with triton's do_bench against the torch matmul version and a plain copy. On CPU: the same checks, timed with
-perf_counter. Prints a table and writes JSON ($OUT/hadamard.json when $OUT is set).
+perf_counter. Prints a table, and writes JSON when --json names a file.
 
-    python bench/hadamard.py
+    python bench/hadamard.py [--json hadamard.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import statistics
 import time
 
@@ -35,6 +35,9 @@ def bench_ms(fn, device):
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description="check and time gemzoo.ops.hadamard_transform")
+    ap.add_argument("--json", default=None, help="write the checks and timings as JSON to this file")
+    args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = ops.extension_info()
     print("# extension:", json.dumps(info))
@@ -67,16 +70,16 @@ def main() -> None:
         x = torch.randn(*shape, device=device).to(dtype)
         signs = (torch.randint(0, 2, (32,)) * 2 - 1).float().to(device)
         nbytes = 2 * x.numel() * x.element_size()
-        for name, fn in (("gemzoo", lambda: ops.hadamard_transform(x, 32, signs)),
-                         ("torch-matmul", lambda: ops.hadamard_transform_torch(x, 32, signs)),
-                         ("copy", lambda: x.clone())):
+        for name, fn in (("gemzoo", lambda x=x, signs=signs: ops.hadamard_transform(x, 32, signs)),
+                         ("torch-matmul", lambda x=x, signs=signs: ops.hadamard_transform_torch(x, 32, signs)),
+                         ("copy", lambda x=x: x.clone())):
             ms = bench_ms(fn, device)
             rows.append(dict(dtype=str(dtype), shape=list(shape), kernel=name, ms=ms, tb_s=nbytes / ms / 1e9))
     print(f"{'dtype':16} {'kernel':14} {'ms':>8} {'TB/s':>7}")
     for r in rows:
         print(f"{r['dtype']:16} {r['kernel']:14} {r['ms']:8.3f} {r['tb_s']:7.2f}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "hadamard.json"), "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(dict(device=device, extension=info, checks=checks, timings=rows), f, indent=1)
 
 

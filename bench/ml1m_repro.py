@@ -1,4 +1,4 @@
-"""Reproduce the HSTU paper's MovieLens-1M table (issue #19): train sasrec, hstu and hstu-large with the
+"""Reproduce the HSTU paper's MovieLens-1M table: train sasrec, hstu and hstu-large with the
 shipped configs on the test split (leave-one-out, every movie of movies.dat, history items left out of the
 ranking) for their full schedule, then print gemzoo's row beside the paper's for each, and the time per epoch.
 
@@ -7,7 +7,7 @@ ranking) for their full schedule, then print gemzoo's row beside the paper's for
 
 --data is a folder with MovieLens-1M's ratings.dat and movies.dat (never commit them). Each model trains in
 its own process (on one GPU the three small models run side by side); each writes its run folder under --out
-(default $OUT/ml1m when $OUT is set, else runs/ml1m-repro) and the summary goes to ml1m_repro.json there.
+(default runs/ml1m-repro) and the summary goes to ml1m_repro.json there.
 Hyper-parameters are the configs'; model choices were made on the validation split only.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -75,7 +74,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head + ["s / epoch", "epochs"]) + " |", "|" + "---|" * (len(head) + 2)]
     for r in rows:
         cells = [r["model"]]
-        for m, paper in zip(METRICS, PAPER[r["model"]]):
+        for m, paper in zip(METRICS, PAPER[r["model"]], strict=True):
             got = r["metrics"].get(m)
             mark = "" if got is None else (" ✓" if got >= paper * (1 - TOLERANCE) else " ✗")
             cells += ["—" if got is None else f"{got:.4f}{mark}", f"{paper:.4f}"]
@@ -98,8 +97,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in each run (0: leave it)")
     p.add_argument("--serial", action="store_true", help="one model after another in this process")
-    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "ml1m") if os.environ.get("OUT")
-                   else str(ROOT / "runs" / "ml1m-repro"))
+    p.add_argument("--out", default=str(ROOT / "runs" / "ml1m-repro"), help="output folder for the runs and JSON")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: train one model, write its JSON
     args = p.parse_args()
     for f in ("ratings.dat", "movies.dat") if args.items == "movies" else ("ratings.dat",):
@@ -128,7 +126,7 @@ def main() -> int:
             print(f"ml1m_repro: {', '.join(failed)} failed (see above)", file=sys.stderr)
         rows = [json.loads((out / f"{n}.json").read_text()) for n in args.models if n not in failed]
     summary = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "wall_s": time.perf_counter() - t0,
-               "paper": {k: dict(zip(METRICS, v)) for k, v in PAPER.items()}, "runs": rows,
+               "paper": {k: dict(zip(METRICS, v, strict=True)) for k, v in PAPER.items()}, "runs": rows,
                "date": time.strftime("%Y-%m-%d")}
     (out / "ml1m_repro.json").write_text(json.dumps(summary, indent=1))
     if rows:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Multi-GPU runs of gem-bench (issue 20): every table in one call, each run a ``torchrun`` of ``gemzoo train``.
+"""Multi-GPU runs of gem-bench: every table in one command, each run a ``torchrun`` of ``gemzoo train``.
 
 Rows (``--rows``, in this order):
   scaling   weak scaling, ``jfa,bf16``, the per-GPU batch fixed (``data.batch_size`` = per-GPU x N), on each of
@@ -15,7 +15,7 @@ Per run: the median of ``step_s``, samples/s and MFU over the steps after ``--wa
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 JSON after every run (``--out``), a markdown table per row at the end.
 
-    python3 bench/multigpu.py --gpus 1,2,4,8 --out $OUT              # on a machine with that many GPUs
+    python3 bench/multigpu.py --gpus 1,2,4,8 --out runs/multigpu     # on a machine with that many GPUs
     .venv/bin/python bench/multigpu.py --dry-run --out /tmp/mg       # CPU: gem-tiny, gloo, 1 and 2 processes
 """
 
@@ -127,7 +127,7 @@ def analyse(runs: list[Run]) -> dict:
         if row == "dense":
             ref = first.result["losses"]
             for r in mine:
-                diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.result["losses"], ref)]
+                diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r.result["losses"], ref, strict=False)]
                 r.result["max_rel_loss_diff_vs_first"] = max(diffs) if diffs else None
         out[row] = {r.name: r.result for r in mine}
     return out
@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
     ap.add_argument("--timeout-s", type=float, default=900, help="per run")
     ap.add_argument("--no-retry", dest="retry", action="store_false", help="do not relaunch a run that failed")
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/multigpu"))
+    ap.add_argument("--out", default=str(ROOT / "runs" / "multigpu"), help="output folder for JSON and tables")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: gem-tiny over gloo on 1 and 2 processes, 4 steps, per-GPU batch 8")
     args = ap.parse_args()

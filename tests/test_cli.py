@@ -58,7 +58,7 @@ def test_console_script_runs():
 
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
-# on the CPU: the tests compare final losses bit for bit, which GPU reruns do not give (see the README's resume notes)
+# on the CPU: the tests compare final losses bit for bit, which GPU reruns do not give (see docs/running.md on resume)
 TOY_TOML = '[run]\nsteps = 10\nlog_every = 5\ndevice = "cpu"\n[model]\nfamily = "toy"\n[data]\nsource = "toy-data"\n' \
            '[checkpoint]\nevery = 5\n'
 

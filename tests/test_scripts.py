@@ -1,4 +1,5 @@
-"""scripts/install.sh skips an unchanged C++ build; benchmark scripts never eval their own output."""
+"""scripts/install.sh skips an unchanged C++ build; benchmark scripts never eval their own output; the GPU
+scripts in bench/ document their arguments, move the Triton cache and record each test's outcome."""
 
 import ast
 import importlib.util
@@ -87,25 +88,78 @@ def test_bench_scripts_do_not_eval_or_exec(path):
     assert not calls, f"{path.relative_to(ROOT)} calls eval/exec at lines {calls}"
 
 
-def test_gpu_cache_round_trips_the_triton_cache_in_parts(tmp_path):
-    """bench/gpu_cache.py: Triton's cache packed into parts of at most --part-mib and unpacked elsewhere, file
-    for file (how the H200 suite's compiled kernels travel to the next session)."""
+def test_triton_cache_round_trips_the_cache_in_parts(tmp_path):
+    """bench/triton_cache.py: Triton's cache packed into parts of at most --part-mib and unpacked elsewhere, file
+    for file (how compiled kernels travel to the next machine of the same GPU and software)."""
     src, dst, out = tmp_path / "src", tmp_path / "dst", tmp_path / "out"
     (src / "abc").mkdir(parents=True)
     blob = os.urandom(3 << 20)  # incompressible: 3 MiB gives 3+ parts of 1 MiB
     (src / "abc" / "k.cubin").write_bytes(blob)
+    (src / "abc" / "k.ttir").write_text("intermediate IR, left out")
     (src / "abc" / "__grp__k.json").write_text('{"child_paths": {}}')
-    script = str(ROOT / "bench" / "gpu_cache.py")
-    run = lambda cache, *args: subprocess.run(  # noqa: E731
-        [sys.executable, script, *args], capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, TRITON_CACHE_DIR=str(cache)), check=True).stdout
+    script = str(ROOT / "bench" / "triton_cache.py")
+
+    def run(cache, *args):
+        return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, TRITON_CACHE_DIR=str(cache)), check=True).stdout
+
+    out.mkdir()
+    (out / "triton.tgz.07").write_bytes(b"a stale part of an older pack")
     assert "triton:" in run(src, "pack", str(out), "--part-mib", "1")
     parts = sorted(p.name for p in out.iterdir())
-    assert parts[:2] == ["triton.tgz.00", "triton.tgz.01"] and len(parts) >= 3
+    assert parts[:2] == ["triton.tgz.00", "triton.tgz.01"] and len(parts) >= 3 and "triton.tgz.07" not in parts
     assert all(p.stat().st_size <= 1 << 20 for p in out.iterdir())
     run(dst, "unpack", str(out))
     assert (dst / "abc" / "k.cubin").read_bytes() == blob
     assert (dst / "abc" / "__grp__k.json").read_text() == '{"child_paths": {}}'
+    assert not (dst / "abc" / "k.ttir").exists()
+    whole = tmp_path / "whole"
+    run(src, "pack", str(whole))  # no --part-mib: one part
+    assert [p.name for p in whole.iterdir()] == ["triton.tgz.00"]
+
+
+GPU_SCRIPTS = ["bench/gpu_setup.sh", "bench/gpu_suite.sh", "bench/run_benches.sh"]
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_gpu_scripts_parse_document_their_arguments_and_refuse_unknown_ones(script):
+    assert subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True).returncode == 0
+    helped = subprocess.run(["bash", str(ROOT / script), "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and helped.stdout.startswith(f"usage: bash {script}")
+    bad = subprocess.run(["bash", str(ROOT / script), "--no-such-option"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--no-such-option" in bad.stderr and "--help" in bad.stderr
+
+
+def test_run_benches_lists_its_steps_and_names_an_unknown_one(tmp_path):
+    script = str(ROOT / "bench" / "run_benches.sh")
+    steps = subprocess.run(["bash", script, "--list"], capture_output=True, text=True, timeout=60).stdout.split()
+    assert {"jfa", "gdpa", "block-attention", "mxfp8", "auto-ac", "act-quant", "batch-shuffle", "ncclx",
+            "sharding-2d", "e2e"} <= set(steps)
+    help_text = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert all(f"\n  {name} " in help_text for name in steps), "every step is described in --help"
+    for args in (["--only", "jfa"], ["--out", str(tmp_path), "--only", "jfa,nope"]):
+        proc = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+    assert "--out DIR is required" in subprocess.run(["bash", script], capture_output=True, text=True,
+                                                     timeout=60).stderr
+    assert "unknown step 'nope'" in proc.stderr and not (tmp_path / "steps.txt").exists()
+
+
+def test_gpu_suite_writes_each_outcome_and_a_summary(tmp_path):
+    """bench/gpu_suite.sh runs any pytest arguments and leaves per-test outcomes, failures and counts in --out."""
+    tests = tmp_path / "test_tiny.py"
+    tests.write_text("import pytest\n\n\ndef test_ok():\n    pass\n\n\ndef test_bad():\n    assert 1 == 2\n\n\n"
+                     "@pytest.mark.skip(reason='shown as skipped')\ndef test_skipped():\n    pass\n")
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), "--out", str(out), "--python",
+                           sys.executable, "--", str(tests), "-p", "no:cacheprovider"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # pytest's status: one test failed
+    progress = (out / "progress.txt").read_text()
+    assert " passed " in progress and " failed " in progress and " skipped " in progress
+    assert "test_bad" in (out / "failures.txt").read_text()
+    assert (out / "summary.txt").read_text().startswith("1 passed, 1 failed, 1 skipped")
 
 
 def _multigpu():

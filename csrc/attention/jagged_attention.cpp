@@ -1,4 +1,4 @@
-// CPU jagged attention, forward and backward, with the full DESIGN.md semantics:
+// CPU jagged attention, forward and backward, with the full semantics of docs/attention.md:
 // softmax / silu / gelu / gelu_tanh / relu / relu2 / leaky_relu / hardswish / identity (÷ norm), causal
 // bottom-right, window, block, Lq != Lk.
 //
