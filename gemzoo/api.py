@@ -25,16 +25,8 @@ import importlib
 from typing import Any
 
 from gemzoo import registry
-from gemzoo.config import bounded
-from gemzoo.distributed import whole_parameters
-from gemzoo.embedding import TableConfig, torchrec_available
-from gemzoo.errors import CheckpointError, ConfigError, GemzooError, JaggedShapeError, PluginError, TrainingError
-from gemzoo.flops import attention_flops, attention_pairs, linear_flops
-from gemzoo.interfaces.attention import (
-    ACTIVATIONS,
-    AttentionCapabilities,
-    AttentionKernel,
-    AttentionRequest,
+from gemzoo.attention import (
+    ACTIVATION_CODES,
     FunctionKernel,
     JaggedAttention,
     allowed_mask,
@@ -47,6 +39,10 @@ from gemzoo.interfaces.attention import (
     reference_attention,
     validated_longest,
 )
+from gemzoo.embedding import TableConfig, torchrec_available
+from gemzoo.errors import CheckpointError, ConfigError, GemzooError, JaggedShapeError, PluginError, TrainingError
+from gemzoo.flops import attention_flops, attention_pairs, linear_flops
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionKernel, AttentionRequest
 from gemzoo.interfaces.batching import BatchingPolicy, DataParallelGroup, overlap_depth, overlap_worker, overlaps
 from gemzoo.interfaces.comms import COLLECTIVES, CommsBackend, CommsCapabilities
 from gemzoo.interfaces.memory import MemoryPolicy
@@ -58,10 +54,11 @@ from gemzoo.interfaces.models import (
     ModelOutput,
     ModelSpec,
     RecModel,
+    host_view,
     transformer_blocks,
 )
-from gemzoo.interfaces.options import Configurable, TakesOptions
-from gemzoo.interfaces.planner import Planner, SparseOptimizer, Topology, WholeTables
+from gemzoo.interfaces.options import Configurable, TakesOptions, bounded
+from gemzoo.interfaces.planner import Planner, SparseOptimizer, Topology, WholeTables, whole_parameters
 from gemzoo.interfaces.precision import (
     BF16Linear,
     OptimizerStepHook,
@@ -73,17 +70,22 @@ from gemzoo.interfaces.precision import (
 )
 from gemzoo.jagged import (
     TensorCache,
-    jagged_to_padded,
     lengths_to_offsets,
     max_length,
     offsets_to_lengths,
-    padded_to_jagged,
     positions,
     seq_ids,
     validate_offsets,
 )
 from gemzoo.mx import dequantize_mx_torch, quantize_mx_torch
-from gemzoo.ops import ACTIVATION_CODES, dequantize_mx, hadamard_transform, hadamard_transform_torch, quantize_mx
+from gemzoo.ops import (
+    dequantize_mx,
+    hadamard_transform,
+    hadamard_transform_torch,
+    jagged_to_padded,
+    padded_to_jagged,
+    quantize_mx,
+)
 from gemzoo.plugins import hookimpl
 
 API_VERSION = "1.0"
@@ -135,6 +137,7 @@ __all__ = [
     "COLLECTIVES", "CommsBackend", "CommsCapabilities",
     "MemoryPolicy",
     "Batch", "Dataset", "DatasetSpec", "Evaluator", "ModelOutput", "ModelSpec", "RecModel", "transformer_blocks",
+    "host_view",
     "Planner", "SparseOptimizer", "Topology", "WholeTables", "whole_parameters", "TableConfig",
     "torchrec_available",
     "BF16Linear", "OptimizerStepHook", "PrecisionCapabilities", "PrecisionConfig", "PrecisionPolicy",

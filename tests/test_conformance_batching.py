@@ -205,9 +205,9 @@ def _host_path_rank(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port)
     import torch.distributed as dist
 
-    from gemzoo.data.batch import host_view
     from gemzoo.data.exchange import Lookahead
     from gemzoo.interfaces.batching import DataParallelGroup
+    from gemzoo.interfaces.models import host_view
     from gemzoo.testing.batching import ReverseStride, batches_equal, small_gem_stream
 
     class Ahead(ReverseStride):

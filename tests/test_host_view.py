@@ -6,10 +6,12 @@ would cost (a host sync) made visible on a CPU machine."""
 import pytest
 import torch
 
-from gemzoo.data.batch import host_view, to_device
+from gemzoo.attention import check_inputs, validated_longest
+from gemzoo.attention.checks import _offsets_cache
+from gemzoo.data.batch import to_device
 from gemzoo.embedding import TableConfig, TorchEmbeddingBagCollection, key_totals
 from gemzoo.errors import JaggedShapeError
-from gemzoo.interfaces.attention import _offsets_cache, check_inputs, validated_longest
+from gemzoo.interfaces.models import host_view
 from gemzoo.jagged import lengths_to_offsets
 
 

@@ -4,8 +4,8 @@ fails here by file and line:
 - no core module imports gemzoo.builtin (built-ins are plugins: core reaches them through the registry);
 - no model family imports gemzoo.train (models count their FLOPs and costs with gemzoo.flops);
 - no plugin (its package, tests/ or bench/) imports gemzoo.builtin or the gemzoo.models.common internals
-  (the public homes: gemzoo.interfaces.attention for the reference, the mask rule and the attention sites,
-  gemzoo.interfaces.precision for swap_linears/adopt_linear/BF16Linear);
+  (the public homes: gemzoo.attention for the reference, the mask rule and the attention sites,
+  gemzoo.interfaces.precision for swap_linears/adopt_linear/BF16Linear, all re-exported by gemzoo.api);
 - ``import gemzoo.jagged`` (and ``gemzoo.interfaces``, the kinds table, the registry and config, which derive
   from it) loads no gemzoo.builtin module.
 
@@ -95,18 +95,18 @@ def test_new_plugin_templates_use_public_api_only(kind, tmp_path):
     assert not found, f"the {kind} plugin template imports gemzoo internals: {found}"
 
 
-def test_old_homes_re_export_the_public_objects():
-    """Code that imported the reference, BF16Linear or the attention sites from their old modules still works."""
+def test_public_api_holds_the_objects_the_builtins_register():
+    """gemzoo.api re-exports the very objects the built-ins use: the reference, its capabilities, BF16Linear
+    and the attention sites."""
+    import gemzoo.api as api
+    import gemzoo.attention as attention
     import gemzoo.builtin.attention as builtin_attention
     import gemzoo.builtin.precision as builtin_precision
-    import gemzoo.interfaces.attention as attention
-    import gemzoo.interfaces.precision as precision
-    import gemzoo.models.common as common
 
-    assert builtin_attention.reference_attention is attention.reference_attention
+    assert builtin_attention.reference_attention is api.reference_attention is attention.reference_attention
     assert builtin_attention.REFERENCE.capabilities is attention.REFERENCE_CAPABILITIES
-    assert builtin_precision.BF16Linear is precision.BF16Linear
-    assert common.JaggedAttention is attention.JaggedAttention and common.attention_sites is attention.attention_sites
+    assert builtin_precision.BF16Linear is api.BF16Linear
+    assert api.JaggedAttention is attention.JaggedAttention and api.attention_sites is attention.attention_sites
 
 
 def test_the_scanner_sees_every_import_form(tmp_path):
@@ -118,7 +118,7 @@ def test_the_scanner_sees_every_import_form(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["gemzoo.jagged", "gemzoo.interfaces", "gemzoo.kinds", "gemzoo.registry",
-                                    "gemzoo.config"])
+                                    "gemzoo.config", "gemzoo.attention", "gemzoo.api"])
 def test_import_loads_no_builtin(module):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('gemzoo.builtin')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import gemzoo
+from gemzoo.attention import attention_sites
 from gemzoo.config import load_config
 from gemzoo.data.movielens import MovieLensConfig, MovieLensDataset
 from gemzoo.errors import ConfigError, PluginError
 from gemzoo.jagged import lengths_to_offsets
-from gemzoo.models.common import attention_sites
 from gemzoo.models.hstu import time_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,8 +267,8 @@ def test_reference_init_schemes(tmp_path):
 
 
 def test_sasrec_reference_block_matches_torch_multihead_attention():
-    from gemzoo.models.sasrec import SASRecReferenceBlock
     from gemzoo.interfaces.attention import AttentionRequest
+    from gemzoo.models.sasrec import SASRecReferenceBlock
 
     torch.manual_seed(0)
     d, heads, n = 8, 2, 5

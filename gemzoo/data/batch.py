@@ -22,10 +22,18 @@ def gather_jagged(offsets: torch.Tensor, index: torch.Tensor, *values: torch.Ten
 
 
 class _Movable:
+    """Moving and pinning for the batch dataclasses: every tensor field moves with ``to``.
+
+    ``moved_from`` is the host batch this one was copied from, set by ``to`` when every tensor goes from the
+    host to a device (None otherwise). It is a plain attribute, not a dataclass field: ``dataclasses.replace``,
+    ``select`` and every other way of making a new batch leave it unset, so only the direct copy of a host
+    batch ever claims one, and :meth:`host_view` still checks that the shapes agree before trusting it."""
+
+    moved_from: _Movable | None = None
+
     def to(self, device, non_blocking: bool = False):
-        """The batch on ``device``. Moved off the host, it keeps the host batch it came from (``host_view``), so
-        what the step needs to know of its shapes (longest sequences, per-feature totals, FLOPs) is read there
-        instead of waiting for the device."""
+        """The batch on ``device``. Moved off the host, it records the host batch it came from
+        (``moved_from``, read through :meth:`host_view`)."""
         tensors = [getattr(self, f.name) for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), torch.Tensor)]
         changes = {
@@ -35,13 +43,13 @@ class _Movable:
         }
         moved = dataclasses.replace(self, **changes)
         if torch.device(device).type != "cpu" and tensors and all(t.device.type == "cpu" for t in tensors):
-            moved._host = self
+            moved.moved_from = self
         return moved
 
     def host_view(self):
         """This batch with its tensors on the host: the one it was moved from (no copy, no wait), else itself
         (also when a field was replaced since: the shapes must still agree)."""
-        host = getattr(self, "_host", None)
+        host = self.moved_from
         if host is None:
             return self
         for f in dataclasses.fields(self):
@@ -55,12 +63,6 @@ class _Movable:
         changes = {f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **changes)
-
-
-def host_view(batch):
-    """``batch.host_view()`` where the batch type has one (gemzoo's do), else the batch itself."""
-    view = getattr(batch, "host_view", None)
-    return view() if callable(view) else batch
 
 
 def to_device(batch, device):

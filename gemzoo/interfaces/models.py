@@ -38,6 +38,18 @@ class Batch(Protocol):
         """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
 
 
+def host_view(batch):
+    """The batch with its tensors on the host, read without waiting for the device: ``batch.host_view()`` where
+    the batch type has one, else the batch itself.
+
+    A batch moved to a GPU keeps the host batch it was copied from (gemzoo's batches record it as
+    ``moved_from``; see ``gemzoo.data.batch``), so what a step needs to know of its shapes (longest sequences,
+    per-feature totals, FLOPs, target counts) is read there instead of from device memory. Optional for a batch
+    type: one without ``host_view`` is its own host view, and those reads wait for the device."""
+    view = getattr(batch, "host_view", None)
+    return view() if callable(view) else batch
+
+
 @runtime_checkable
 class Dataset(Protocol):
     """What a ``DatasetSpec.build(data_cfg, seed)`` returns."""

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest, reference_attention
+from gemzoo.attention import reference_attention
+from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest
 from gemzoo.jagged import lengths_to_offsets
 
 # bf16/fp16 kernels land under 1e-2 (BENCHMARKS.md); fp32 kernels may use tf32 dots on GPU.
@@ -293,7 +294,7 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
 def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
     """A NaN put into one sequence's q, k or v (head 0) makes NaN the rows that see it; rows of that sequence
     with no allowed key stay exactly 0; every other sequence's output (and gradients) is what it was."""
-    from gemzoo.interfaces.attention import allowed_mask
+    from gemzoo.attention import allowed_mask
 
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)

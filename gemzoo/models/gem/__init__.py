@@ -17,24 +17,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo.data.batch import host_view
+from gemzoo.attention import validated_longest
 from gemzoo.embedding import SparseArch, TableConfig
 from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest, validated_longest
-from gemzoo.interfaces.models import ModelOutput, ModelSpec
+from gemzoo.flops import attention_flops, linear_flops
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
+from gemzoo.interfaces.models import ModelOutput, ModelSpec, host_view
 from gemzoo.jagged import seq_ids
 from gemzoo.models.common import (
-    require_data_info,
     MLP,
     JaggedAttention,
     TransformerBlock,
     binary_auc,
     check_heads,
     init_weights,
+    require_data_info,
     reverse_positions,
     self_attention_options,
 )
-from gemzoo.flops import attention_flops, linear_flops
 
 
 @dataclass
