@@ -19,6 +19,7 @@ from typing import Any
 import tomllib
 
 from gemzoo import kinds
+from gemzoo import registry as default_registry
 from gemzoo.distributed.dense import check_mesh_table
 from gemzoo.errors import ConfigError, PluginError
 from gemzoo.interfaces.options import bounded
@@ -315,7 +316,7 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
                 plugins: str | None = None, registry=None) -> Config:
     """Read, override and validate a config against the registries."""
     if registry is None:
-        from gemzoo import registry
+        registry = default_registry
     source = str(path) if path is not None else "<dict>"
     if raw is None:
         raw = read_toml(path, "config file", "configs/")

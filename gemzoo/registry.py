@@ -20,7 +20,7 @@ from typing import Any
 
 from gemzoo import kinds as kinds_table
 from gemzoo.errors import PluginError
-from gemzoo.plugins import PluginHost
+from gemzoo.plugins import PluginHost, first_party_plugins, install_hint
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,6 @@ class Registry:
     def _unknown_message(self, kind: str, name: str) -> str:
         import difflib
 
-        from gemzoo.plugins import first_party_plugins, install_hint
 
         existing = self.names(kind)
         msg = f"unknown {kind} {name!r}. Registered {kind} names: {', '.join(existing) or '(none)'}."

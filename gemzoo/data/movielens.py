@@ -35,10 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from gemzoo.data.batch import SeqBatch
-from gemzoo.config import bounded
+from gemzoo.data.exchange import shard_range
 from gemzoo.data.synthetic import stream_generator
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import DatasetSpec
+from gemzoo.interfaces.options import bounded
 from gemzoo.jagged import lengths_to_offsets
 
 FORMAT = "UserID::MovieID::Rating::Timestamp (four integers separated by '::')"
@@ -189,8 +190,6 @@ class MovieLensDataset:
     def train_shard(self, step: int, rank: int, world_size: int) -> SeqBatch:
         """Rank ``rank``'s contiguous part of ``train_batch(step)`` (gemzoo.data.exchange.shard_range), reading
         only its own users."""
-        from gemzoo.data.exchange import shard_range
-
         bs = self.cfg.batch_size
         lo, hi = shard_range(bs, rank, world_size)
         return self._train_rows(step * bs + lo, step * bs + hi)

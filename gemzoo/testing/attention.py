@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gemzoo.attention import reference_attention
-from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest
-from gemzoo.jagged import lengths_to_offsets
+from gemzoo import registry
+from gemzoo.attention import allowed_mask, reference_attention
+from gemzoo.errors import JaggedShapeError, PluginError
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionRequest
+from gemzoo.jagged import lengths_to_offsets, max_length
 
 # bf16/fp16 kernels land under 1e-2 (BENCHMARKS.md); fp32 kernels may use tf32 dots on GPU.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -118,8 +120,6 @@ def attention_cases(caps: AttentionCapabilities, *, head_dims=(16,), quick: bool
 def unsupported_options(caps: AttentionCapabilities) -> list[tuple[str, dict]]:
     """(what, call options) for each option outside ``caps``; ``dtype``/``asymmetric`` keys are not kernel
     options but say how to build the inputs."""
-    from gemzoo.interfaces.attention import ACTIVATIONS
-
     out = [(f"activation={a!r}", {"activation": a, "norm": 8.0}) for a in ACTIVATIONS if a not in caps.activations]
     if not caps.block:
         out.append(("block_size", {"block_size": 4}))
@@ -233,9 +233,6 @@ def _case_kw(case: AttentionCase) -> dict:
 
 def _check_hints(kernel, case, device, dtype, reference, tol) -> dict[str, float]:
     """max_q_len / max_k_len below a real length raise JaggedShapeError; exact and larger ones match."""
-    from gemzoo.errors import JaggedShapeError
-    from gemzoo.jagged import max_length
-
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
     lq, lk = max_length(q_off), max_length(q_off if k_off is None else k_off)
@@ -261,8 +258,6 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
     serve it; window=0 and block_size=0 are ValueErrors for every kernel."""
     from dataclasses import replace
 
-    from gemzoo import registry
-    from gemzoo.errors import PluginError
 
     caps = kernel.capabilities
     tried = 0
@@ -294,8 +289,6 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
 def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
     """A NaN put into one sequence's q, k or v (head 0) makes NaN the rows that see it; rows of that sequence
     with no allowed key stay exactly 0; every other sequence's output (and gradients) is what it was."""
-    from gemzoo.attention import allowed_mask
-
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
     ko = q_off if k_off is None else k_off

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemzoo.attention import validated_longest
-from gemzoo.embedding import SparseArch, TableConfig
+from gemzoo.embedding import SparseArch, TableConfig, torchrec_available
 from gemzoo.errors import ConfigError
 from gemzoo.flops import attention_flops, linear_flops
 from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
@@ -162,8 +162,6 @@ class GemModel(nn.Module):
         return plan
 
     def embedding_tables(self) -> list:
-        from gemzoo.embedding import torchrec_available
-
         if self.sparse_arch is not None and self.sparse_arch.engine == "torchrec" and torchrec_available():
             return [t.to_torchrec() for t in self.tables]
         return list(self.tables)
@@ -244,7 +242,7 @@ class GemModel(nn.Module):
         f = f + self.interaction.flops(cands) + sum(linear_flops(cands, h.in_features, 1) for h in self.head.values())
         return f.double()
 
-    def evaluator(self) -> "GemEvaluator":
+    def evaluator(self) -> GemEvaluator:
         return GemEvaluator(self)
 
 
