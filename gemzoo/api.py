@@ -13,7 +13,7 @@ is re-exported here, and nothing else of gemzoo is promised to stay where it is:
 ``API_VERSION`` is ``MAJOR.MINOR``: a minor release only adds names, a major one may change or remove them.
 A plugin declares the range it was written for in its entry-point module (``GEMZOO_API = ">=1,<2"``); a
 plugin whose range excludes this version is refused at load time with a message naming both, and the other
-plugins keep working.
+plugins keep working (``gemzoo.plugins`` checks it; ``gemzoo plugins`` lists such a plugin as failed).
 
 The training-level names at the end of ``__all__`` (``Trainer``, ``train``, ``load_config`` and the batching
 exchange helpers) are loaded on first use, so importing this module from a plugin never imports the trainer.
@@ -86,9 +86,7 @@ from gemzoo.ops import (
     padded_to_jagged,
     quantize_mx,
 )
-from gemzoo.plugins import hookimpl
-
-API_VERSION = "1.0"
+from gemzoo.plugins import API_VERSION, hookimpl
 
 # Training-level names, imported on first use (they sit above the plugin layer, and the trainer loads plugins).
 _LAZY = {
