@@ -31,7 +31,7 @@ def attention_pairs(q_lens: torch.Tensor, k_lens: torch.Tensor | None = None, *,
     if not causal and window is None and block_size is None:
         return int((q_lens * k_lens).sum())
     total = 0
-    for lq, lk in zip(q_lens.tolist(), k_lens.tolist()):
+    for lq, lk in zip(q_lens.tolist(), k_lens.tolist(), strict=True):
         if lq == 0 or lk == 0:
             continue
         i = torch.arange(lq) + (lk - lq)  # last allowed key index per query

@@ -43,7 +43,7 @@ class TensorCache:
             return build()
         full = (*map(id, tensors), *versions, *key)
         hit = self.entries.get(full)
-        if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors, strict=True)):
             self.entries.move_to_end(full)
             return hit[1]
         value = build()

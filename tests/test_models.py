@@ -556,7 +556,7 @@ def test_plain_torch_engine_sparse_gradients_match_dense(gem_dataset, monkeypatc
             model(gem_dataset.train_batch(step)).loss.backward()
             assert tables[0].grad.is_sparse == (model is models[0])
             opt.step()
-    for a, b, a0 in zip(models[0].sparse_arch.parameters(), models[1].sparse_arch.parameters(), before):
+    for a, b, a0 in zip(models[0].sparse_arch.parameters(), models[1].sparse_arch.parameters(), before, strict=True):
         assert not torch.equal(a, a0)  # the tables did train
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

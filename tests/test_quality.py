@@ -147,7 +147,7 @@ def test_redrawn_negatives_never_equal_the_target_and_cover_the_rest(tmp_path):
     assert neg.shape == (target.numel(), 64)
     assert not bool((neg == target.unsqueeze(1)).any())
     assert int(neg.min()) >= 0 and int(neg.max()) < ds.info["num_items"]
-    for row, t in zip(neg, target):  # uniform over the other items: 64 draws of 5 miss none (p < 1e-5)
+    for row, t in zip(neg, target, strict=True):  # uniform over the other items: 64 draws of 5 miss none (p < 1e-5)
         assert set(row.tolist()) == set(range(ds.info["num_items"])) - {int(t)}
     masked = build("hstu", ds.info, negatives="per_position", num_negatives=64)
     assert bool((_drawn_negatives(masked, batch) == target.unsqueeze(1)).any())  # "mask" may draw it

@@ -102,7 +102,6 @@ def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
     72.4 GiB eager). The block graph breaks around this call instead; flex keeps its own compiled kernel."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=FLEX.capabilities, kernel=FLEX,
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,

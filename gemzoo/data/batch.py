@@ -115,7 +115,7 @@ class GemBatch(_Movable):
     def cand_lengths(self) -> torch.Tensor:
         return self.cand_offsets[1:] - self.cand_offsets[:-1]
 
-    def select(self, index) -> "GemBatch":
+    def select(self, index) -> GemBatch:
         """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
         index = torch.as_tensor(index, dtype=torch.int64)
         hist_off, hist = gather_jagged(self.history_offsets, index, self.history_items)
@@ -127,7 +127,7 @@ class GemBatch(_Movable):
         return GemBatch(hist, hist_off, cand, cand_off, click, conv, self.sparse_keys, sp_vals,
                         (sp_off[1:] - sp_off[:-1]).to(self.sparse_lengths.dtype))
 
-    def columns(self) -> "tuple[torch.Tensor, list[torch.Tensor]]":
+    def columns(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The batch sample-major, for moving samples between ranks (``gemzoo.data.exchange``): (rows [B, 6]
         int64, columns); column j holds every sample's ``rows[:, j]`` rows, one sample after another:
         history items; candidates, clicks, conversions; each sample's F bag lengths, then its F bags' values
@@ -142,7 +142,7 @@ class GemBatch(_Movable):
         return rows, [self.history_items, self.cand_items, self.click, self.conversion, lens.reshape(-1), values]
 
     @classmethod
-    def from_columns(cls, like: "GemBatch", rows: torch.Tensor, columns: "list[torch.Tensor]") -> "GemBatch":
+    def from_columns(cls, like: GemBatch, rows: torch.Tensor, columns: list[torch.Tensor]) -> GemBatch:
         """The batch whose ``columns()`` are (``rows``, ``columns``); ``like`` gives what is not per sample."""
         hist, cand, click, conv, lens, values = columns
         n, n_keys = rows.shape[0], len(like.sparse_keys)
@@ -153,7 +153,7 @@ class GemBatch(_Movable):
                    like.sparse_keys, key_major, lens.reshape(n, n_keys).t().reshape(-1))
 
     @classmethod
-    def cat(cls, parts: "list[GemBatch]") -> "GemBatch":
+    def cat(cls, parts: list[GemBatch]) -> GemBatch:
         """The samples of ``parts``, one batch after another (what ``select`` of their union gives)."""
         if not parts:
             raise ValueError("GemBatch.cat needs at least one batch")
@@ -164,7 +164,7 @@ class GemBatch(_Movable):
                              f"batch 0 has {keys}")
         n_keys = len(keys)
         lens = [p.sparse_lengths.reshape(n_keys, p.num_samples) for p in parts]  # key-major
-        per_key = [p.sparse_values.split(ln.sum(1).tolist()) for p, ln in zip(parts, lens)]
+        per_key = [p.sparse_values.split(ln.sum(1).tolist()) for p, ln in zip(parts, lens, strict=True)]
         values = [chunks[k] for k in range(n_keys) for chunks in per_key]
         return GemBatch(
             history_items=torch.cat([p.history_items for p in parts]),
@@ -204,7 +204,7 @@ class SeqBatch(_Movable):
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
-    def select(self, index) -> "SeqBatch":
+    def select(self, index) -> SeqBatch:
         """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
         timed = self.times is not None and self.next_times is not None
         extra = (self.times, self.next_times) if timed else ()
@@ -212,7 +212,7 @@ class SeqBatch(_Movable):
                                                         self.items, self.targets, *extra)
         return SeqBatch(items, offsets, targets, *times)
 
-    def columns(self) -> "tuple[torch.Tensor, list[torch.Tensor]]":
+    def columns(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Sample-major, for moving samples between ranks: (rows [B, k] int64, columns), each column every
         sample's rows one after another: items, targets (and times, next times). ``from_columns`` inverts it."""
         timed = self.times is not None and self.next_times is not None
@@ -220,12 +220,12 @@ class SeqBatch(_Movable):
         return self.lengths.unsqueeze(1).expand(-1, len(cols)).contiguous(), cols
 
     @classmethod
-    def from_columns(cls, like: "SeqBatch", rows: torch.Tensor, columns: "list[torch.Tensor]") -> "SeqBatch":
+    def from_columns(cls, like: SeqBatch, rows: torch.Tensor, columns: list[torch.Tensor]) -> SeqBatch:
         items, targets, *times = columns
         return cls(items, lengths_to_offsets(rows[:, 0]), targets, *times)
 
     @classmethod
-    def cat(cls, parts: "list[SeqBatch]") -> "SeqBatch":
+    def cat(cls, parts: list[SeqBatch]) -> SeqBatch:
         """The samples of ``parts``, one batch after another (what ``select`` of their union gives)."""
         if not parts:
             raise ValueError("SeqBatch.cat needs at least one batch")

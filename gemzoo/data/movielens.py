@@ -27,7 +27,6 @@ each position: the target's), which HSTU's time-bucketed attention bias reads.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -178,10 +177,16 @@ class MovieLensDataset:
         }
 
     # -- sampling ------------------------------------------------------------------------------
-    @functools.lru_cache(maxsize=4)
     def _epoch_order(self, epoch: int) -> torch.Tensor:
-        g = stream_generator(self.seed, _TRAIN, epoch)
-        return torch.tensor(self.trainable)[torch.randperm(len(self.trainable), generator=g)]
+        """The trainable users in ``epoch``'s shuffled order; the last few epochs' orders are kept on the
+        instance (a cache owned by the dataset, freed with it)."""
+        orders = self.__dict__.setdefault("_epoch_orders", {})
+        if epoch not in orders:
+            if len(orders) >= 4:
+                orders.pop(next(iter(orders)))
+            g = stream_generator(self.seed, _TRAIN, epoch)
+            orders[epoch] = torch.tensor(self.trainable)[torch.randperm(len(self.trainable), generator=g)]
+        return orders[epoch]
 
     def train_batch(self, step: int) -> SeqBatch:
         bs = self.cfg.batch_size

@@ -358,7 +358,6 @@ def shard_dense(model: nn.Module, world) -> nn.Module:
     if world.dp_mesh.size() > 1:
         from torch.distributed.fsdp import fully_shard
 
-
         units = list(transformer_blocks(model))
         units += [unit for _, unit, _ in plans if not any(unit is b for b in units)]
         for unit in units:

@@ -31,7 +31,7 @@ def is_dtensor(t) -> bool:
 
 def _block(offsets, sizes) -> tuple[slice, ...]:
     """The index of one shard inside the whole tensor."""
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
 
 
 def copy_into_shards(sharded, full: torch.Tensor) -> None:
@@ -66,7 +66,6 @@ def _whole(value: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
 def _local(value, full: torch.Tensor, rows: tuple[int, int] | None):
     """This rank's DTensor piece (laid out like ``value``) of the whole tensor ``full``."""
     from torch.distributed.tensor import distribute_tensor
-
 
     full = to_rank_rows(full, *rows) if rows is not None else full
     return distribute_tensor(full.detach().to(value.dtype), value.device_mesh, value.placements)

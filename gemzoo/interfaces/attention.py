@@ -41,7 +41,7 @@ class AttentionCapabilities:
     rotary: bool = False  # rope_theta
     bias: bool = False  # an additive score bias, bias= [B, 1 or H, >= Lq, >= Lk] padded
 
-    def missing(self, req: "AttentionRequest") -> list[str]:
+    def missing(self, req: AttentionRequest) -> list[str]:
         """Human-readable list of what ``req`` needs that this kernel lacks."""
         out = []
         if req.activation not in self.activations:
@@ -87,7 +87,7 @@ class AttentionRequest:
     rotary: bool = False
     bias: bool = False
 
-    def replace(self, **kw) -> "AttentionRequest":
+    def replace(self, **kw) -> AttentionRequest:
         return dataclasses.replace(self, **kw)
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,9 +33,9 @@ class Batch(Protocol):
     def lengths(self) -> torch.Tensor:
         """int64 ``[num_samples]``: each sample's sequence length."""
 
-    def to(self, device) -> "Batch": ...
+    def to(self, device) -> Batch: ...
 
-    def select(self, index) -> "Batch":
+    def select(self, index) -> Batch:
         """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
 
 
@@ -88,7 +89,7 @@ class RecModel(Protocol):
         allowed pairs at every attention site plus linear FLOPs of its tokens); sums to ``flops(batch)``.
         Batching policies balance ranks with it."""
 
-    def evaluator(self) -> "Evaluator": ...
+    def evaluator(self) -> Evaluator: ...
 
 
 @runtime_checkable

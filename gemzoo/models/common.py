@@ -163,7 +163,7 @@ class MLP(nn.Module):
         super().__init__()
         if len(dims) < 2:
             raise ConfigError(f"an MLP needs at least input and output sizes, got {dims}")
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
         self.act = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[activation]
         self.dropout = nn.Dropout(dropout)
 
@@ -190,7 +190,7 @@ def init_weights(module: nn.Module, *, std: float = 0.02, embedding_std: float |
         done.update(id(p) for p in m.parameters())
         done.update(id(b) for b in m.buffers())
     with torch.no_grad():
-        for name, m in module.named_modules():
+        for m in module.modules():
             if any(m is s for s in skip):
                 continue
             if isinstance(m, nn.Linear):

@@ -207,7 +207,7 @@ class RetrievalModel(nn.Module):
     def transformer_blocks(self) -> list[nn.Module]:
         return list(self.blocks)
 
-    def evaluator(self) -> "RankingEvaluator":
+    def evaluator(self) -> RankingEvaluator:
         return RankingEvaluator(self)
 
 

@@ -58,6 +58,5 @@ def skip_unless_torchrec() -> None:
     ``GEMZOO_NO_TORCHREC`` set), as on the GPU image."""
     import pytest
 
-
     if not torchrec_available():
         pytest.skip("needs torchrec (not installed, or GEMZOO_NO_TORCHREC is set)")

@@ -84,9 +84,12 @@ def check_assignment(policy, case: BatchingCase) -> list[torch.Tensor]:
     missing, twice = (counts == 0).nonzero().flatten().tolist(), (counts > 1).nonzero().flatten().tolist()
     assert not missing and not twice, f"{name}: samples {missing[:5]} unassigned, {twice[:5]} assigned twice"
     again = policy.assign(costs.clone(), case.world_size)
-    assert all(torch.equal(a.long(), b.long()) for a, b in zip(groups, again)), f"{name}.assign is not deterministic"
+    assert len(again) == len(groups) and all(torch.equal(a.long(), b.long())
+                                             for a, b in zip(groups, again, strict=True)), \
+        f"{name}.assign is not deterministic"
     fresh = copy.deepcopy(policy).assign(costs.clone(), case.world_size)
-    assert all(torch.equal(a.long(), b.long()) for a, b in zip(groups, fresh)), \
+    assert len(fresh) == len(groups) and all(torch.equal(a.long(), b.long())
+                                             for a, b in zip(groups, fresh, strict=True)), \
         f"{name}.assign depends on state left by an earlier call"
     return groups
 
@@ -224,7 +227,6 @@ def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: st
     rank_env(rank, world, port)
     import torch.distributed as dist
 
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dp = DataParallelGroup(rank, world)
     model, _ = tiny_model(0, d_model=16, batch_size=13)
@@ -255,7 +257,7 @@ def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: st
                     total = part.detach().clone()
                     dist.all_reduce(total)
                     torch.testing.assert_close(total, whole, rtol=1e-9, atol=0,
-                                               msg=lambda m: f"batching {name!r}: global loss changed: {m}")
+                                               msg=lambda m, name=name: f"batching {name!r}: global loss changed: {m}")
         summary[name] = seen
     Path(out_dir, f"batching{rank}.json").write_text(json.dumps(summary))
     dist.barrier()

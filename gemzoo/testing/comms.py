@@ -278,7 +278,6 @@ def comms_rank(rank: int, world: int, port: int, backends: dict, out_dir: str) -
     rank_env(rank, world, port)
     import torch.distributed as dist
 
-
     results = {}
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     for name, backend in backends.items():
