@@ -18,8 +18,12 @@ TORCH_LIBRARY(gemzoo, m) {
   m.def("quantize_mx(Tensor x, int axis, int block, ScalarType elem) -> (Tensor, Tensor)");
   m.def("dequantize_mx(Tensor data, Tensor scale, int axis, int block, ScalarType dtype) -> Tensor");
   m.def("hadamard_transform(Tensor x, int block, Tensor? signs, bool inverse) -> Tensor");
-  // activation: 0 softmax, 1 silu, 2 gelu, 3 relu, 4 identity; window/block_size -1 = off.
-  // Returns out [Tq, H, Dv] and the softmax logsumexp [H, Tq] (fp32) saved for backward.
+  // activation: a code of gemzoo.attention.semantics.ACTIVATION_CODES (enum Activation in
+  // attention/jagged_attention.cpp): 0 softmax, 1 silu, 2 gelu, 3 relu, 4 identity, 5 gelu_tanh, 6 relu2,
+  // 7 leaky_relu (slope 0.01), 8 hardswish. scale: None in Python is passed as 1/sqrt(D); norm divides the
+  // pointwise activations (1.0 = none); window / block_size: -1 = off.
+  // Returns out [Tq, H, Dv] in fp32 whatever q's dtype, and the logsumexp [H, Tq] (fp32; zeros for pointwise
+  // activations) that the backward takes back.
   m.def("jagged_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor k_offsets, bool causal, "
         "int activation, float scale, float norm, int window, int block_size) -> (Tensor, Tensor)");
   m.def("jagged_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "

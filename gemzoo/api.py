@@ -13,7 +13,7 @@ is re-exported here, and nothing else of gemzoo is promised to stay where it is:
 ``API_VERSION`` is ``MAJOR.MINOR``: a minor release only adds names, a major one may change or remove them.
 A plugin declares the range it was written for in its entry-point module (``GEMZOO_API = ">=1,<2"``); a
 plugin whose range excludes this version is refused at load time with a message naming both, and the other
-plugins keep working.
+plugins keep working (``gemzoo.plugins`` checks it; ``gemzoo plugins`` lists such a plugin as failed).
 
 The training-level names at the end of ``__all__`` (``Trainer``, ``train``, ``load_config`` and the batching
 exchange helpers) are loaded on first use, so importing this module from a plugin never imports the trainer.
@@ -25,16 +25,8 @@ import importlib
 from typing import Any
 
 from gemzoo import registry
-from gemzoo.config import bounded
-from gemzoo.distributed import whole_parameters
-from gemzoo.embedding import TableConfig, torchrec_available
-from gemzoo.errors import CheckpointError, ConfigError, GemzooError, JaggedShapeError, PluginError, TrainingError
-from gemzoo.flops import attention_flops, attention_pairs, linear_flops
-from gemzoo.interfaces.attention import (
-    ACTIVATIONS,
-    AttentionCapabilities,
-    AttentionKernel,
-    AttentionRequest,
+from gemzoo.attention import (
+    ACTIVATION_CODES,
     FunctionKernel,
     JaggedAttention,
     allowed_mask,
@@ -47,6 +39,10 @@ from gemzoo.interfaces.attention import (
     reference_attention,
     validated_longest,
 )
+from gemzoo.embedding import TableConfig, torchrec_available
+from gemzoo.errors import CheckpointError, ConfigError, GemzooError, JaggedShapeError, PluginError, TrainingError
+from gemzoo.flops import attention_flops, attention_pairs, linear_flops
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionKernel, AttentionRequest
 from gemzoo.interfaces.batching import BatchingPolicy, DataParallelGroup, overlap_depth, overlap_worker, overlaps
 from gemzoo.interfaces.comms import COLLECTIVES, CommsBackend, CommsCapabilities
 from gemzoo.interfaces.memory import MemoryPolicy
@@ -58,10 +54,11 @@ from gemzoo.interfaces.models import (
     ModelOutput,
     ModelSpec,
     RecModel,
+    host_view,
     transformer_blocks,
 )
-from gemzoo.interfaces.options import Configurable, TakesOptions
-from gemzoo.interfaces.planner import Planner, SparseOptimizer, Topology, WholeTables
+from gemzoo.interfaces.options import Configurable, TakesOptions, bounded
+from gemzoo.interfaces.planner import Planner, SparseOptimizer, Topology, WholeTables, whole_parameters
 from gemzoo.interfaces.precision import (
     BF16Linear,
     OptimizerStepHook,
@@ -73,20 +70,23 @@ from gemzoo.interfaces.precision import (
 )
 from gemzoo.jagged import (
     TensorCache,
-    jagged_to_padded,
     lengths_to_offsets,
     max_length,
     offsets_to_lengths,
-    padded_to_jagged,
     positions,
     seq_ids,
     validate_offsets,
 )
 from gemzoo.mx import dequantize_mx_torch, quantize_mx_torch
-from gemzoo.ops import ACTIVATION_CODES, dequantize_mx, hadamard_transform, hadamard_transform_torch, quantize_mx
-from gemzoo.plugins import hookimpl
-
-API_VERSION = "1.0"
+from gemzoo.ops import (
+    dequantize_mx,
+    hadamard_transform,
+    hadamard_transform_torch,
+    jagged_to_padded,
+    padded_to_jagged,
+    quantize_mx,
+)
+from gemzoo.plugins import API_VERSION, hookimpl
 
 # Training-level names, imported on first use (they sit above the plugin layer, and the trainer loads plugins).
 _LAZY = {
@@ -135,6 +135,7 @@ __all__ = [
     "COLLECTIVES", "CommsBackend", "CommsCapabilities",
     "MemoryPolicy",
     "Batch", "Dataset", "DatasetSpec", "Evaluator", "ModelOutput", "ModelSpec", "RecModel", "transformer_blocks",
+    "host_view",
     "Planner", "SparseOptimizer", "Topology", "WholeTables", "whole_parameters", "TableConfig",
     "torchrec_available",
     "BF16Linear", "OptimizerStepHook", "PrecisionCapabilities", "PrecisionConfig", "PrecisionPolicy",

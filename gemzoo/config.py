@@ -12,21 +12,17 @@ import dataclasses
 import difflib
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from gemzoo import kinds
+from gemzoo import registry as default_registry
+from gemzoo.distributed.dense import check_mesh_table
 from gemzoo.errors import ConfigError, PluginError
-
-
-def bounded(default, *, min: float | None = None, choices: tuple | None = None, pattern: str | None = None,
-            means: str = ""):
-    """A dataclass field whose value a config may set only within a range: ``min`` (inclusive), one of
-    ``choices``, or a full match of the regular expression ``pattern`` (``means`` says it in words).
-    Config, model, dataset and plugin option dataclasses all use it; load_config checks it."""
-    return field(default=default, metadata={"min": min, "choices": choices, "pattern": pattern, "means": means})
+from gemzoo.interfaces.options import bounded
 
 
 @dataclass
@@ -55,27 +51,6 @@ class RunConfig:
 
     def __post_init__(self):
         check_mesh_table(self.mesh, self.dense_parallel)
-
-
-MESH_DIMS = ("replicate", "shard", "tp")  # run.mesh's dims, outermost first
-
-
-def check_mesh_table(mesh: Any, dense_parallel: str = "fsdp") -> None:
-    """``run.mesh`` on its own (the world size is checked when the mesh is built): a table of positive ints
-    keyed by replicate, shard, tp; not with ``dense_parallel = "ddp"``."""
-    if not isinstance(mesh, dict):
-        raise ConfigError(f"run.mesh must be a table such as {{replicate = 2, shard = 2, tp = 1}}, got {mesh!r}")
-    for name, size in mesh.items():
-        if name not in MESH_DIMS:
-            close = difflib.get_close_matches(str(name), MESH_DIMS, n=1)
-            hint = f" Did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"run.mesh has an unknown dim {name!r}: it takes {', '.join(MESH_DIMS)} "
-                              f"(e.g. {{replicate = 2, shard = 2, tp = 2}}).{hint}")
-        if type(size) is not int or size < 1:
-            raise ConfigError(f"run.mesh {name} = {size!r}: sizes are integers >= 1")
-    if mesh and dense_parallel == "ddp":
-        raise ConfigError(f"run.mesh {mesh} lays out the dense parts itself (replicate = R is their data "
-                          "parallelism); drop run.dense_parallel = \"ddp\" (keep \"fsdp\") or drop run.mesh")
 
 
 @dataclass
@@ -341,7 +316,7 @@ def load_config(path: str | Path | None = None, *, raw: dict | None = None, over
                 plugins: str | None = None, registry=None) -> Config:
     """Read, override and validate a config against the registries."""
     if registry is None:
-        from gemzoo import registry
+        registry = default_registry
     source = str(path) if path is not None else "<dict>"
     if raw is None:
         raw = read_toml(path, "config file", "configs/")

@@ -1,6 +1,6 @@
 """Model FLOP counting over real (unpadded) tokens: the numerator of MFU, used by every model family.
 
-PaLM's definition, for every family alike (DESIGN.md): a matmul of [m, k] x [k, n] is 2mkn FLOPs forward
+PaLM's definition, for every family alike: a matmul of [m, k] x [k, n] is 2mkn FLOPs forward
 and backward is twice forward (dgrad + wgrad), so 3x in all; attention counts allowed (query, key) pairs
 only, 2*H*(D + Dv) per pair forward (QK^T and PV) and 3x that forward+backward (12*H*D per pair when
 Dv = D). Nothing is counted for recompute (activation checkpointing, FlashAttention's backward) or padding.
@@ -25,13 +25,13 @@ def linear_flops(tokens: int, in_features: int, out_features: int, *, backward: 
 def attention_pairs(q_lens: torch.Tensor, k_lens: torch.Tensor | None = None, *, causal: bool = True,
                     window: int | None = None, block_size: int | None = None) -> int:
     """Number of allowed (query, key) pairs, bottom-right causal, summed over the batch (``block_size``:
-    only pairs in one block of positions counted from each sequence's start, as DESIGN.md's rule)."""
+    only pairs in one block of positions counted from each sequence's start, as the mask rule of gemzoo.interfaces.attention)."""
     q_lens = q_lens.long().cpu()
     k_lens = q_lens if k_lens is None else k_lens.long().cpu()
     if not causal and window is None and block_size is None:
         return int((q_lens * k_lens).sum())
     total = 0
-    for lq, lk in zip(q_lens.tolist(), k_lens.tolist()):
+    for lq, lk in zip(q_lens.tolist(), k_lens.tolist(), strict=True):
         if lq == 0 or lk == 0:
             continue
         i = torch.arange(lq) + (lk - lq)  # last allowed key index per query

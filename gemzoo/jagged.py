@@ -1,5 +1,8 @@
 """Jagged layout helpers: ``values [T, ...]`` plus int64 ``offsets [B+1]`` (torchrec/fbgemm convention).
 
+Offsets, lengths, positions and the tensor cache only; the padded conversions (C++ op or torch fallback) are
+``gemzoo.ops.jagged_to_padded`` / ``padded_to_jagged``, which build on this module.
+
 Rules checked by :func:`validate_offsets`:
   1. offsets is a 1-D int64 tensor with at least one element;
   2. it lives on the same device as the values;
@@ -40,7 +43,7 @@ class TensorCache:
             return build()
         full = (*map(id, tensors), *versions, *key)
         hit = self.entries.get(full)
-        if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors, strict=True)):
             self.entries.move_to_end(full)
             return hit[1]
         value = build()
@@ -56,8 +59,7 @@ __all__ = [
     "max_length",
     "seq_ids",
     "positions",
-    "jagged_to_padded",
-    "padded_to_jagged",
+    "TensorCache",
 ]
 
 
@@ -119,17 +121,3 @@ def positions(offsets: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Position of every value row inside its own sequence, shape [T]."""
     ids = seq_ids(offsets, total)
     return torch.arange(ids.numel(), device=offsets.device) - offsets[ids]
-
-
-def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None, pad: float = 0.0):
-    """[T, *F] -> [B, max_len, *F]; rows past a sequence's end hold ``pad``. Differentiable."""
-    from gemzoo import ops
-
-    return ops.jagged_to_padded(values, offsets, max_length(offsets) if max_len is None else max_len, pad)
-
-
-def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[B, L, *F] -> [T, *F], keeping the first length_b rows of each sequence. Differentiable."""
-    from gemzoo import ops
-
-    return ops.padded_to_jagged(padded, offsets)

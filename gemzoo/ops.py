@@ -17,11 +17,18 @@ import warnings
 
 import torch
 
+from gemzoo import mx
+from gemzoo.attention.checks import check_inputs
+from gemzoo.attention.semantics import ACTIVATION_CODES, reference_attention
+from gemzoo.errors import JaggedShapeError
+from gemzoo.jagged import max_length, positions, seq_ids
+
 __all__ = [
     "extension_available",
     "extension_info",
     "jagged_to_padded",
     "padded_to_jagged",
+    "ACTIVATION_CODES",
     "quantize_mx",
     "dequantize_mx",
     "hadamard_transform",
@@ -39,8 +46,6 @@ OPS = (
     "jagged_attention_fwd",
     "jagged_attention_bwd",
 )
-ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4, "gelu_tanh": 5, "relu2": 6,
-                    "leaky_relu": 7, "hardswish": 8}
 
 
 def _torch_version_key(version: str) -> str:
@@ -114,8 +119,6 @@ def _use_extension(name: str, *tensors: torch.Tensor) -> bool:
 
 
 def _lengths_fit(offsets: torch.Tensor, max_len: int, what: str) -> None:
-    from gemzoo.errors import JaggedShapeError
-
     if offsets.numel() > 1:
         longest = int((offsets[1:] - offsets[:-1]).max())
         if longest > max_len:
@@ -125,15 +128,17 @@ def _lengths_fit(offsets: torch.Tensor, max_len: int, what: str) -> None:
             )
 
 
-def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, pad: float = 0.0) -> torch.Tensor:
-    """[T, *F] -> [B, max_len, *F]; rows past a sequence's end hold ``pad``; longer sequences are cut."""
+def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None,
+                     pad: float = 0.0) -> torch.Tensor:
+    """[T, *F] -> [B, max_len, *F]; rows past a sequence's end hold ``pad``; longer sequences are cut.
+    ``max_len`` defaults to the longest sequence (a read of the offsets). Differentiable."""
+    if max_len is None:
+        max_len = max_length(offsets)
     if _use_extension("jagged_to_padded", values):
         return torch.ops.gemzoo.jagged_to_padded(values, offsets, max_len, float(pad))
     batch = offsets.numel() - 1
     if values.shape[0] == 0 or max_len == 0:
         return values.new_full((batch, max_len, *values.shape[1:]), pad)
-    from gemzoo.jagged import positions, seq_ids
-
     ids = seq_ids(offsets, values.shape[0])
     pos = positions(offsets, values.shape[0])
     # rows past max_len go to a spare sequence row that is cut off after: no boolean mask, whose size would be
@@ -145,9 +150,7 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, 
 
 
 def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[B, L, *F] -> [T, *F], keeping the first length_b rows of each sequence."""
-    from gemzoo.errors import JaggedShapeError
-
+    """[B, L, *F] -> [T, *F], keeping the first length_b rows of each sequence. Differentiable."""
     if padded.dim() < 2 or padded.shape[0] != offsets.numel() - 1:
         raise JaggedShapeError(
             f"padded must be [B, L, ...] with B = len(offsets) - 1 = {offsets.numel() - 1}, "
@@ -157,8 +160,6 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
     total = int(offsets[-1])
     if _use_extension("padded_to_jagged", padded):
         return torch.ops.gemzoo.padded_to_jagged(padded, offsets, total)
-    from gemzoo.jagged import positions, seq_ids
-
     ids = seq_ids(offsets, total)
     pos = positions(offsets, total)
     return padded[ids, pos]
@@ -172,8 +173,6 @@ def quantize_mx(x: torch.Tensor, axis: int = -1, block: int = 32, elem: torch.dt
 
     Bit-exact with :func:`gemzoo.mx.quantize_mx_torch` (the rule is stated there).
     """
-    from gemzoo import mx
-
     mx._check(axis, block, elem)
     if x.dim() == 0:
         raise ValueError("quantize_mx needs a tensor with at least one dimension, got a scalar")
@@ -186,8 +185,6 @@ def quantize_mx(x: torch.Tensor, axis: int = -1, block: int = 32, elem: torch.dt
 def dequantize_mx(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, block: int = 32,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_mx`: data * 2^(e-127) per block, in ``dtype``."""
-    from gemzoo import mx
-
     if data.dim() == 0:
         raise ValueError("dequantize_mx needs a tensor with at least one dimension, got a scalar")
     axis = axis % data.dim()
@@ -273,16 +270,12 @@ def _reference_eager(*args, **kwargs):
     """The fallback without the C++ op runs eager under torch.compile: traced, its per-sequence loop over
     data-dependent lengths makes a graph whose symbolic shapes took the compiler over 10 minutes for gem-tiny
     (a graph break instead; the op itself, when built, is one opaque node)."""
-    from gemzoo.interfaces.attention import reference_attention
-
     return reference_attention(*args, **kwargs)
 
 
 def jagged_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
                      norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None):
-    """Jagged attention (DESIGN.md semantics) with the C++ CPU kernel; other devices use ``reference``."""
-    from gemzoo.interfaces.attention import check_inputs
-
+    """Jagged attention (the semantics of gemzoo.attention) with the C++ CPU kernel; other devices use ``reference``."""
     q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation, causal=causal, scale=scale,
                                         norm=norm, max_q_len=max_q_len, max_k_len=max_k_len,
                                         block_size=block_size, window=window)

@@ -1,23 +1,38 @@
-"""The plugin manager: built-ins, installed entry points (group ``gemzoo``), blocking and load errors.
+"""The plugin manager: built-ins, installed entry points (group ``gemzoo``), blocking, API ranges and load errors.
 
 Block a plugin with ``--plugins no:NAME`` or ``GEMZOO_DISABLE_PLUGINS=name1,name2`` (distribution or
 plugin names). ``GEMZOO_DISABLE_PLUGIN_AUTOLOAD=1`` loads built-ins only.
+
+A plugin's entry-point module may declare the range of gemzoo API versions it was written for, as a PEP 440
+specifier: ``GEMZOO_API = ">=1,<2"``. A plugin whose range excludes :data:`API_VERSION` (or whose range is not
+a valid specifier) is not registered: it is recorded as a load failure naming the range, this API version and
+the fix, and the other plugins keep working. A plugin that declares no range is accepted.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pluggy
+import tomllib
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from gemzoo import hookspecs
 
 hookimpl = pluggy.HookimplMarker("gemzoo")
 
 ENTRY_POINT_GROUP = "gemzoo"
+
+# The version of the public plugin API (gemzoo.api re-exports it): MAJOR.MINOR, where a minor release only adds
+# names and a major one may change or remove them.
+API_VERSION = "1.0"
+API_ATTRIBUTE = "GEMZOO_API"  # the entry-point module's declared range, e.g. ">=1,<2"
 
 BUILTIN_MODULES = (
     "gemzoo.builtin.attention",
@@ -72,8 +87,6 @@ class PluginHost:
             self._load_entry_points()
 
     def _load_builtins(self) -> None:
-        import importlib
-
         version = _gemzoo_version()
         for modname in BUILTIN_MODULES:
             short = modname.rsplit(".", 1)[-1]
@@ -94,18 +107,30 @@ class PluginHost:
                 continue
             try:
                 plugin = ep.load()
-                self.pm.register(plugin, name=ep.name)
+                refused = api_mismatch(declared_api(plugin, ep.module), ep.name, dist)
+                if refused is None:
+                    self.pm.register(plugin, name=ep.name)
             except Exception as exc:  # a broken plugin must not take the others down
                 self.infos[ep.name] = PluginInfo(
                     ep.name, dist, version, error=f"{type(exc).__name__}: {exc}"
                 )
                 continue
+            if refused is not None:
+                self.infos[ep.name] = PluginInfo(ep.name, dist, version, error=refused)
+                continue
             self.infos[ep.name] = PluginInfo(ep.name, dist, version, _hook_names(self.pm, plugin))
 
-    def register(self, plugin, name: str, distribution: str = "<local>", version: str = "0") -> None:
-        """Register a plugin object by hand (tests, notebooks, third parties without packaging)."""
+    def register(self, plugin, name: str, distribution: str = "<local>", version: str = "0") -> bool:
+        """Register a plugin object by hand (tests, notebooks, third parties without packaging). Its
+        ``GEMZOO_API`` range is checked as an installed plugin's is: a plugin refused is recorded as failed
+        (``failed()``, ``gemzoo plugins``) and not registered. Returns whether it was registered."""
+        refused = api_mismatch(declared_api(plugin), name, distribution)
+        if refused is not None:
+            self.infos[name] = PluginInfo(name, distribution, version, error=refused)
+            return False
         self.pm.register(plugin, name=name)
         self.infos[name] = PluginInfo(name, distribution, version, _hook_names(self.pm, plugin))
+        return True
 
     def blocked_by(self, name: str) -> str | None:
         """What blocks ``name`` (a plugin, distribution or first-party registered name): the environment
@@ -137,14 +162,35 @@ class PluginHost:
         return {n: i for n, i in self.infos.items() if i.error}
 
 
-# Registered names of the first-party plugin distributions (DESIGN.md), for install hints when gemzoo is
-# not run from its source tree; a source tree's plugins/*/ folders are read instead (see first_party_plugins).
-FIRST_PARTY = {
-    "jfa": "gemzoo-jfa", "gdpa": "gemzoo-gdpa", "block-attention": "gemzoo-block-attention",
-    "mxfp8": "gemzoo-mxfp8", "fp8-rowwise": "gemzoo-mxfp8", "sharding-2d": "gemzoo-sharding-2d",
-    "ncclx": "gemzoo-ncclx", "auto-ac": "gemzoo-auto-ac", "act-quant": "gemzoo-act-quant",
-    "base-batch-shuffle": "gemzoo-base-batch-shuffle",
-}
+def declared_api(plugin, module: str | None = None):
+    """The ``GEMZOO_API`` range a plugin declares: an attribute of the plugin object (its entry-point module,
+    usually), else of ``module`` (the module an entry point such as ``pkg.mod:obj`` names); None if neither
+    declares one."""
+    declared = getattr(plugin, API_ATTRIBUTE, None)
+    if declared is None and module is not None:
+        declared = getattr(sys.modules.get(module), API_ATTRIBUTE, None)
+    return declared
+
+
+def api_mismatch(declared, plugin: str, distribution: str) -> str | None:
+    """Why a plugin declaring the API range ``declared`` cannot load under :data:`API_VERSION`, or None when
+    it can (a range that includes this version, or no range at all)."""
+    if declared is None:
+        return None
+    fix = (f"upgrade the plugin (pip install -U {distribution}) to a release written for gemzoo API "
+           f"{API_VERSION}, or install a gemzoo whose API version its range includes")
+    if not isinstance(declared, str):
+        return (f"plugin {plugin!r} ({distribution}) declares {API_ATTRIBUTE} = {declared!r}, which is not a "
+                f"PEP 440 version specifier; write a string such as {API_ATTRIBUTE} = \">=1,<2\"")
+    try:
+        wanted = SpecifierSet(declared)
+    except InvalidSpecifier as exc:
+        return (f"plugin {plugin!r} ({distribution}) declares {API_ATTRIBUTE} = {declared!r}, which is not a "
+                f"valid PEP 440 version specifier ({exc}); write a range such as {API_ATTRIBUTE} = \">=1,<2\"")
+    if wanted.contains(API_VERSION, prereleases=True):
+        return None
+    return (f"plugin {plugin!r} ({distribution}) needs gemzoo API {declared} ({API_ATTRIBUTE}), but this gemzoo "
+            f"provides API {API_VERSION}; {fix}")
 
 
 def source_tree_plugins_dir() -> Path | None:
@@ -153,28 +199,78 @@ def source_tree_plugins_dir() -> Path | None:
     return folder if (folder.parent / "pyproject.toml").is_file() and folder.is_dir() else None
 
 
-def first_party_plugins() -> dict[str, tuple[str, Path | None]]:
-    """Registered name -> (distribution, local folder or None) of gemzoo's own plugin distributions.
+def _registered_names(source: str) -> list[str]:
+    """The literal names a plugin module passes to ``register(...)``."""
+    return re.findall(r"""\bregister\(\s*["']([\w.-]+)["']""", source)
 
-    Read from the source tree's ``plugins/gemzoo-*/`` (the names each plugin.py passes to ``register``),
-    falling back to :data:`FIRST_PARTY` outside a checkout. Install hints use it: never a name guessed
-    from user input, since such a name could be registered by anyone on a package index."""
-    import re
 
+def _module_file(root: Path, module: str) -> Path | None:
+    """The source file of ``module`` (dotted) under ``root``: ``a/b.py`` or ``a/b/__init__.py``."""
+    base = root.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _tree_plugins(root: Path) -> dict[str, tuple[str, Path | None]]:
+    """Registered name -> (distribution, folder) of each distribution under ``root`` (``plugins/``): its name
+    and ``gemzoo`` entry points from its ``pyproject.toml``, the names from each entry-point module."""
     found: dict[str, tuple[str, Path | None]] = {}
+    for meta in sorted(root.glob("*/pyproject.toml")):
+        try:
+            project = tomllib.loads(meta.read_text(encoding="utf-8")).get("project", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            continue  # a folder that is not a plugin distribution
+        dist = project.get("name")
+        for ep_name, target in project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {}).items():
+            path = _module_file(meta.parent, target.partition(":")[0].strip())
+            names = _registered_names(path.read_text(errors="replace")) if path else []
+            for name in (*names, ep_name):
+                found.setdefault(name, (dist, meta.parent))
+    return found
+
+
+def _installed_plugins() -> dict[str, tuple[str, Path | None]]:
+    """Registered name -> (distribution, None) of the installed ``gemzoo`` entry points, read from their
+    distributions' files without importing them (editable installs, which list no module files, give the
+    entry-point name only)."""
+    found: dict[str, tuple[str, Path | None]] = {}
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.dist is None:
+            continue
+        want = ep.module.replace(".", "/")
+        names: list[str] = []
+        for f in ep.dist.files or ():
+            if str(f) in (want + ".py", want + "/__init__.py"):
+                try:
+                    names = _registered_names(Path(ep.dist.locate_file(f)).read_text(errors="replace"))
+                except OSError:
+                    names = []
+                break
+        for name in (*names, ep.name):
+            found.setdefault(name, (ep.dist.name, None))
+    return found
+
+
+def first_party_plugins() -> dict[str, tuple[str, Path | None]]:
+    """Registered name -> (distribution, local folder or None) of the plugin distributions gemzoo knows
+    without loading them.
+
+    From the source tree's ``plugins/*/pyproject.toml`` (each distribution's name and ``gemzoo`` entry points,
+    and the names its entry-point modules pass to ``register``), then from the installed ``gemzoo`` entry
+    points. Install hints use it: never a name guessed from user input, since such a name could be
+    registered by anyone on a package index."""
     root = source_tree_plugins_dir()
-    for folder in sorted(root.glob("gemzoo-*")) if root else ():
-        for py in folder.glob("gemzoo_*/plugin.py"):
-            for name in re.findall(r"""\bregister\(\s*["']([\w.-]+)["']""", py.read_text(errors="replace")):
-                found.setdefault(name, (folder.name, folder))
-    for name, dist in FIRST_PARTY.items():
-        folder = root / dist if root and (root / dist).is_dir() else None
-        found.setdefault(name, (dist, folder))
+    found = _tree_plugins(root) if root else {}
+    for name, hit in _installed_plugins().items():
+        found.setdefault(name, hit)
     return found
 
 
 def install_hint(name: str) -> str | None:
-    """How to install the first-party plugin that registers ``name``, or None for any other name."""
+    """How to get the plugin distribution that registers ``name`` (one of :func:`first_party_plugins`), or
+    None for any other name."""
     hit = first_party_plugins().get(name)
     if hit is None:
         return None
@@ -182,10 +278,8 @@ def install_hint(name: str) -> str | None:
     if folder is not None:
         return (f"{name!r} comes with the first-party plugin {dist}: install it with "
                 f"pip install --no-deps --no-build-isolation -e {folder}")
-    if source_tree_plugins_dir() is not None:
-        return f"{name!r} belongs to the first-party plugin {dist}, which this source tree does not contain yet"
-    return (f"{name!r} comes with the first-party plugin {dist}, which lives in gemzoo's source tree under "
-            f"plugins/{dist}: install it from there with pip install -e plugins/{dist}")
+    return (f"{name!r} belongs to the installed plugin distribution {dist}, which did not register it this time; "
+            "`gemzoo plugins` shows what each plugin registered and why one failed")
 
 
 def _hook_names(pm: pluggy.PluginManager, plugin) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from gemzoo import kinds as kinds_table
 from gemzoo.errors import PluginError
-from gemzoo.plugins import PluginHost
+from gemzoo.plugins import PluginHost, first_party_plugins, install_hint
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class Registry:
                 dist = info.distribution if info else "<local>"
                 version = info.version if info else "0"
 
-                def register(name: str, obj: Any, *, _kind=kind, _impl=impl, _dist=dist, _ver=version) -> None:
+                def register(name: str, obj: Any, *, _kind=kind, _impl=impl, _dist=dist, _ver=version,
+                             _info=info) -> None:
                     if not isinstance(name, str) or not name:
                         raise PluginError(f"plugin {_impl.plugin_name!r} registered a {_kind} with an empty name")
                     old = entries[_kind].get(name) or by_name.get(name)
@@ -89,8 +90,8 @@ class Registry:
                             f"Uninstall one of them or block it with GEMZOO_DISABLE_PLUGINS={_impl.plugin_name}."
                         )
                         self._clashes.append(msg)
-                        if info is not None:
-                            info.error = msg
+                        if _info is not None:
+                            _info.error = msg
                         return
                     entry = Entry(_kind, name, obj, _impl.plugin_name, _dist, _ver)
                     entries[_kind][name] = entry
@@ -171,8 +172,6 @@ class Registry:
 
     def _unknown_message(self, kind: str, name: str) -> str:
         import difflib
-
-        from gemzoo.plugins import first_party_plugins, install_hint
 
         existing = self.names(kind)
         msg = f"unknown {kind} {name!r}. Registered {kind} names: {', '.join(existing) or '(none)'}."

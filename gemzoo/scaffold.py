@@ -143,7 +143,7 @@ from __future__ import annotations
 
 import gemzoo
 from gemzoo.interfaces import AttentionCapabilities
-from gemzoo.interfaces.attention import check_inputs
+from gemzoo.api import check_inputs
 
 # What this kernel supports. The conformance suite tests every combination declared here, and the trainer
 # refuses a model whose attention sites need something missing, naming the kernels that can serve it.
@@ -604,7 +604,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo.interfaces import AttentionRequest, JaggedAttention, ModelOutput
+from gemzoo.api import AttentionRequest, JaggedAttention, ModelOutput
 
 
 @dataclass
@@ -873,7 +873,7 @@ def render(name: str, kind: str) -> dict[str, str]:
 
     hook = kinds.kind(kind).hook
     plugin = t["plugin"]
-    core = f"from gemzoo.interfaces import {plugin['core']}\n" if plugin.get("core") else ""
+    core = f"from gemzoo.api import {plugin['core']}\n" if plugin.get("core") else ""
     # Fields of the README refer to $name etc. themselves: substitute them first.
     readme_values = {k: sub(t[k]) for k in ("protocol", "use", "fill", "tests")}
     readme_values["hook"] = hook

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gemzoo.interfaces.attention import allowed_mask
+from gemzoo.attention import allowed_mask
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "attention.md"
 

@@ -173,7 +173,7 @@ def test_rows_without_keys_are_zero_even_with_nan(name):
 @pytest.mark.parametrize("name", ["cpu", "sdpa-padded"])
 def test_bf16_backward_uses_the_fp32_output(name):
     """rowsum(dO * O) from the bf16-rounded O put dk off by 1.7-2.5e-2 against about 2e-3 with fp32 O."""
-    from gemzoo.interfaces.attention import reference_attention
+    from gemzoo.attention import reference_attention
 
     kernel = gemzoo.registry.get("attention", name)
     errs = []
@@ -200,8 +200,8 @@ def test_bf16_backward_uses_the_fp32_output(name):
     (lambda q, k, v, qo, ko=None, **kw: q.double(), "torch.float64"),
 ])
 def test_wrong_kernel_output_names_the_plugin(fresh_registry, bad, what):
-    from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest, FunctionKernel
-    from gemzoo.models.common import JaggedAttention
+    from gemzoo.attention import FunctionKernel, JaggedAttention
+    from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest
 
     kernel = FunctionKernel(bad, AttentionCapabilities())
     fresh_registry.register("attention", "bad-output", kernel, distribution="gemzoo-bad-output")
@@ -215,8 +215,8 @@ def test_wrong_kernel_output_names_the_plugin(fresh_registry, bad, what):
 
 
 def test_good_kernel_output_is_checked_once():
+    from gemzoo.attention import JaggedAttention
     from gemzoo.interfaces.attention import AttentionRequest
-    from gemzoo.models.common import JaggedAttention
 
     site = JaggedAttention(AttentionRequest())
     q, k, v, qo, _ = _inputs((3, 0, 5))

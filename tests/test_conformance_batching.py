@@ -77,7 +77,7 @@ def test_columns_route_and_chunk_transpose_match_the_plain_rules():
         for pick in (torch.arange(9), torch.tensor([7, 2, 2, 0]), torch.zeros(0, dtype=torch.long)):
             part = batch.select(pick)
             rows, cols = part.columns()
-            assert rows.shape[0] == pick.numel() and all(c.shape[0] == int(n) for c, n in zip(cols, rows.sum(0)))
+            assert rows.shape[0] == pick.numel() and all(c.shape[0] == int(n) for c, n in zip(cols, rows.sum(0), strict=True))
             assert not batches_equal(cls.from_columns(batch, rows, cols), part)
             one = [batch.select(pick[i:i + 1]).columns()[0] for i in range(pick.numel())]
             assert torch.equal(rows, torch.cat(one) if one else rows)  # row i describes sample i alone
@@ -205,9 +205,9 @@ def _host_path_rank(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port)
     import torch.distributed as dist
 
-    from gemzoo.data.batch import host_view
     from gemzoo.data.exchange import Lookahead
     from gemzoo.interfaces.batching import DataParallelGroup
+    from gemzoo.interfaces.models import host_view
     from gemzoo.testing.batching import ReverseStride, batches_equal, small_gem_stream
 
     class Ahead(ReverseStride):

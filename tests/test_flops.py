@@ -15,11 +15,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import gemzoo
+from gemzoo.attention import FunctionKernel, allowed_mask, apply_activation, attention_sites
 from gemzoo.data.movielens import MovieLensConfig, MovieLensDataset
 from gemzoo.data.synthetic import SyntheticGemConfig, SyntheticGemDataset
 from gemzoo.flops import attention_flops, linear_flops
-from gemzoo.interfaces.attention import AttentionCapabilities, FunctionKernel, allowed_mask, apply_activation
-from gemzoo.models.common import attention_sites
+from gemzoo.interfaces.attention import AttentionCapabilities
 
 SMALL = {
     "gem": dict(d_model=16, num_layers=2, num_heads=2, embedding_dim=8, mlp_dims=[16, 8]),

@@ -6,10 +6,12 @@ would cost (a host sync) made visible on a CPU machine."""
 import pytest
 import torch
 
-from gemzoo.data.batch import host_view, to_device
+from gemzoo.attention import check_inputs, validated_longest
+from gemzoo.attention.checks import _offsets_cache
+from gemzoo.data.batch import to_device
 from gemzoo.embedding import TableConfig, TorchEmbeddingBagCollection, key_totals
 from gemzoo.errors import JaggedShapeError
-from gemzoo.interfaces.attention import _offsets_cache, check_inputs, validated_longest
+from gemzoo.interfaces.models import host_view
 from gemzoo.jagged import lengths_to_offsets
 
 
@@ -31,6 +33,19 @@ def test_a_batch_moved_off_the_host_keeps_the_host_batch(gem_batch):
     moved.history_offsets = moved.history_offsets[:-1]
     assert moved.host_view() is moved
     assert host_view(object) is object  # a batch type without host_view is its own
+
+
+def test_only_the_direct_copy_records_its_host_batch(gem_batch):
+    """``moved_from`` is an attribute, not a dataclass field: a batch made any other way (replace, select, a
+    move between devices, a batch built on the host) records none, so it never vouches for data it does not hold."""
+    import dataclasses
+
+    moved = gem_batch.to("meta")
+    assert moved.moved_from is gem_batch and gem_batch.moved_from is None
+    assert "moved_from" not in {f.name for f in dataclasses.fields(moved)}
+    assert dataclasses.replace(moved).moved_from is None
+    assert gem_batch.select([0]).moved_from is None
+    assert moved.to("meta").moved_from is None  # device to device: no host copy
 
 
 def test_to_device_on_the_cpu_is_a_plain_move(gem_batch):

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from gemzoo.errors import JaggedShapeError
-from gemzoo.jagged import (jagged_to_padded, lengths_to_offsets, padded_to_jagged, positions, seq_ids,
-                           validate_offsets)
+from gemzoo.jagged import lengths_to_offsets, positions, seq_ids, validate_offsets
+from gemzoo.ops import jagged_to_padded, padded_to_jagged
 
 
 @pytest.mark.parametrize("offsets,total,rule", [

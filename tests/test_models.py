@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 import gemzoo
+from gemzoo.attention import attention_sites
 from gemzoo.data.batch import GemBatch, SeqBatch
 from gemzoo.data.movielens import MovieLensConfig, MovieLensDataset
 from gemzoo.data.synthetic import SyntheticGemConfig, SyntheticGemDataset
@@ -18,7 +19,7 @@ from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import ModelOutput
 from gemzoo.interfaces.precision import PrecisionConfig
 from gemzoo.jagged import lengths_to_offsets
-from gemzoo.models.common import attention_sites, binary_auc
+from gemzoo.models.common import binary_auc
 from gemzoo.models.retrieval import RankingEvaluator
 from gemzoo.testing import skip_unless_torchrec
 from gemzoo.testing.pytest_plugin import registered
@@ -475,8 +476,8 @@ def test_gem_tiny_config_builds_and_steps():
 
 
 def test_self_attention_pairs_match_the_flops_helper():
-    from gemzoo.models.common import self_attention_pairs
     from gemzoo.flops import attention_pairs
+    from gemzoo.models.common import self_attention_pairs
 
     lengths = torch.tensor([0, 1, 5, 17])
     assert self_attention_pairs(lengths, causal=True) == attention_pairs(lengths, causal=True) == 0 + 1 + 15 + 153
@@ -555,7 +556,7 @@ def test_plain_torch_engine_sparse_gradients_match_dense(gem_dataset, monkeypatc
             model(gem_dataset.train_batch(step)).loss.backward()
             assert tables[0].grad.is_sparse == (model is models[0])
             opt.step()
-    for a, b, a0 in zip(models[0].sparse_arch.parameters(), models[1].sparse_arch.parameters(), before):
+    for a, b, a0 in zip(models[0].sparse_arch.parameters(), models[1].sparse_arch.parameters(), before, strict=True):
         assert not torch.equal(a, a0)  # the tables did train
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,19 @@ from gemzoo.errors import JaggedShapeError
 from gemzoo.jagged import lengths_to_offsets
 
 needs_ext = pytest.mark.skipif(not ops.extension_available(), reason="gemzoo._C is not built")
+
+
+def test_activation_codes_are_the_cpp_kernels_numbering():
+    """gemzoo.attention's one table of activation codes is the numbering the C++ kernels are compiled with
+    (enum Activation), and covers every activation."""
+    from gemzoo.attention import ACTIVATION_CODES
+    from gemzoo.interfaces.attention import ACTIVATIONS
+
+    assert ops.ACTIVATION_CODES is ACTIVATION_CODES and set(ACTIVATION_CODES) == set(ACTIVATIONS)
+    source = (Path(__file__).resolve().parents[1] / "csrc/attention/jagged_attention.cpp").read_text()
+    enum = re.search(r"enum Activation \{([^}]*)\}", source).group(1)
+    cpp = {name.lower(): int(code) for name, code in re.findall(r"(\w+)\s*=\s*(\d+)", enum)}
+    assert cpp == ACTIVATION_CODES
 
 
 def test_extension_info_is_json_and_lists_every_op():

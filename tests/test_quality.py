@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import gemzoo
+from gemzoo.attention import attention_sites
 from gemzoo.config import load_config
 from gemzoo.data.movielens import MovieLensConfig, MovieLensDataset
 from gemzoo.errors import ConfigError, PluginError
 from gemzoo.jagged import lengths_to_offsets
-from gemzoo.models.common import attention_sites
 from gemzoo.models.hstu import time_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def test_redrawn_negatives_never_equal_the_target_and_cover_the_rest(tmp_path):
     assert neg.shape == (target.numel(), 64)
     assert not bool((neg == target.unsqueeze(1)).any())
     assert int(neg.min()) >= 0 and int(neg.max()) < ds.info["num_items"]
-    for row, t in zip(neg, target):  # uniform over the other items: 64 draws of 5 miss none (p < 1e-5)
+    for row, t in zip(neg, target, strict=True):  # uniform over the other items: 64 draws of 5 miss none (p < 1e-5)
         assert set(row.tolist()) == set(range(ds.info["num_items"])) - {int(t)}
     masked = build("hstu", ds.info, negatives="per_position", num_negatives=64)
     assert bool((_drawn_negatives(masked, batch) == target.unsqueeze(1)).any())  # "mask" may draw it
@@ -267,8 +267,8 @@ def test_reference_init_schemes(tmp_path):
 
 
 def test_sasrec_reference_block_matches_torch_multihead_attention():
-    from gemzoo.models.sasrec import SASRecReferenceBlock
     from gemzoo.interfaces.attention import AttentionRequest
+    from gemzoo.models.sasrec import SASRecReferenceBlock
 
     torch.manual_seed(0)
     d, heads, n = 8, 2, 5

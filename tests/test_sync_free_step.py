@@ -21,8 +21,9 @@ import torch
 
 import gemzoo
 from gemzoo import registry
+from gemzoo.attention import FunctionKernel, check_inputs
 from gemzoo.config import load_config
-from gemzoo.interfaces.attention import AttentionCapabilities, FunctionKernel, check_inputs
+from gemzoo.interfaces.attention import AttentionCapabilities
 from gemzoo.testing.models import _ratings
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -1,23 +1,24 @@
 """Built-in attention kernels: ``reference`` (the oracle), ``sdpa-padded`` (naive baseline), ``flex``.
 
-The reference itself lives in the public :mod:`gemzoo.interfaces.attention` next to the mask rule; it is
-re-exported here for code that imported it from this module."""
+The reference itself is :func:`gemzoo.attention.reference_attention`, next to the mask rule; this module
+registers it."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from gemzoo.interfaces.attention import (
-    ACTIVATIONS,
-    AttentionCapabilities,
+from gemzoo.attention import (
     REFERENCE_CAPABILITIES,
     FunctionKernel,
-    pair_allowed,
     apply_activation,
     check_inputs,
+    pair_allowed,
     reference_attention,
 )
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities
+from gemzoo.jagged import max_length, offsets_to_lengths, positions, seq_ids
+from gemzoo.ops import jagged_to_padded, padded_to_jagged
 from gemzoo.plugins import hookimpl
 
 ALL = frozenset(ACTIVATIONS)
@@ -38,7 +39,6 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
                           bias=None):
     """Pad to [B, H, Lmax, D], run SDPA (or pointwise attention) with a mask, unpad. The naive baseline.
     ``bias`` (padded [B, 1 or H, >= Lq, >= Lk]) is added to the scaled scores."""
-    from gemzoo.jagged import jagged_to_padded, max_length, offsets_to_lengths, padded_to_jagged
 
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=SDPA_PADDED.capabilities, kernel=SDPA_PADDED,
@@ -102,8 +102,6 @@ def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
     72.4 GiB eager). The block graph breaks around this call instead; flex keeps its own compiled kernel."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from gemzoo.jagged import positions, seq_ids
-
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=FLEX.capabilities, kernel=FLEX,
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
@@ -150,7 +148,6 @@ def _quarantine_nonfinite_v(v, q_offsets, k_offsets, q_pos, causal, window, bloc
     """NaN rule for flex: its tiles span sequences and multiply masked keys' values by P = 0, so a NaN or
     inf in v would reach other sequences' rows (0 * NaN). Sequences with a non-finite value run with v = 0
     instead, and their query rows that have an allowed key come back NaN. No host sync."""
-    from gemzoo.jagged import seq_ids
 
     b = q_offsets.numel() - 1
     tq, tk = q_pos.shape[0], v.shape[0]

@@ -1,6 +1,6 @@
 """Built-in attention kernel ``cpu``: the C++ CPU jagged attention of gemzoo._C (csrc/attention/).
 
-Full DESIGN.md semantics (every activation with norm; causal bottom-right, window, block; Lq != Lk),
+Full attention semantics (every activation with norm; causal bottom-right, window, block; Lq != Lk),
 forward and backward, fp32/bf16/fp16 inputs computed in fp32. GEM attention plugins dispatch to it for
 CPU tensors. Without the extension (or for tensors on another device) it runs the ``reference`` oracle.
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, FunctionKernel, check_inputs
+from gemzoo import ops
+from gemzoo.attention import FunctionKernel, check_inputs
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities
 from gemzoo.plugins import hookimpl
 
 
 def cpu_attention(q, k, v, q_offsets, k_offsets=None, **kw):
-    from gemzoo import ops
-
     check_inputs(q, k, v, q_offsets, k_offsets, capabilities=CPU.capabilities, kernel=CPU, **kw)
     return ops.jagged_attention(q, k, v, q_offsets, k_offsets, **kw)
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from gemzoo.data import movielens, synthetic
 from gemzoo.plugins import hookimpl
 
 
 @hookimpl
 def gemzoo_register_datasets(register):
-    from gemzoo.data import movielens, synthetic
-
     register("synthetic-gem", synthetic.SPEC)
     register("movielens", movielens.SPEC)

@@ -15,12 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from gemzoo.distributed import whole_parameters
 from gemzoo.distributed.state import gather_pieces, load_full_state, scatter_pieces
 from gemzoo.embedding import torchrec_available
 from gemzoo.errors import PluginError
 from gemzoo.interfaces.options import TakesOptions
-from gemzoo.interfaces.planner import SparseOptimizer, Topology
+from gemzoo.interfaces.planner import SparseOptimizer, Topology, whole_parameters
 from gemzoo.plugins import hookimpl
 
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "data_parallel")  # row-wise is CUDA-only in torchrec

@@ -22,10 +22,18 @@ def gather_jagged(offsets: torch.Tensor, index: torch.Tensor, *values: torch.Ten
 
 
 class _Movable:
+    """Moving and pinning for the batch dataclasses: every tensor field moves with ``to``.
+
+    ``moved_from`` is the host batch this one was copied from, set by ``to`` when every tensor goes from the
+    host to a device (None otherwise). It is a plain attribute, not a dataclass field: ``dataclasses.replace``,
+    ``select`` and every other way of making a new batch leave it unset, so only the direct copy of a host
+    batch ever claims one, and :meth:`host_view` still checks that the shapes agree before trusting it."""
+
+    moved_from: _Movable | None = None
+
     def to(self, device, non_blocking: bool = False):
-        """The batch on ``device``. Moved off the host, it keeps the host batch it came from (``host_view``), so
-        what the step needs to know of its shapes (longest sequences, per-feature totals, FLOPs) is read there
-        instead of waiting for the device."""
+        """The batch on ``device``. Moved off the host, it records the host batch it came from
+        (``moved_from``, read through :meth:`host_view`)."""
         tensors = [getattr(self, f.name) for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), torch.Tensor)]
         changes = {
@@ -35,13 +43,13 @@ class _Movable:
         }
         moved = dataclasses.replace(self, **changes)
         if torch.device(device).type != "cpu" and tensors and all(t.device.type == "cpu" for t in tensors):
-            moved._host = self
+            moved.moved_from = self
         return moved
 
     def host_view(self):
         """This batch with its tensors on the host: the one it was moved from (no copy, no wait), else itself
         (also when a field was replaced since: the shapes must still agree)."""
-        host = getattr(self, "_host", None)
+        host = self.moved_from
         if host is None:
             return self
         for f in dataclasses.fields(self):
@@ -55,12 +63,6 @@ class _Movable:
         changes = {f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **changes)
-
-
-def host_view(batch):
-    """``batch.host_view()`` where the batch type has one (gemzoo's do), else the batch itself."""
-    view = getattr(batch, "host_view", None)
-    return view() if callable(view) else batch
 
 
 def to_device(batch, device):
@@ -113,7 +115,7 @@ class GemBatch(_Movable):
     def cand_lengths(self) -> torch.Tensor:
         return self.cand_offsets[1:] - self.cand_offsets[:-1]
 
-    def select(self, index) -> "GemBatch":
+    def select(self, index) -> GemBatch:
         """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
         index = torch.as_tensor(index, dtype=torch.int64)
         hist_off, hist = gather_jagged(self.history_offsets, index, self.history_items)
@@ -125,7 +127,7 @@ class GemBatch(_Movable):
         return GemBatch(hist, hist_off, cand, cand_off, click, conv, self.sparse_keys, sp_vals,
                         (sp_off[1:] - sp_off[:-1]).to(self.sparse_lengths.dtype))
 
-    def columns(self) -> "tuple[torch.Tensor, list[torch.Tensor]]":
+    def columns(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The batch sample-major, for moving samples between ranks (``gemzoo.data.exchange``): (rows [B, 6]
         int64, columns); column j holds every sample's ``rows[:, j]`` rows, one sample after another:
         history items; candidates, clicks, conversions; each sample's F bag lengths, then its F bags' values
@@ -140,7 +142,7 @@ class GemBatch(_Movable):
         return rows, [self.history_items, self.cand_items, self.click, self.conversion, lens.reshape(-1), values]
 
     @classmethod
-    def from_columns(cls, like: "GemBatch", rows: torch.Tensor, columns: "list[torch.Tensor]") -> "GemBatch":
+    def from_columns(cls, like: GemBatch, rows: torch.Tensor, columns: list[torch.Tensor]) -> GemBatch:
         """The batch whose ``columns()`` are (``rows``, ``columns``); ``like`` gives what is not per sample."""
         hist, cand, click, conv, lens, values = columns
         n, n_keys = rows.shape[0], len(like.sparse_keys)
@@ -151,7 +153,7 @@ class GemBatch(_Movable):
                    like.sparse_keys, key_major, lens.reshape(n, n_keys).t().reshape(-1))
 
     @classmethod
-    def cat(cls, parts: "list[GemBatch]") -> "GemBatch":
+    def cat(cls, parts: list[GemBatch]) -> GemBatch:
         """The samples of ``parts``, one batch after another (what ``select`` of their union gives)."""
         if not parts:
             raise ValueError("GemBatch.cat needs at least one batch")
@@ -162,7 +164,7 @@ class GemBatch(_Movable):
                              f"batch 0 has {keys}")
         n_keys = len(keys)
         lens = [p.sparse_lengths.reshape(n_keys, p.num_samples) for p in parts]  # key-major
-        per_key = [p.sparse_values.split(ln.sum(1).tolist()) for p, ln in zip(parts, lens)]
+        per_key = [p.sparse_values.split(ln.sum(1).tolist()) for p, ln in zip(parts, lens, strict=True)]
         values = [chunks[k] for k in range(n_keys) for chunks in per_key]
         return GemBatch(
             history_items=torch.cat([p.history_items for p in parts]),
@@ -202,7 +204,7 @@ class SeqBatch(_Movable):
     def lengths(self) -> torch.Tensor:
         return self.offsets[1:] - self.offsets[:-1]
 
-    def select(self, index) -> "SeqBatch":
+    def select(self, index) -> SeqBatch:
         """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
         timed = self.times is not None and self.next_times is not None
         extra = (self.times, self.next_times) if timed else ()
@@ -210,7 +212,7 @@ class SeqBatch(_Movable):
                                                         self.items, self.targets, *extra)
         return SeqBatch(items, offsets, targets, *times)
 
-    def columns(self) -> "tuple[torch.Tensor, list[torch.Tensor]]":
+    def columns(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Sample-major, for moving samples between ranks: (rows [B, k] int64, columns), each column every
         sample's rows one after another: items, targets (and times, next times). ``from_columns`` inverts it."""
         timed = self.times is not None and self.next_times is not None
@@ -218,12 +220,12 @@ class SeqBatch(_Movable):
         return self.lengths.unsqueeze(1).expand(-1, len(cols)).contiguous(), cols
 
     @classmethod
-    def from_columns(cls, like: "SeqBatch", rows: torch.Tensor, columns: "list[torch.Tensor]") -> "SeqBatch":
+    def from_columns(cls, like: SeqBatch, rows: torch.Tensor, columns: list[torch.Tensor]) -> SeqBatch:
         items, targets, *times = columns
         return cls(items, lengths_to_offsets(rows[:, 0]), targets, *times)
 
     @classmethod
-    def cat(cls, parts: "list[SeqBatch]") -> "SeqBatch":
+    def cat(cls, parts: list[SeqBatch]) -> SeqBatch:
         """The samples of ``parts``, one batch after another (what ``select`` of their union gives)."""
         if not parts:
             raise ValueError("SeqBatch.cat needs at least one batch")

@@ -55,7 +55,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gemzoo.data.batch import host_view, to_device
+from gemzoo.data.batch import to_device
+from gemzoo.interfaces.models import host_view
 from gemzoo.errors import PluginError
 from gemzoo.interfaces.batching import DataParallelGroup, custom_rebalance, overlap_depth, overlap_worker, overlaps
 

@@ -27,7 +27,6 @@ each position: the target's), which HSTU's time-bucketed attention bias reads.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -35,10 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from gemzoo.data.batch import SeqBatch
-from gemzoo.config import bounded
+from gemzoo.data.exchange import shard_range
 from gemzoo.data.synthetic import stream_generator
 from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import DatasetSpec
+from gemzoo.interfaces.options import bounded
 from gemzoo.jagged import lengths_to_offsets
 
 FORMAT = "UserID::MovieID::Rating::Timestamp (four integers separated by '::')"
@@ -177,10 +177,16 @@ class MovieLensDataset:
         }
 
     # -- sampling ------------------------------------------------------------------------------
-    @functools.lru_cache(maxsize=4)
     def _epoch_order(self, epoch: int) -> torch.Tensor:
-        g = stream_generator(self.seed, _TRAIN, epoch)
-        return torch.tensor(self.trainable)[torch.randperm(len(self.trainable), generator=g)]
+        """The trainable users in ``epoch``'s shuffled order; the last few epochs' orders are kept on the
+        instance (a cache owned by the dataset, freed with it)."""
+        orders = self.__dict__.setdefault("_epoch_orders", {})
+        if epoch not in orders:
+            if len(orders) >= 4:
+                orders.pop(next(iter(orders)))
+            g = stream_generator(self.seed, _TRAIN, epoch)
+            orders[epoch] = torch.tensor(self.trainable)[torch.randperm(len(self.trainable), generator=g)]
+        return orders[epoch]
 
     def train_batch(self, step: int) -> SeqBatch:
         bs = self.cfg.batch_size
@@ -189,8 +195,6 @@ class MovieLensDataset:
     def train_shard(self, step: int, rank: int, world_size: int) -> SeqBatch:
         """Rank ``rank``'s contiguous part of ``train_batch(step)`` (gemzoo.data.exchange.shard_range), reading
         only its own users."""
-        from gemzoo.data.exchange import shard_range
-
         bs = self.cfg.batch_size
         lo, hi = shard_range(bs, rank, world_size)
         return self._train_rows(step * bs + lo, step * bs + hi)

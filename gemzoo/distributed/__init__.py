@@ -17,7 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gemzoo.distributed.comms_groups import init_mesh
+from gemzoo.distributed.dense import shard_dense
 from gemzoo.errors import ConfigError
+from gemzoo.interfaces.batching import DataParallelGroup
+from gemzoo.interfaces.comms import dim_backends
+from gemzoo.interfaces.models import transformer_blocks
 
 DENSE_DIMS = ("dp",)  # the flattened dense data-parallel dim, spanning the planner's dims
 LAYOUT_DIMS = ("replicate", "shard", "tp")  # run.mesh: the dense mesh (distributed/dense.py)
@@ -121,8 +126,6 @@ def build_mesh(world: World, device_type: str, dims: dict[str, int], dense: dict
         check_mesh_dims({n: dense[n] for n in LAYOUT_DIMS}, world.world_size, who="run.mesh")
     if world.world_size <= 1:
         return world
-    from gemzoo.distributed.comms_groups import init_mesh
-    from gemzoo.interfaces.comms import dim_backends
 
     world.mesh = init_mesh(comms, device_type, tuple(dims.values()), tuple(dims))
     backend = dim_backends(comms, ("dp",), device_type).get("dp")
@@ -134,8 +137,6 @@ def build_mesh(world: World, device_type: str, dims: dict[str, int], dense: dict
     else:  # kept here rather than sliced from the root again (deprecated since torch 2.11)
         world.dp_mesh = world.mesh[tuple(dims)]._flatten("dp", backend_override=backend)
     if comms is not None:
-        from gemzoo.interfaces.batching import DataParallelGroup
-
         world.dp_host = DataParallelGroup(world.dp_mesh.get_local_rank(), world.dp_mesh.size(),
                                           dp_host_group(world, comms))
     return world
@@ -166,14 +167,10 @@ def pick_device(name: str, world: World) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            from gemzoo.errors import ConfigError
-
             raise ConfigError("run.device asks for cuda but no GPU is visible; set run.device = \"cpu\" or \"auto\"")
         if device.index is None:
             visible = torch.cuda.device_count()
             if world.local_rank >= visible:
-                from gemzoo.errors import ConfigError
-
                 raise ConfigError(f"rank {world.rank} has LOCAL_RANK {world.local_rank} but this node shows {visible} "
                                   f"GPU(s); start at most {visible} processes per node (torchrun --nproc-per-node "
                                   f"{visible}) or train on CPU with run.device = \"cpu\"")
@@ -182,21 +179,10 @@ def pick_device(name: str, world: World) -> torch.device:
     return device
 
 
-def is_local_tensor(p: torch.Tensor) -> bool:
-    """A plain tensor held whole by this rank (not a ShardedTensor/DTensor, nor one with a fused optimizer)."""
-    return type(p.data) is torch.Tensor and not hasattr(p, "_in_backward_optimizers")
-
-
 def is_fsdp_shard(p: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(p, DTensor)
-
-
-def whole_parameters(model) -> list:
-    """The trainable parameters this rank holds whole and updates itself (what ``Planner.replicated_parameters``
-    returns when a planner's tables are plain tensors or carry a fused optimizer)."""
-    return [p for p in model.parameters() if p.requires_grad and is_local_tensor(p)]
 
 
 def all_reduce_gradients(params, world: World) -> None:
@@ -228,14 +214,10 @@ def shard_dense_blocks(model, world: World, mode: str):
     if mode not in ("fsdp", "ddp"):
         raise ConfigError(f"run.dense_parallel must be \"fsdp\" or \"ddp\", got {mode!r}")
     if world.dense_mesh is not None:
-        from gemzoo.distributed.dense import shard_dense
-
         return shard_dense(model, world)
     if world.world_size <= 1 or mode == "ddp":
         return model
     from torch.distributed.fsdp import fully_shard
-
-    from gemzoo.interfaces.models import transformer_blocks
 
     for block in transformer_blocks(model):
         fully_shard(block, mesh=world.dp_mesh)

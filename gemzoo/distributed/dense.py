@@ -33,14 +33,17 @@ Works on gloo (CPU) and NCCL alike: the ops are matmuls, all-gathers, reduce-sca
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
-from gemzoo.config import MESH_DIMS
 from gemzoo.errors import ConfigError
+from gemzoo.interfaces.models import transformer_blocks
+from gemzoo.interfaces.precision import BF16Linear
 
 
 class _DropRedistributeNotice(logging.Filter):
@@ -57,14 +60,33 @@ FUSED_ATTR = "_gemzoo_tp_rows"  # on a parameter: (K, T), its rows are in rank o
 STYLES = ("colwise", "rowwise", "layernorm", "sum_grad")
 
 
+MESH_DIMS = ("replicate", "shard", "tp")  # run.mesh's dims, outermost first
+
+
+def check_mesh_table(mesh: Any, dense_parallel: str = "fsdp") -> None:
+    """``run.mesh`` on its own (the world size is checked when the mesh is built): a table of positive ints
+    keyed by replicate, shard, tp; not with ``dense_parallel = "ddp"``."""
+    if not isinstance(mesh, dict):
+        raise ConfigError(f"run.mesh must be a table such as {{replicate = 2, shard = 2, tp = 1}}, got {mesh!r}")
+    for name, size in mesh.items():
+        if name not in MESH_DIMS:
+            close = difflib.get_close_matches(str(name), MESH_DIMS, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"run.mesh has an unknown dim {name!r}: it takes {', '.join(MESH_DIMS)} "
+                              f"(e.g. {{replicate = 2, shard = 2, tp = 2}}).{hint}")
+        if type(size) is not int or size < 1:
+            raise ConfigError(f"run.mesh {name} = {size!r}: sizes are integers >= 1")
+    if mesh and dense_parallel == "ddp":
+        raise ConfigError(f"run.mesh {mesh} lays out the dense parts itself (replicate = R is their data "
+                          "parallelism); drop run.dense_parallel = \"ddp\" (keep \"fsdp\") or drop run.mesh")
+
+
 def dense_dims(mesh: dict[str, int] | None, world_size: int) -> dict[str, int] | None:
     """``run.mesh`` completed to ``{replicate, shard, tp}`` for ``world_size`` ranks; None when it is empty
     (the default layout: ``run.dense_parallel`` over every rank). ``replicate`` and ``tp`` default to 1,
     ``shard`` to the ranks left. A mesh whose product is not the world size is a ConfigError naming them."""
     if not mesh:
         return None
-    from gemzoo.config import check_mesh_table
-
     check_mesh_table(mesh)
     dims = {"replicate": mesh.get("replicate", 1), "shard": mesh.get("shard"), "tp": mesh.get("tp", 1)}
     given = " x ".join(f"{n}={mesh[n]}" for n in MESH_DIMS if n in mesh)
@@ -112,7 +134,6 @@ def _divisors(n: int) -> str:
 
 def _tp_linears() -> tuple[type, ...]:
     """The linears whose forward is a DTensor-friendly F.linear: plain ones and bf16's (weights cast, then mm)."""
-    from gemzoo.interfaces.precision import BF16Linear
 
     return nn.Linear, BF16Linear
 
@@ -123,7 +144,6 @@ def tensor_parallel_plans(model: nn.Module, tp: int) -> list[tuple[str, nn.Modul
     gem's cross attention and interaction MLP) splits; checked for ``tp`` ranks: every block declares a plan, the
     layers are ``nn.Linear`` (or ``BF16Linear``), and ``tp`` divides every attention's heads and every split
     dimension. Runs on a meta model, so ``gemzoo config validate`` reports it with no ranks."""
-    from gemzoo.interfaces.models import transformer_blocks
 
     names = {id(m): n for n, m in model.named_modules()}
     units = []
@@ -337,8 +357,6 @@ def shard_dense(model: nn.Module, world) -> nn.Module:
     plans = parallelize_blocks(model, mesh["tp"], tp) if tp > 1 else []
     if world.dp_mesh.size() > 1:
         from torch.distributed.fsdp import fully_shard
-
-        from gemzoo.interfaces.models import transformer_blocks
 
         units = list(transformer_blocks(model))
         units += [unit for _, unit, _ in plans if not any(unit is b for b in units)]

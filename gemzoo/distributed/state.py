@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gemzoo.distributed.dense import from_rank_rows, rank_rows, to_rank_rows
 from gemzoo.errors import CheckpointError
 
 
@@ -30,7 +31,7 @@ def is_dtensor(t) -> bool:
 
 def _block(offsets, sizes) -> tuple[slice, ...]:
     """The index of one shard inside the whole tensor."""
-    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
 
 
 def copy_into_shards(sharded, full: torch.Tensor) -> None:
@@ -51,14 +52,12 @@ def shape_mismatches(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> l
 
 def rank_row_names(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """{parameter name: (parts, tp)} of the parameters whose rows tensor parallelism keeps in rank order."""
-    from gemzoo.distributed.dense import rank_rows
 
     return {name: rank_rows(p) for name, p in model.named_parameters() if rank_rows(p) is not None}
 
 
 def _whole(value: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     """A DTensor's whole tensor in the model's own row order."""
-    from gemzoo.distributed.dense import from_rank_rows
 
     value = value.full_tensor()
     return from_rank_rows(value, *rows) if rows is not None else value
@@ -67,8 +66,6 @@ def _whole(value: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
 def _local(value, full: torch.Tensor, rows: tuple[int, int] | None):
     """This rank's DTensor piece (laid out like ``value``) of the whole tensor ``full``."""
     from torch.distributed.tensor import distribute_tensor
-
-    from gemzoo.distributed.dense import to_rank_rows
 
     full = to_rank_rows(full, *rows) if rows is not None else full
     return distribute_tensor(full.detach().to(value.dtype), value.device_mesh, value.placements)
@@ -124,7 +121,6 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> tu
 # ---- optimizer state ----------------------------------------------------------------------------
 def optimizer_rank_rows(opt: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
     """{state-dict id: (parts, tp)} of ``opt``'s parameters whose rows are in rank order (tensor parallelism)."""
-    from gemzoo.distributed.dense import rank_rows
 
     params = [p for group in opt.param_groups for p in group["params"]]
     return {i: rank_rows(p) for i, p in enumerate(params) if rank_rows(p) is not None}
@@ -141,7 +137,6 @@ def gather_optimizer_state(state: dict, rows: dict[int, tuple[int, int]] | None 
 
 def redistribute_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """After loading whole tensors, shard each state entry like its FSDP2 / tensor-parallel parameter again."""
-    from gemzoo.distributed.dense import rank_rows
 
     for p, pstate in opt.state.items():
         if not is_dtensor(p):

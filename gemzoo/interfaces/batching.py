@@ -39,7 +39,7 @@ class DataParallelGroup:
     # the same ranks, in the same order, over a group that runs CPU tensors (gloo): with one, the trainer's
     # Lookahead loads, prices and moves the samples on the host and then copies them to the device, so a GPU
     # step waits for no device value; None: the batching collectives run on ``group``, on the batch's device
-    host: "DataParallelGroup | None" = None
+    host: DataParallelGroup | None = None
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,10 +33,22 @@ class Batch(Protocol):
     def lengths(self) -> torch.Tensor:
         """int64 ``[num_samples]``: each sample's sequence length."""
 
-    def to(self, device) -> "Batch": ...
+    def to(self, device) -> Batch: ...
 
-    def select(self, index) -> "Batch":
+    def select(self, index) -> Batch:
         """The samples ``index`` (a list or int64 tensor of sample positions), in that order."""
+
+
+def host_view(batch):
+    """The batch with its tensors on the host, read without waiting for the device: ``batch.host_view()`` where
+    the batch type has one, else the batch itself.
+
+    A batch moved to a GPU keeps the host batch it was copied from (gemzoo's batches record it as
+    ``moved_from``; see ``gemzoo.data.batch``), so what a step needs to know of its shapes (longest sequences,
+    per-feature totals, FLOPs, target counts) is read there instead of from device memory. Optional for a batch
+    type: one without ``host_view`` is its own host view, and those reads wait for the device."""
+    view = getattr(batch, "host_view", None)
+    return view() if callable(view) else batch
 
 
 @runtime_checkable
@@ -76,7 +89,7 @@ class RecModel(Protocol):
         allowed pairs at every attention site plus linear FLOPs of its tokens); sums to ``flops(batch)``.
         Batching policies balance ranks with it."""
 
-    def evaluator(self) -> "Evaluator": ...
+    def evaluator(self) -> Evaluator: ...
 
 
 @runtime_checkable

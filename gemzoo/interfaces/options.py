@@ -10,9 +10,18 @@ changed, so two runs in one process do not see each other's options. An entry wi
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import field
 from typing import Any, Protocol, runtime_checkable
 
 from gemzoo.errors import ConfigError, PluginError
+
+
+def bounded(default, *, min: float | None = None, choices: tuple | None = None, pattern: str | None = None,
+            means: str = ""):
+    """A dataclass field whose value a config may set only within a range: ``min`` (inclusive), one of
+    ``choices``, or a full match of the regular expression ``pattern`` (``means`` says it in words).
+    Config, model, dataset and plugin option dataclasses all use it; load_config checks it."""
+    return field(default=default, metadata={"min": min, "choices": choices, "pattern": pattern, "means": means})
 
 
 @runtime_checkable

@@ -85,6 +85,17 @@ class Planner(Protocol):
         state; return the names this model has and ``state`` lacks (their state restarts from zero)."""
 
 
+def is_local_tensor(p: torch.Tensor) -> bool:
+    """A plain tensor held whole by this rank (not a ShardedTensor/DTensor, nor one with a fused optimizer)."""
+    return type(p.data) is torch.Tensor and not hasattr(p, "_in_backward_optimizers")
+
+
+def whole_parameters(model) -> list:
+    """The trainable parameters this rank holds whole and updates itself (what ``Planner.replicated_parameters``
+    returns when a planner's tables are plain tensors or carry a fused optimizer)."""
+    return [p for p in model.parameters() if p.requires_grad and is_local_tensor(p)]
+
+
 class WholeTables:
     """A planner that keeps every table whole on every rank (plan ``None``): the tables train with the
     trainer's Adagrad and their gradients are averaged over ``dp`` like any replicated parameter. The base of
@@ -103,8 +114,6 @@ class WholeTables:
         return model
 
     def replicated_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        from gemzoo.distributed import whole_parameters
-
         return whole_parameters(model)
 
     def sync(self, model: nn.Module, step: int) -> None:

@@ -101,7 +101,7 @@ class BF16Linear(nn.Linear):
     precision = "bf16"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "BF16Linear":
+    def from_linear(cls, linear: nn.Linear) -> BF16Linear:
         return adopt_linear(cls, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

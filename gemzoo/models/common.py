@@ -1,5 +1,5 @@
 """Pieces shared by model families: transformer blocks, init and metrics. The attention call site
-(``JaggedAttention``, ``attention_sites``) is public in :mod:`gemzoo.interfaces.attention`; re-exported here."""
+(``JaggedAttention``, ``attention_sites``) is :mod:`gemzoo.attention`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemzoo.attention import JaggedAttention
 from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import AttentionRequest, JaggedAttention, attention_sites  # noqa: F401 (re-exported)
-from gemzoo.jagged import positions, seq_ids
 from gemzoo.flops import attention_flops, attention_pairs, linear_flops, sample_pairs
-
+from gemzoo.interfaces.attention import AttentionRequest
+from gemzoo.jagged import positions, seq_ids
 
 # ---------------------------------------------------------------------------------------------
 # Shared building blocks. Every linear is a plain nn.Linear with a stable name (precision policies
@@ -52,7 +52,7 @@ def self_attention_options(cfg, head_dim: int, family: str) -> dict:
 def self_attention_pairs(lengths: torch.Tensor, *, causal: bool, block_size: int | None = None,
                          window: int | None = None) -> int:
     """Allowed (query, key) pairs of self-attention over sequences of ``lengths``: L(L+1)/2 causal, L^2 not;
-    with ``block_size`` / ``window``, exactly the pairs DESIGN.md's rule allows."""
+    with ``block_size`` / ``window``, exactly the pairs the mask rule allows."""
     if block_size is not None or window is not None:
         return attention_pairs(lengths, causal=causal, window=window, block_size=block_size)
     lengths = lengths.long().cpu()
@@ -163,7 +163,7 @@ class MLP(nn.Module):
         super().__init__()
         if len(dims) < 2:
             raise ConfigError(f"an MLP needs at least input and output sizes, got {dims}")
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
         self.act = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[activation]
         self.dropout = nn.Dropout(dropout)
 
@@ -190,7 +190,7 @@ def init_weights(module: nn.Module, *, std: float = 0.02, embedding_std: float |
         done.update(id(p) for p in m.parameters())
         done.update(id(b) for b in m.buffers())
     with torch.no_grad():
-        for name, m in module.named_modules():
+        for m in module.modules():
             if any(m is s for s in skip):
                 continue
             if isinstance(m, nn.Linear):
@@ -235,15 +235,13 @@ def log2_discount(rank: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "JaggedAttention", "attention_sites", "reverse_positions", "self_attention_pairs", "check_heads", "SelfAttention", "FeedForward",
+    "reverse_positions", "self_attention_pairs", "check_heads", "SelfAttention", "FeedForward",
     "TransformerBlock", "MLP", "init_weights", "binary_auc", "log2_discount",
 ]
 
 
 def require_data_info(family: str, data_info: dict, task: str, hint: str) -> None:
     """Fail at build, with the fix, when a model is paired with a dataset serving another task."""
-    from gemzoo.errors import ConfigError
-
     served = data_info.get("task", task)
     if served != task:
         raise ConfigError(f"model {family!r} does {task} but the dataset serves {served!r} batches; {hint}")

@@ -28,13 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo.data.batch import host_view
+from gemzoo.attention import validated_longest
 from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import validated_longest
-from gemzoo.interfaces.models import ModelOutput
+from gemzoo.flops import linear_flops
+from gemzoo.interfaces.models import ModelOutput, host_view
 from gemzoo.jagged import positions as window_positions
 from gemzoo.models.common import init_weights, log2_discount, require_data_info, reverse_positions
-from gemzoo.flops import linear_flops
 
 
 @dataclass
@@ -208,7 +207,7 @@ class RetrievalModel(nn.Module):
     def transformer_blocks(self) -> list[nn.Module]:
         return list(self.blocks)
 
-    def evaluator(self) -> "RankingEvaluator":
+    def evaluator(self) -> RankingEvaluator:
         return RankingEvaluator(self)
 
 

@@ -8,6 +8,7 @@ A third-party plugin gets the same checks by calling these from its own tests::
         check_attention(MY_KERNEL, case, device="cpu")
 """
 
+from gemzoo.embedding import torchrec_available
 from gemzoo.testing.attention import AttentionCase, attention_cases, check_attention, random_jagged_lengths
 from gemzoo.testing.batching import BatchingCase, batching_cases, check_assignment, check_global_loss
 from gemzoo.testing.comms import check_comms_on_gloo
@@ -56,8 +57,6 @@ def skip_unless_torchrec() -> None:
     """Skip the calling test when the sparse side would not use torchrec (not installed, or
     ``GEMZOO_NO_TORCHREC`` set), as on the GPU image."""
     import pytest
-
-    from gemzoo.embedding import torchrec_available
 
     if not torchrec_available():
         pytest.skip("needs torchrec (not installed, or GEMZOO_NO_TORCHREC is set)")

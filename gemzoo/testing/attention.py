@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest, reference_attention
-from gemzoo.jagged import lengths_to_offsets
+from gemzoo import registry
+from gemzoo.attention import allowed_mask, reference_attention
+from gemzoo.errors import JaggedShapeError, PluginError
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionRequest
+from gemzoo.jagged import lengths_to_offsets, max_length
 
 # bf16/fp16 kernels land under 1e-2 (BENCHMARKS.md); fp32 kernels may use tf32 dots on GPU.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -117,8 +120,6 @@ def attention_cases(caps: AttentionCapabilities, *, head_dims=(16,), quick: bool
 def unsupported_options(caps: AttentionCapabilities) -> list[tuple[str, dict]]:
     """(what, call options) for each option outside ``caps``; ``dtype``/``asymmetric`` keys are not kernel
     options but say how to build the inputs."""
-    from gemzoo.interfaces.attention import ACTIVATIONS
-
     out = [(f"activation={a!r}", {"activation": a, "norm": 8.0}) for a in ACTIVATIONS if a not in caps.activations]
     if not caps.block:
         out.append(("block_size", {"block_size": 4}))
@@ -204,7 +205,7 @@ def check_attention(kernel, case: AttentionCase, *, device: str = "cpu", dtype: 
         grad = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
         out.backward(grad)
         ref.backward(grad.cpu().double())
-        for name, mine, theirs in zip("qkv", leaves, ref_leaves):
+        for name, mine, theirs in zip("qkv", leaves, ref_leaves, strict=True):
             assert mine.grad is not None, f"d{name} was not computed"
             errors[f"d{name}"] = _rel(mine.grad.cpu(), theirs.grad)
     bad = {n: e for n, e in errors.items() if not e <= tol}  # `not <=` also catches NaN
@@ -232,15 +233,12 @@ def _case_kw(case: AttentionCase) -> dict:
 
 def _check_hints(kernel, case, device, dtype, reference, tol) -> dict[str, float]:
     """max_q_len / max_k_len below a real length raise JaggedShapeError; exact and larger ones match."""
-    from gemzoo.errors import JaggedShapeError
-    from gemzoo.jagged import max_length
-
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
     lq, lk = max_length(q_off), max_length(q_off if k_off is None else k_off)
     kw = _case_kw(case)
     for hints in ({"max_q_len": lq - 1}, {"max_k_len": lk - 1}, {"max_q_len": lq - 1, "max_k_len": lk}):
-        msg = _raises(lambda: kernel(q, k, v, q_off, k_off, **kw, **hints), JaggedShapeError,
+        msg = _raises(lambda hints=hints: kernel(q, k, v, q_off, k_off, **kw, **hints), JaggedShapeError,
                       f"{case}: hints {hints} below the longest sequences ({lq}, {lk})")
         assert "smaller than the longest" in msg, msg
     ref = reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), q_off.cpu(),
@@ -260,9 +258,6 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
     serve it; window=0 and block_size=0 are ValueErrors for every kernel."""
     from dataclasses import replace
 
-    from gemzoo import registry
-    from gemzoo.errors import PluginError
-
     caps = kernel.capabilities
     tried = 0
     for what, options in unsupported_options(caps):
@@ -274,7 +269,8 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
         kw = {**_case_kw(c), **options}
         if kw["activation"] == "softmax":
             kw["norm"] = None
-        msg = _raises(lambda: kernel(q, k, v, q_off, k_off, **kw), PluginError,
+        msg = _raises(lambda q=q, k=k, v=v, q_off=q_off, k_off=k_off, kw=kw: kernel(q, k, v, q_off, k_off, **kw),
+                      PluginError,
                       f"{case}: {what} is outside the declared capabilities")
         if "can serve this call: " in msg:
             named = [n.strip(" .") for n in msg.split("can serve this call: ", 1)[1].split(",")]
@@ -285,7 +281,7 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
     for bad in ({"window": 0}, {"block_size": 0}, {"window": -1}, {"block_size": -3}, {"rope_theta": 0.0},
                 {"rope_theta": -1.0}):
-        _raises(lambda: kernel(q, k, v, q_off, k_off, **{**_case_kw(case), **bad}), ValueError,
+        _raises(lambda bad=bad: kernel(q, k, v, q_off, k_off, **{**_case_kw(case), **bad}), ValueError,
                 f"{case}: {bad} is not a valid option")
     return {"unsupported_options": float(tried)}
 
@@ -293,8 +289,6 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
 def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
     """A NaN put into one sequence's q, k or v (head 0) makes NaN the rows that see it; rows of that sequence
     with no allowed key stay exactly 0; every other sequence's output (and gradients) is what it was."""
-    from gemzoo.interfaces.attention import allowed_mask
-
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
     ko = q_off if k_off is None else k_off
@@ -339,7 +333,7 @@ def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
         assert torch.isfinite(others).all(), f"{where}: NaN reached another sequence"
         errors[f"nan-{which}"] = _rel(others, clean_out[~own])
         if backward:
-            for name, g, g0, rows in zip("qkv", grads, clean_grads, (~own, ~own_k, ~own_k)):
+            for name, g, g0, rows in zip("qkv", grads, clean_grads, (~own, ~own_k, ~own_k), strict=True):
                 assert torch.isfinite(g[rows]).all(), f"{where}: NaN reached another sequence's d{name}"
                 errors[f"nan-{which}-d{name}"] = _rel(g[rows], g0[rows])
     bad = {n: e for n, e in errors.items() if not e <= tol}

@@ -28,6 +28,14 @@ from pathlib import Path
 
 import torch
 
+from gemzoo import registry
+from gemzoo.data.batch import SeqBatch, gather_jagged
+from gemzoo.data.exchange import load_shard, rebalance, shard_range
+from gemzoo.interfaces.batching import DataParallelGroup
+from gemzoo.jagged import lengths_to_offsets
+from gemzoo.testing.comms import rank_env, spawn
+from gemzoo.testing.memory import tiny_model
+
 
 @dataclass(frozen=True)
 class BatchingCase:
@@ -76,9 +84,12 @@ def check_assignment(policy, case: BatchingCase) -> list[torch.Tensor]:
     missing, twice = (counts == 0).nonzero().flatten().tolist(), (counts > 1).nonzero().flatten().tolist()
     assert not missing and not twice, f"{name}: samples {missing[:5]} unassigned, {twice[:5]} assigned twice"
     again = policy.assign(costs.clone(), case.world_size)
-    assert all(torch.equal(a.long(), b.long()) for a, b in zip(groups, again)), f"{name}.assign is not deterministic"
+    assert len(again) == len(groups) and all(torch.equal(a.long(), b.long())
+                                             for a, b in zip(groups, again, strict=True)), \
+        f"{name}.assign is not deterministic"
     fresh = copy.deepcopy(policy).assign(costs.clone(), case.world_size)
-    assert all(torch.equal(a.long(), b.long()) for a, b in zip(groups, fresh)), \
+    assert len(fresh) == len(groups) and all(torch.equal(a.long(), b.long())
+                                             for a, b in zip(groups, fresh, strict=True)), \
         f"{name}.assign depends on state left by an earlier call"
     return groups
 
@@ -135,9 +146,6 @@ class _SeqStream:
         self.batch_size = batch_size
 
     def _rows(self, step: int, lo: int, hi: int):
-        from gemzoo.data.batch import SeqBatch
-        from gemzoo.jagged import lengths_to_offsets
-
         lengths = torch.tensor([(7 * (step * self.batch_size + j)) % 11 for j in range(lo, hi)], dtype=torch.long)
         t = int(lengths.sum())
         start = 1000 * step + sum((7 * (step * self.batch_size + j)) % 11 for j in range(lo))
@@ -148,8 +156,6 @@ class _SeqStream:
         return self._rows(step, 0, self.batch_size)
 
     def train_shard(self, step: int, rank: int, world_size: int):
-        from gemzoo.data.exchange import shard_range
-
         return self._rows(step, *shard_range(self.batch_size, rank, world_size))
 
 
@@ -171,16 +177,12 @@ class _FeatureBatch:
         return self.offsets.diff()
 
     def select(self, index):
-        from gemzoo.data.batch import gather_jagged
-
         index = torch.as_tensor(index, dtype=torch.int64)
         offsets, ids = gather_jagged(self.offsets, index, self.ids)
         return _FeatureBatch(self.feats[index], ids, offsets)
 
     @classmethod
     def cat(cls, parts):
-        from gemzoo.jagged import lengths_to_offsets
-
         return cls(torch.cat([p.feats for p in parts]), torch.cat([p.ids for p in parts]),
                    lengths_to_offsets(torch.cat([p.lengths for p in parts])))
 
@@ -190,8 +192,6 @@ class _FeatureStream:
         self.batch_size = batch_size
 
     def train_batch(self, step: int):
-        from gemzoo.jagged import lengths_to_offsets
-
         n = self.batch_size
         lengths = (torch.arange(n) * 5 + step) % 4
         feats = (torch.arange(3 * n, dtype=torch.float16).reshape(n, 3) + step) / 4
@@ -216,8 +216,6 @@ def batches_equal(a, b) -> list[str]:
 
 def small_gem_stream(batch_size: int):
     """A small synthetic-gem dataset (histories of 0..48 events, 2 sparse tables) for the gloo batching checks."""
-    from gemzoo import registry
-
     data = registry.get("dataset", "synthetic-gem")
     return data.build(data.config_cls(batch_size=batch_size, max_len=48, median_len=16, min_len=0, max_candidates=4,
                                       num_items=120, num_clusters=4, num_sparse_tables=2, sparse_table_size=30), 0)
@@ -226,15 +224,8 @@ def small_gem_stream(batch_size: int):
 def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: str, steps: int = 2) -> None:
     """One rank of ``check_rebalance_on_gloo``: for each policy (a registered name -> None, or an object) and
     each step, the samples it gets from its own part equal the global batch's ``select`` of the partition."""
-    from gemzoo.testing.comms import rank_env
-
     rank_env(rank, world, port)
     import torch.distributed as dist
-
-    from gemzoo import registry
-    from gemzoo.data.exchange import load_shard, rebalance
-    from gemzoo.interfaces.batching import DataParallelGroup
-    from gemzoo.testing.memory import tiny_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dp = DataParallelGroup(rank, world)
@@ -266,7 +257,7 @@ def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: st
                     total = part.detach().clone()
                     dist.all_reduce(total)
                     torch.testing.assert_close(total, whole, rtol=1e-9, atol=0,
-                                               msg=lambda m: f"batching {name!r}: global loss changed: {m}")
+                                               msg=lambda m, name=name: f"batching {name!r}: global loss changed: {m}")
         summary[name] = seen
     Path(out_dir, f"batching{rank}.json").write_text(json.dumps(summary))
     dist.barrier()
@@ -276,8 +267,6 @@ def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: st
 def check_rebalance_on_gloo(policies, tmp_path, world: int = 2) -> list[dict]:
     """Spawn ``world`` CPU ranks that check each policy (registered names, or a dict name -> policy object,
     which must pickle) plus ``ReverseStride``; returns every rank's {policy: {case: samples received}}."""
-    from gemzoo.testing.comms import spawn
-
     if isinstance(policies, str):
         policies = [policies]
     policies = dict(policies) if isinstance(policies, dict) else {n: None for n in policies}

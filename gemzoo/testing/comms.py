@@ -22,6 +22,10 @@ from pathlib import Path
 
 import torch
 
+from gemzoo import registry
+from gemzoo.distributed.comms_groups import init_mesh, mesh_group_backends
+from gemzoo.interfaces.comms import dim_backends
+
 # What the trainer (all_reduce, broadcast, barrier), FSDP2 (all_gather_into_tensor, reduce_scatter_tensor) and
 # torchrec (all_to_all_single, all_gather) call: checked for every backend, claimed or delegated.
 BASE_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
@@ -273,10 +277,6 @@ def comms_rank(rank: int, world: int, port: int, backends: dict, out_dir: str) -
     claimed collective, compare, build the meshes and check their groups, destroy."""
     rank_env(rank, world, port)
     import torch.distributed as dist
-
-    from gemzoo import registry
-    from gemzoo.distributed.comms_groups import init_mesh, mesh_group_backends
-    from gemzoo.interfaces.comms import dim_backends
 
     results = {}
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)

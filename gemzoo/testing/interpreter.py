@@ -28,7 +28,7 @@ import sys
 import threading
 from pathlib import Path
 
-_runs: dict[tuple[str, str], "_GroupRun"] = {}
+_runs: dict[tuple[str, str], _GroupRun] = {}
 _live: set[subprocess.Popen] = set()
 _slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
 
@@ -151,7 +151,7 @@ def assert_conformance(results: dict[str, dict], at_least: int) -> None:
 def conformance_results(fn, capabilities, **case_kw) -> dict[str, dict]:
     """The attention conformance suite (gemzoo.testing.attention) on ``fn`` with ``capabilities``, on CPU
     tensors: {case: {"ok": bool, errors... or "error": message}} (for a script's RESULT line)."""
-    from gemzoo.interfaces.attention import FunctionKernel
+    from gemzoo.attention import FunctionKernel
     from gemzoo.testing.attention import attention_cases, check_attention
 
     kernel = FunctionKernel(fn, capabilities)

@@ -20,7 +20,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from gemzoo import registry
 from gemzoo.interfaces.memory import needs_compile, policy_report
+from gemzoo.interfaces.models import ModelOutput
 
 # aot_autograd's min-cut partitioner (where activation_memory_budget acts) without inductor's codegen: fast on CPU
 COMPILE_BACKEND = "aot_eager_decomp_partition"
@@ -37,8 +39,6 @@ def declared_tolerance(policy) -> float:
 def tiny_model(seed: int = 0, *, d_model: int = 32, batch_size: int = 16, sparse_tables: int = 2):
     """(model, batch): a gem model over a synthetic-gem batch, built as the trainer builds it (meta, to_empty,
     init_weights), in fp32 on CPU with the ``reference`` attention kernel and no dropout."""
-    from gemzoo import registry
-
     data = registry.get("dataset", "synthetic-gem")
     ds = data.build(data.config_cls(batch_size=batch_size, max_len=48, median_len=16, min_len=0, max_candidates=4,
                                     num_items=120, num_clusters=4, num_sparse_tables=sparse_tables,
@@ -78,8 +78,6 @@ class DenseTiny(nn.Module):
         return list(self.blocks)
 
     def forward(self, batch):
-        from gemzoo.interfaces.models import ModelOutput
-
         x = batch["x"]
         for block in self.blocks:
             x = block(x)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from gemzoo import registry
+from gemzoo.errors import ConfigError
 from gemzoo.interfaces.models import Batch, Dataset, RecModel, transformer_blocks
 
 SMALL_MODEL = {
@@ -50,8 +52,6 @@ SMALL_DATA = {
 
 
 def build_dataset(name: str, tmp_path, data_cfg: dict | None = None, seed: int = 0):
-    from gemzoo import registry
-
     spec = registry.get("dataset", name)
     Path(tmp_path).mkdir(parents=True, exist_ok=True)
     fields = {f.name for f in dataclasses.fields(spec.config_cls)}
@@ -85,14 +85,13 @@ def check_dataset(name: str, tmp_path, *, data_cfg: dict | None = None) -> None:
     assert _fields_equal(b0.to("cpu"), b0)
     evals = ds.eval_batches(2)
     assert len(evals) == 2 and all(isinstance(b, Batch) for b in evals)
-    assert all(_fields_equal(a, b) for a, b in zip(evals, ds.eval_batches(2))), f"dataset {name!r}: eval batches change"
+    again = ds.eval_batches(2)
+    assert len(again) == 2 and all(_fields_equal(a, b) for a, b in zip(evals, again, strict=True)), \
+        f"dataset {name!r}: eval batches change"
 
 
 def partner_dataset(family: str, tmp_path) -> tuple[str, object]:
     """The first registered dataset whose info this family builds from (on meta): (name, dataset)."""
-    from gemzoo import registry
-    from gemzoo.errors import ConfigError
-
     spec, tried = registry.get("model", family), []
     for name in registry.names("dataset"):
         ds = build_dataset(name, tmp_path / name)
@@ -107,8 +106,6 @@ def partner_dataset(family: str, tmp_path) -> tuple[str, object]:
 
 
 def check_model(family: str, tmp_path, *, model_cfg: dict | None = None, dataset=None, seed: int = 0) -> None:
-    from gemzoo import registry
-
     spec = registry.get("model", family)
     ds = dataset if dataset is not None else partner_dataset(family, Path(tmp_path))[1]
     cfg = spec.config_cls(**(model_cfg if model_cfg is not None else SMALL_MODEL.get(family, {})))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from gemzoo.config import load_config
 from gemzoo.distributed import World, all_reduce_gradients, build_mesh, check_mesh_dims
 from gemzoo.distributed import state as dstate
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
@@ -102,7 +103,7 @@ def protocol_rank(rank: int, world_size: int, port: int, planner, tmp: str, env:
     os.environ.update(env)
     import torch.distributed as dist
 
-    from gemzoo.train import checkpoint as ckpt
+    from gemzoo.train import checkpoint as ckpt  # training layer: `import gemzoo.testing` must not load it
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -166,8 +167,7 @@ def planner_rank(rank: int, world: int, port: int, planner_name: str, tmp: str, 
     rank_env(rank, world, port)
     import torch.distributed as dist
 
-    from gemzoo.config import load_config
-    from gemzoo.train.trainer import train
+    from gemzoo.train.trainer import train  # training layer: `import gemzoo.testing` must not build the trainer
 
     torch.set_num_threads(1)
     first = train(load_config(config, overrides=_overrides(planner_name, f"{tmp}/run", 2)), progress=False)

@@ -24,19 +24,20 @@ from torch import nn
 
 from gemzoo import kinds, registry
 from gemzoo.config import Config
-from gemzoo.data.batch import host_view
+from gemzoo.interfaces.models import host_view
 from gemzoo.data.exchange import Lookahead
 from gemzoo.distributed import (World, all_reduce_gradients, build_mesh, clip_grad_norm, init_distributed,
-                                is_fsdp_shard, pick_device, shard_dense_blocks, whole_parameters)
+                                is_fsdp_shard, pick_device, shard_dense_blocks)
 from gemzoo.distributed import state as dstate
 from gemzoo.distributed.dense import dense_dims, tensor_parallel_plans
 from gemzoo.distributed.comms_groups import comms_summary
 from gemzoo.embedding import use_sparse_gradients
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
-from gemzoo.interfaces.attention import attention_sites, kernels_that_serve
+from gemzoo.attention import attention_sites, kernels_that_serve
 from gemzoo.interfaces.batching import DataParallelGroup
 from gemzoo.interfaces.memory import needs_compile, policy_report
 from gemzoo.interfaces.models import transformer_blocks
+from gemzoo.interfaces.planner import whole_parameters
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.interfaces.precision import PrecisionConfig
 from gemzoo.train import checkpoint as ckpt

@@ -67,7 +67,7 @@ class ReplicatePlanner:
         return model
 
     def replicated_parameters(self, model):
-        from gemzoo.distributed import whole_parameters
+        from gemzoo.interfaces.planner import whole_parameters
 
         tables = {id(p) for p in model.toy_tables["params"].values()}
         return [p for p in whole_parameters(model) if id(p) not in tables]

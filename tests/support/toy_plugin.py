@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemzoo
-from gemzoo.interfaces import AttentionRequest, DatasetSpec, JaggedAttention, ModelOutput, ModelSpec
-from gemzoo.jagged import lengths_to_offsets
+from gemzoo.attention import JaggedAttention
 from gemzoo.flops import attention_flops, attention_pairs, linear_flops, sample_pairs
+from gemzoo.interfaces import AttentionRequest, DatasetSpec, ModelOutput, ModelSpec
+from gemzoo.jagged import lengths_to_offsets
 
 
 @dataclass

@@ -17,24 +17,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo.data.batch import host_view
-from gemzoo.embedding import SparseArch, TableConfig
+from gemzoo.attention import validated_longest
+from gemzoo.embedding import SparseArch, TableConfig, torchrec_available
 from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest, validated_longest
-from gemzoo.interfaces.models import ModelOutput, ModelSpec
+from gemzoo.flops import attention_flops, linear_flops
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
+from gemzoo.interfaces.models import ModelOutput, ModelSpec, host_view
 from gemzoo.jagged import seq_ids
 from gemzoo.models.common import (
-    require_data_info,
     MLP,
     JaggedAttention,
     TransformerBlock,
     binary_auc,
     check_heads,
     init_weights,
+    require_data_info,
     reverse_positions,
     self_attention_options,
 )
-from gemzoo.flops import attention_flops, linear_flops
 
 
 @dataclass
@@ -162,8 +162,6 @@ class GemModel(nn.Module):
         return plan
 
     def embedding_tables(self) -> list:
-        from gemzoo.embedding import torchrec_available
-
         if self.sparse_arch is not None and self.sparse_arch.engine == "torchrec" and torchrec_available():
             return [t.to_torchrec() for t in self.tables]
         return list(self.tables)
@@ -244,7 +242,7 @@ class GemModel(nn.Module):
         f = f + self.interaction.flops(cands) + sum(linear_flops(cands, h.in_features, 1) for h in self.head.values())
         return f.double()
 
-    def evaluator(self) -> "GemEvaluator":
+    def evaluator(self) -> GemEvaluator:
         return GemEvaluator(self)
 
 

@@ -22,12 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemzoo.attention import JaggedAttention
 from gemzoo.errors import ConfigError
+from gemzoo.flops import attention_flops, linear_flops, sample_pairs
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
-from gemzoo.models.common import JaggedAttention, init_weights, self_attention_options, self_attention_pairs
+from gemzoo.models.common import init_weights, self_attention_options, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel, trunc_normal
-from gemzoo.flops import attention_flops, linear_flops, sample_pairs
+from gemzoo.ops import jagged_to_padded
 
 
 @dataclass
@@ -71,8 +73,6 @@ class RelativeBias(nn.Module):
 def time_buckets(times: torch.Tensor, next_times: torch.Tensor, offsets: torch.Tensor, longest: int,
                  num_buckets: int) -> torch.Tensor:
     """[B, L, L] bucket of t_next(i) - t_j for query i and key j of each sequence (padding: bucket 0)."""
-    from gemzoo.jagged import jagged_to_padded
-
     t = jagged_to_padded(times.unsqueeze(1).double(), offsets, longest).squeeze(-1)  # [B, L]
     tn = jagged_to_padded(next_times.unsqueeze(1).double(), offsets, longest).squeeze(-1)
     gap = (tn.unsqueeze(2) - t.unsqueeze(1)).abs().clamp(min=1.0)

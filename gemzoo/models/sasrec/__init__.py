@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gemzoo.attention import JaggedAttention
 from gemzoo.errors import ConfigError
 from gemzoo.flops import attention_flops, linear_flops
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
-from gemzoo.models.common import FeedForward, JaggedAttention, TransformerBlock, check_heads, self_attention_pairs
+from gemzoo.models.common import FeedForward, TransformerBlock, check_heads, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel, trunc_normal
 
 

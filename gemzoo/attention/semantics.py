@@ -1,0 +1,130 @@
+"""The executable semantics of jagged attention: the mask rule, RoPE, the pointwise activations, the codes the
+compiled kernels use for them, and :func:`reference_attention`, the per-sequence oracle that the ``reference``
+kernel registers and every kernel's tests and benchmarks compare against.
+
+The contract itself (shapes, the mask rule, NaN handling) is stated in :mod:`gemzoo.interfaces.attention`
+and docs/attention.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemzoo.attention.checks import check_inputs
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities
+
+# Activation name -> the integer code of the compiled kernels (gemzoo's C++/CUDA ops and the Triton kernels of
+# the jfa family): one table, whose numbering the C++ kernels (csrc/) are compiled against.
+ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "relu": 3, "identity": 4, "gelu_tanh": 5, "relu2": 6,
+                    "leaky_relu": 7, "hardswish": 8}
+assert set(ACTIVATION_CODES) == set(ACTIVATIONS), "every activation needs a kernel code"
+
+
+def pair_allowed(i: torch.Tensor, j: torch.Tensor, *, causal: bool, window: int | None,
+                 block_size: int | None) -> torch.Tensor:
+    """The mask rule of :mod:`gemzoo.interfaces.attention` for query positions ``i`` (already shifted by Lk - Lq) and key positions ``j``,
+    broadcast against each other."""
+    ok = torch.ones(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool, device=i.device)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        ok &= (i - j) < window
+    if block_size is not None:
+        ok &= torch.div(i, block_size, rounding_mode="floor") == torch.div(j, block_size, rounding_mode="floor")
+    return ok
+
+
+def allowed_mask(lq: int, lk: int, *, causal: bool, window: int | None, block_size: int | None, device=None):
+    """Boolean [lq, lk] mask of allowed (query, key) pairs for one sequence."""
+    i = torch.arange(lq, device=device).unsqueeze(1) + (lk - lq)
+    j = torch.arange(lk, device=device).unsqueeze(0)
+    return pair_allowed(i, j, causal=causal, window=window, block_size=block_size)
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE, half-split convention: x [L, H, D] (D even) rotated at positions ``pos`` [L], pairs
+    (d, d + D/2) by the angle pos * theta^(-2d/D). Computed in x's dtype (fp32 or fp64 in the reference)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / x.shape[-1])
+    ang = (pos.to(torch.float64)[:, None] * inv_freq[None, :]).to(x.dtype)[:, None, :]  # [L, 1, D/2]
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_activation(scores: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return torch.nn.functional.silu(scores)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(scores)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(scores, approximate="tanh")
+    if activation == "relu":
+        return torch.relu(scores)
+    if activation == "relu2":
+        return torch.relu(scores).square()
+    if activation == "leaky_relu":
+        return torch.nn.functional.leaky_relu(scores, 0.01)
+    if activation == "hardswish":
+        return torch.nn.functional.hardswish(scores)
+    if activation == "identity":
+        return scores
+    raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+
+
+# ------------------------------------------------------------------------------------------ the reference
+# The executable definition of the semantics above: the ``reference`` kernel (registered by
+# gemzoo.builtin.attention) and the oracle every kernel's tests compare against.
+
+REFERENCE_CAPABILITIES = AttentionCapabilities(
+    activations=frozenset(ACTIVATIONS), window=True, block=True, rotary=True, bias=True,
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}))
+
+
+def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
+                        norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
+                        bias=None):
+    """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct.
+    ``bias`` [B, 1 or H, >= Lq, >= Lk] is added to the scaled scores before the mask and the activation."""
+    q_offsets, k_offsets = check_inputs(
+        q, k, v, q_offsets, k_offsets, activation, capabilities=REFERENCE_CAPABILITIES, kernel="reference",
+        causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
+        window=window, rope_theta=rope_theta, bias=bias)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
+    qo, ko = q_offsets.tolist(), k_offsets.tolist()
+    pieces = []
+    for b in range(len(qo) - 1):
+        qs, qe, ks, ke = qo[b], qo[b + 1], ko[b], ko[b + 1]
+        lq, lk = qe - qs, ke - ks
+        if lq == 0:
+            continue
+        if lk == 0:
+            pieces.append(out[qs:qe])
+            continue
+        qb, kb = q[qs:qe].to(compute), k[ks:ke].to(compute)
+        if rope_theta is not None:  # query i at position i + Lk - Lq, key j at j
+            qb = apply_rope(qb, torch.arange(lk - lq, lk, device=q.device), rope_theta)
+            kb = apply_rope(kb, torch.arange(lk, device=q.device), rope_theta)
+        qb, kb = qb.transpose(0, 1), kb.transpose(0, 1)  # [H, Lq, D], [H, Lk, D]
+        vb = v[ks:ke].to(compute).transpose(0, 1)
+        s = scale * qb @ kb.transpose(1, 2)  # [H, Lq, Lk]
+        if bias is not None:
+            s = s + bias[b, :, :lq, :lk].to(compute)
+        mask = allowed_mask(lq, lk, causal=causal, window=window, block_size=block_size, device=q.device)
+        has_key = mask.any(-1, keepdim=True)  # [Lq, 1]
+        if activation == "softmax":
+            # masked keys get -inf (a NaN score there is dropped); rows with no allowed key get finite
+            # dummy scores and are zeroed below, so NaN from the inputs is the only NaN left
+            s = s.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
+            p = torch.softmax(s, dim=-1)
+        else:
+            p = torch.where(mask, apply_activation(s, activation), 0.0)
+            if norm is not None:
+                p = p / norm
+        o = torch.where(has_key, p @ vb, 0.0)  # no allowed key -> exactly 0
+        pieces.append(o.transpose(0, 1))
+    if not pieces:
+        return out.to(q.dtype)
+    return torch.cat(pieces, dim=0).to(q.dtype)  # non-empty sequences, in order, tile [0, Tq)

@@ -1,0 +1,129 @@
+"""Attention sites: the ``nn.Module`` through which a model calls attention, and the kernel wrapper plugins
+register.
+
+A model calls attention only through :class:`JaggedAttention` modules, its named *sites*; the trainer gives
+each site a kernel ([plugins.attention_sites], else [plugins] attention), and policies (mxfp8's attention,
+act-quant) find them with :func:`attention_sites`. :class:`FunctionKernel` wraps a plain function as a
+registrable kernel, with an optional CPU fallback looked up in the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gemzoo import registry
+from gemzoo.attention.checks import check_inputs
+from gemzoo.errors import PluginError
+from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest
+
+
+@dataclass
+class FunctionKernel:
+    """Wrap a plain function as a kernel with capabilities (the usual way to register one).
+
+    ``cpu_fallback`` names a registered kernel that serves CPU tensors (``reference`` when that one is not
+    registered), for GPU-only kernels that still run a config anywhere. The call is first checked
+    against *this* kernel's capabilities, so the fallback never accepts what this kernel does not declare.
+    """
+
+    fn: object
+    capabilities: AttentionCapabilities = field(default_factory=AttentionCapabilities)
+    description: str = ""
+    cpu_fallback: str | None = None
+    _cpu_kernel: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __call__(self, q, k, v, q_offsets, k_offsets=None, **kw):
+        if self.cpu_fallback is not None and q.device.type == "cpu":
+            check_inputs(q, k, v, q_offsets, k_offsets, capabilities=self.capabilities, kernel=self, **kw)
+            return self._fallback()(q, k, v, q_offsets, k_offsets, **kw)
+        return self.fn(q, k, v, q_offsets, k_offsets, **kw)
+
+    def _fallback(self):
+        """The CPU kernel, looked up in the registry once."""
+        if self._cpu_kernel is None:
+            name = self.cpu_fallback if self.cpu_fallback in registry.names("attention") else "reference"
+            self._cpu_kernel = registry.get("attention", name)
+        return self._cpu_kernel
+
+
+# A model calls attention only through JaggedAttention modules, its named *sites*; the trainer gives each site
+# a kernel ([plugins.attention_sites], else [plugins] attention), and policies (mxfp8's attention, act-quant)
+# find them with attention_sites(model). Model plugins build their sites from here.
+
+class JaggedAttention(nn.Module):
+    """The one place a model calls attention. The trainer picks the kernel for each site by name.
+
+    ``request`` says what the site needs (activation, causal, asymmetric...); the trainer checks it
+    against the chosen kernel's capabilities and fails at assembly time if the kernel lacks something.
+    """
+
+    def __init__(self, request: AttentionRequest, **options):
+        super().__init__()
+        self.request = request
+        self.options = options  # fixed keyword options: window, block_size, norm, scale...
+        self.kernel_name = "reference"
+        self._kernel = None
+        self._output_checked = False
+        self.add_options()
+
+    def add_options(self, **options) -> None:
+        """Add fixed options; the request then asks for what they need (window, block, rotary), so the
+        assembly check requires a kernel that declares them."""
+        self.options.update(options)
+        o = self.options
+        self.request = self.request.replace(window=self.request.window or o.get("window") is not None,
+                                            block=self.request.block or o.get("block_size") is not None,
+                                            rotary=self.request.rotary or o.get("rope_theta") is not None)
+
+    def mask_options(self) -> dict:
+        """The options that change which pairs are allowed (for FLOP counts)."""
+        return {k: self.options.get(k) for k in ("block_size", "window")}
+
+    @property
+    def kernel(self):
+        if self._kernel is None:
+            self._kernel = registry.get("attention", self.kernel_name)
+        return self._kernel
+
+    def set_kernel(self, name: str, kernel) -> None:
+        self.kernel_name, self._kernel = name, kernel
+        self._output_checked = False
+
+    def forward(self, q, k, v, q_offsets, k_offsets=None, **overrides) -> torch.Tensor:
+        kw = {"causal": self.request.causal, "activation": self.request.activation, **self.options, **overrides}
+        out = self.kernel(q, k, v, q_offsets, k_offsets, **kw)
+        if not self._output_checked:  # a plugin's kernel returning the wrong thing fails here, by name
+            check_kernel_output(out, q, v, self.kernel_name)
+            self._output_checked = True
+        return out
+
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel_name}, request={self.request}"
+
+
+def check_kernel_output(out, q: torch.Tensor, v: torch.Tensor, kernel_name: str) -> None:
+    """The first call's output of an attention kernel must be a [Tq, H, Dv] tensor of q's dtype and device;
+    otherwise a PluginError names the kernel and the plugin distribution that registered it."""
+    want = (q.shape[0], q.shape[1], v.shape[2])
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == want and out.dtype == q.dtype \
+            and out.device == q.device:
+        return
+    try:
+        entry = registry.entry("attention", kernel_name)
+        origin = f"plugin {entry.plugin!r} of distribution {entry.distribution!r}"
+    except Exception:  # noqa: BLE001 - set by hand, not registered: name the kernel only
+        origin = "a kernel that is not registered"
+    got = (f"a {type(out).__name__}" if not isinstance(out, torch.Tensor)
+           else f"shape {tuple(out.shape)}, {out.dtype} on {out.device}")
+    raise PluginError(
+        f"attention kernel {kernel_name!r} ({origin}) returned {got}; it must return a tensor of shape "
+        f"[Tq, H, Dv] = {want}, {q.dtype} on {q.device}. Fix the kernel, or choose another with --plugins."
+    )
+
+
+def attention_sites(model: nn.Module) -> dict[str, JaggedAttention]:
+    """Module name -> JaggedAttention site, in module order (the names [plugins.attention_sites] matches)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, JaggedAttention)}
