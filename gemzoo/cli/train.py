@@ -8,8 +8,9 @@ import sys
 
 from gemzoo.cli.common import load_run_config
 from gemzoo.train import run_folder
+from gemzoo.train.loop import TrainingInterrupted
 from gemzoo.train.metrics import json_safe
-from gemzoo.train.trainer import TrainingInterrupted, train
+from gemzoo.train.trainer import train
 
 
 def cmd_train(args) -> int:
