@@ -169,8 +169,7 @@ def _fake_ablation(out: Path) -> dict:
 
 
 def test_report_without_matplotlib_then_redrawn_elsewhere(tmp_path, monkeypatch, capsys, fresh_registry):
-    from gemzoo.cli import ablate_report, plot
-    from gemzoo.cli import main
+    from gemzoo.cli import ablate_report, main, plot
 
     data = _fake_ablation(tmp_path)
 

@@ -6,15 +6,15 @@ import re
 import subprocess
 import sys
 import sysconfig
-import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from gemzoo.cli import main
-from gemzoo.errors import ConfigError, PluginError
 from gemzoo.cli.new_plugin import KINDS, module_name, render, write_plugin
+from gemzoo.errors import ConfigError, PluginError
 
 
 def plugin_name(kind: str) -> str:

@@ -15,8 +15,8 @@ from gemzoo.cli import plot
 from gemzoo.errors import ConfigError
 
 OUTPUTS = ("ablation.json", "ablation.csv", "report.md", "throughput.png", "memory.png", "loss.png", "eval.png")
-CSV_COLUMNS = ("name", "plugins", "status", "samples_per_s", "tokens_per_s", "tflops", "mfu", "mfu_peak", "peak_mem_gib",
-               "peak_mem_source", "final_loss", "step_s", "wall_s", "steps", "run_dir", "error")
+CSV_COLUMNS = ("name", "plugins", "status", "samples_per_s", "tokens_per_s", "tflops", "mfu", "mfu_peak",
+               "peak_mem_gib", "peak_mem_source", "final_loss", "step_s", "wall_s", "steps", "run_dir", "error")
 
 
 def label(row: dict) -> str:
@@ -169,8 +169,9 @@ def render_report(data: dict, plots: list[Path]) -> str:
     lines = [
         f"# Ablation: {Path(data['ablation']).stem}",
         "",
-        f"`{_shown(data['config'])}` under {len(rows)} plugin sets, {data['steps']} steps each; throughput figures are medians "
-        f"after {data['warmup']} warm-up steps. Each set trained in its own process and run folder (`runs/`).",
+        f"`{_shown(data['config'])}` under {len(rows)} plugin sets, {data['steps']} steps each; throughput figures "
+        f"are medians after {data['warmup']} warm-up steps. Each set trained in its own process and run folder "
+        "(`runs/`).",
         "",
         "```bash",
         data["command"] or "gemzoo ablate " + data["ablation"],

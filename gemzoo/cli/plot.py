@@ -108,7 +108,8 @@ def _bars(ax, rows: list[dict], key: str, *, scale: float = 1.0, fmt: str = "{:.
     bars = ax.bar(xs, values, color=colors)
     top = max(values, default=0.0) or 1.0
     failed = [r.get("status") != "ok" for r in rows]
-    ax.bar_label(bars, labels=["" if f else fmt.format(v) for f, v in zip(failed, values, strict=True)], padding=2, fontsize=8)
+    ax.bar_label(bars, labels=["" if f else fmt.format(v) for f, v in zip(failed, values, strict=True)], padding=2,
+                 fontsize=8)
     for bar, f in zip(bars, failed, strict=True):
         if f:  # at the foot of the axes, whatever its y-limits
             ax.text(bar.get_x() + bar.get_width() / 2, 0.02, "failed", ha="center", va="bottom", fontsize=8,
