@@ -1,4 +1,4 @@
-"""End-to-end training throughput: a thin caller of ``gemzoo ablate`` (gemzoo/ablate.py), kept so the
+"""End-to-end training throughput: a thin caller of ``gemzoo ablate`` (gemzoo/cli/ablate.py), kept so the
 commands recorded in the READMEs still run.
 
     python bench/e2e.py --ablation configs/ablations/gem-bench.toml [--steps N] [--out DIR]
@@ -16,7 +16,8 @@ import sys
 
 
 def main() -> int:
-    from gemzoo.ablate import make_plan, markdown_table, plan_from_config, run_ablation
+    from gemzoo.cli.ablate import make_plan, plan_from_config, run_ablation
+    from gemzoo.cli.ablate_report import markdown_table
 
     p = argparse.ArgumentParser()
     p.add_argument("--ablation", help="configs/ablations/*.toml: config, runs, steps, warmup and overrides")

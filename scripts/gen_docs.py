@@ -283,12 +283,12 @@ def config_reference() -> str:
 
 # ------------------------------------------------------------------------------------------------ kinds
 def kind_example(kind: str) -> str:
-    from gemzoo.scaffold import TEMPLATES, module_name, render
+    from gemzoo.cli.new_plugin import module_name, render, template
 
     name = EXAMPLE_NAME.format(kind=kind)
     files = render(name, kind)
     mod = module_name(name)
-    impl = f"{mod}/{TEMPLATES[kind]['impl']}.py"
+    impl = f"{mod}/{template(kind)['impl']}.py"
     parts = [BEGIN, "",
              f"What `gemzoo new-plugin {name} --kind {kind}` writes (and `tests/test_scaffold.py` installs and "
              "tests in CI). The implementation, which works as generated:", "",
@@ -308,7 +308,7 @@ def with_example(page: str, kind: str) -> str:
 
 
 def expected() -> dict[Path, str]:
-    from gemzoo.scaffold import KINDS
+    from gemzoo.cli.new_plugin import KINDS
 
     files = {DOCS / "config.md": config_reference()}
     for kind in KINDS:

@@ -92,7 +92,7 @@ def test_peak_memory_is_per_run_not_cumulative():
 
     def peak(extra_mib):
         code = (f"x = bytearray({extra_mib} * 2**20); x[::4096] = b'1' * len(x[::4096]); "
-                "from gemzoo.ablate import peak_rss_bytes; print(peak_rss_bytes())")
+                "from gemzoo.cli.ablate_run import peak_rss_bytes; print(peak_rss_bytes())")
         return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                   timeout=120).stdout)
 
@@ -169,8 +169,7 @@ def _fake_ablation(out: Path) -> dict:
 
 
 def test_report_without_matplotlib_then_redrawn_elsewhere(tmp_path, monkeypatch, capsys, fresh_registry):
-    from gemzoo import ablate, plotting
-    from gemzoo.cli import main
+    from gemzoo.cli import ablate_report, main, plot
 
     data = _fake_ablation(tmp_path)
 
@@ -178,8 +177,8 @@ def test_report_without_matplotlib_then_redrawn_elsewhere(tmp_path, monkeypatch,
         raise ConfigError("plots need matplotlib: pip install matplotlib")
 
     with monkeypatch.context() as m:
-        m.setattr(plotting, "_figure", no_matplotlib)
-        assert ablate.write_report(data, tmp_path, echo=lambda s: None) == []
+        m.setattr(plot, "_figure", no_matplotlib)
+        assert ablate_report.write_report(data, tmp_path, echo=lambda s: None) == []
     report = (tmp_path / "report.md").read_text()
     assert "No plots" in report and "gemzoo ablate --report DIR" in report and not list(tmp_path.glob("*.png"))
     assert "NVIDIA H200 (139.8 GiB)" in report and "OutOfMemoryError" in report
@@ -213,7 +212,7 @@ def test_runs_may_change_options_for_themselves(tmp_path):
 
 
 def test_a_run_with_its_own_overrides_trains_them(tmp_path):
-    from gemzoo.ablate import make_plan, run_ablation
+    from gemzoo.cli.ablate import make_plan, run_ablation
 
     f = tmp_path / "a.toml"
     f.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nsteps = 2\nwarmup = 0\n'

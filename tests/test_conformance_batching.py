@@ -205,7 +205,7 @@ def _host_path_rank(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port)
     import torch.distributed as dist
 
-    from gemzoo.data.exchange import Lookahead
+    from gemzoo.data.lookahead import Lookahead
     from gemzoo.interfaces.batching import DataParallelGroup
     from gemzoo.interfaces.models import host_view
     from gemzoo.testing.batching import ReverseStride, batches_equal, small_gem_stream

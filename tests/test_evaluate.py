@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from gemzoo.cli import main
+from gemzoo.cli.eval import evaluate_checkpoint, logged_eval
 from gemzoo.config import load_config
 from gemzoo.errors import CheckpointError, ConfigError
-from gemzoo.evaluate import evaluate_checkpoint, logged_eval
 from gemzoo.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from gemzoo.scaffold import KINDS as TEMPLATE_KINDS
-from gemzoo.scaffold import render
+from gemzoo.cli.new_plugin import KINDS as TEMPLATE_KINDS
+from gemzoo.cli.new_plugin import render
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from gemzoo.cli import main
+from gemzoo.cli.plot import plot_runs, read_metrics
 from gemzoo.errors import ConfigError
-from gemzoo.plotting import plot_runs, read_metrics
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""The host prefetch of the next step's samples (gemzoo.data.exchange.ShardPrefetcher, used by Lookahead)."""
+"""The host prefetch of the next step's samples (gemzoo.data.lookahead.ShardPrefetcher, used by Lookahead)."""
 
 import threading
 import time
@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from gemzoo.data.exchange import Lookahead, ShardPrefetcher, load_shard
+from gemzoo.data.exchange import load_shard
+from gemzoo.data.lookahead import Lookahead, ShardPrefetcher
 from gemzoo.interfaces.batching import DataParallelGroup
 
 

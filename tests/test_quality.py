@@ -290,7 +290,7 @@ def test_sasrec_reference_block_matches_torch_multihead_attention():
 
 
 def test_optim_betas_reach_adamw(tmp_path):
-    from gemzoo.train.trainer import build_optimizers
+    from gemzoo.train.optim import build_optimizers
 
     cfg = load_config(ROOT / "configs" / "sasrec-ml1m.toml", overrides=[f"data.path='{write_ml(tmp_path)}'"])
     assert cfg.optim.betas == [0.9, 0.98] and cfg.optim.grad_clip == 0.0

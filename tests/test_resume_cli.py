@@ -98,6 +98,6 @@ def test_batch_job_gets_a_plain_line_every_log_every_steps(tmp_path):
 def test_the_terminal_bar_shows_an_eta():
     from rich.progress import TimeRemainingColumn
 
-    from gemzoo.train.trainer import _progress
+    from gemzoo.train.loop import progress_bar
 
-    assert any(isinstance(c, TimeRemainingColumn) for c in _progress(True).columns)
+    assert any(isinstance(c, TimeRemainingColumn) for c in progress_bar(True).columns)

@@ -2,18 +2,19 @@
 own tests pass as generated. All kinds are installed into one throw-away environment (it sees this one's
 packages through a .pth file) and their tests run in one pytest process; each kind then gets its verdict."""
 
+import re
 import subprocess
 import sys
 import sysconfig
-import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from gemzoo.cli import main
+from gemzoo.cli.new_plugin import KINDS, module_name, render, write_plugin
 from gemzoo.errors import ConfigError, PluginError
-from gemzoo.scaffold import KINDS, module_name, render, write_plugin
 
 
 def plugin_name(kind: str) -> str:
@@ -76,7 +77,13 @@ def test_distribution_layout(kind):
         if path.endswith(".py"):
             compile(text, path, "exec")  # valid Python, every placeholder substituted
         assert "$" not in text.replace("$ ", ""), f"{path} has an unsubstituted placeholder"
-    assert f"@gemzoo.hookimpl\ndef gemzoo_register_" in files[f"{mod}/plugin.py"]
+    assert "@hookimpl\ndef gemzoo_register_" in files[f"{mod}/plugin.py"]
+    assert 'GEMZOO_API = ">=1,<2"' in files[f"{mod}/plugin.py"]
+    for path, text in files.items():  # gemzoo only through its public API (tests: also its test suites)
+        if path.endswith(".py"):
+            public = ("gemzoo.api", "gemzoo.testing") if path.startswith("tests/") else ("gemzoo.api",)
+            used = set(re.findall(r"^\s*(?:from|import) (gemzoo\b[\w.]*)", text, re.M))
+            assert used <= set(public), f"{path} imports {sorted(used - set(public))}"
 
 
 def test_bad_names_taken_names_and_existing_folders(tmp_path, fresh_registry, capsys):

@@ -164,7 +164,7 @@ def test_a_signal_finishes_the_step_checkpoints_and_resumes_bit_exact(toy, tmp_p
     import signal
 
     import gemzoo
-    from gemzoo.train.trainer import TrainingInterrupted
+    from gemzoo.train.loop import TrainingInterrupted
 
     class SignalAtStep3:  # what a scheduler or Ctrl-C does, from inside the loop
         @gemzoo.hookimpl

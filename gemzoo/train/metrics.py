@@ -46,7 +46,7 @@ def reduce_across_ranks(values: dict[str, float], op: str, device: torch.device,
         return dict(values)
     t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=device)
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
-    return dict(zip(values, t.tolist()))
+    return dict(zip(values, t.tolist(), strict=True))
 
 
 def json_safe(value):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gemzoo import registry
 from gemzoo.errors import ConfigError
 
 FIXED = ("model.", "data.", "plugins.", "precision.", "run.seed")
@@ -38,8 +39,6 @@ def is_fixed(key: str) -> bool:
 def layout_keys() -> set[str]:
     """``plugins.options.NAME.FIELD`` for each field a registered plugin's ``options_cls.layout_fields`` names
     (e.g. sharding-2d's group_size): options that place the same whole tensors differently."""
-    from gemzoo import registry
-
     return {f"plugins.options.{e.name}.{f}" for e in registry.entries()
             for f in getattr(getattr(e.obj, "options_cls", None), "layout_fields", ())}
 

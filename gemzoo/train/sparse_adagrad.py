@@ -24,7 +24,6 @@ import itertools
 
 import torch
 
-
 _LAYOUTS: dict = {}  # (device, lookups per table, rows per table) -> (first_pos, row_offset), each [N] int64
 
 
@@ -36,8 +35,11 @@ def _layout(device, counts: tuple[int, ...], rows: tuple[int, ...]) -> tuple[tor
     if key not in _LAYOUTS:
         if len(_LAYOUTS) > 64:
             _LAYOUTS.clear()
-        first = [torch.full((n,), o, dtype=torch.long, device=device) for n, o in zip(counts, _starts(counts))]
-        offset = [torch.full((n,), r, dtype=torch.long, device=device) for n, r in zip(counts, _starts(rows))]
+        # strict=False: _starts(()) is [0]
+        first = [torch.full((n,), o, dtype=torch.long, device=device)
+                 for n, o in zip(counts, _starts(counts), strict=False)]
+        offset = [torch.full((n,), r, dtype=torch.long, device=device)
+                  for n, r in zip(counts, _starts(rows), strict=False)]
         _LAYOUTS[key] = (torch.cat(first), torch.cat(offset))
     return _LAYOUTS[key]
 
@@ -89,13 +91,13 @@ def _update_group(group, eps: float) -> None:
     rows = torch.zeros(n, dtype=torch.long, device=device).scatter_(0, slot, ordered - row_offset)
     used = torch.zeros(n, dtype=torch.bool, device=device).scatter_(0, slot, True)  # unused slots: row 0, grad 0
     square = grad * grad
-    spans = [(lo, lo + count) for lo, count in zip(_starts(counts), counts)]
-    for (_, state_sum, _, _, _), (a, b) in zip(group, spans):
+    spans = [(lo, lo + count) for lo, count in zip(_starts(counts), counts, strict=False)]
+    for (_, state_sum, _, _, _), (a, b) in zip(group, spans, strict=True):
         state_sum.index_add_(0, rows[a:b], square[a:b])
-    std = torch.cat([u[1].index_select(0, rows[a:b]) for u, (a, b) in zip(group, spans)]).sqrt_().add_(eps)
+    std = torch.cat([u[1].index_select(0, rows[a:b]) for u, (a, b) in zip(group, spans, strict=True)]).sqrt_().add_(eps)
     # where(): an unused slot points at row 0 with a zero gradient; with eps = 0 its 0 / 0 must add nothing
     step = torch.where(used[:, None], grad / std, 0.0)
-    for (param, _, _, _, clr), (a, b) in zip(group, spans):
+    for (param, _, _, _, clr), (a, b) in zip(group, spans, strict=True):
         param.index_add_(0, rows[a:b], step[a:b], alpha=-clr)
 
 
@@ -146,6 +148,6 @@ class SparseAdagrad(torch.optim.Adagrad):
             try:
                 super().step()
             finally:
-                for p, g in zip(mine, grads):
+                for p, g in zip(mine, grads, strict=True):
                     p.grad = g
         return loss

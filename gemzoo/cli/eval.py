@@ -17,15 +17,20 @@ import tempfile
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
+import torch
+
+from gemzoo.cli.plot import read_metrics
+from gemzoo.config import load_config
+from gemzoo.distributed.state import load_full_state
 from gemzoo.errors import CheckpointError, ConfigError
+from gemzoo.train import checkpoint as ckpt
+from gemzoo.train.trainer import Trainer
 
 SPLITS = ("val", "test")
 
 
 def resolve_checkpoint(path: str | Path) -> dict:
     """Load a ``step-*`` checkpoint folder, or the newest valid one of a run folder or its ``checkpoints/``."""
-    from gemzoo.train import checkpoint as ckpt
-
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"--checkpoint {path} does not exist; give a run folder (run.out_dir), its "
@@ -62,13 +67,6 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
                         plugins: str | None = None, split: str = "val", batches: int | None = None,
                         device: str | None = None) -> dict:
     """Assemble the run of ``checkpoint``, load its weights, evaluate. Returns a JSON-able summary."""
-    import torch
-
-    from gemzoo.config import load_config
-    from gemzoo.distributed.state import load_full_state
-    from gemzoo.train import checkpoint as ckpt
-    from gemzoo.train.trainer import Trainer
-
     state = resolve_checkpoint(checkpoint)
     manifest = state["manifest"]
     overrides = list(overrides or [])
@@ -113,8 +111,6 @@ def evaluate_checkpoint(checkpoint: str | Path, *, config: str | None = None, ov
 
 def logged_eval(run_dir: str | Path, step: int) -> dict[str, float]:
     """The eval metrics ``metrics.jsonl`` of ``run_dir`` logged at ``step`` ({} if none)."""
-    from gemzoo.plotting import read_metrics
-
     for row in read_metrics(run_dir):
         if row["step"] == step:
             return {k: v for k, v in row.items() if k.startswith("eval/")}
@@ -122,22 +118,6 @@ def logged_eval(run_dir: str | Path, step: int) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------- CLI
-def add_command(sub) -> None:
-    e = sub.add_parser("eval", help="evaluate a checkpoint without training (AUC for gem; HR/NDCG/MRR for retrieval)",
-                       description="Assemble the run a checkpoint was trained with (its manifest's config, or "
-                       "--config), load the weights and run the trainer's evaluation; print and write JSON.")
-    e.add_argument("--checkpoint", required=True, metavar="PATH",
-                   help="a run folder (newest valid checkpoint), its checkpoints/ folder, or one step-* folder")
-    e.add_argument("--config", metavar="F", help="config to assemble instead of the one in the manifest")
-    e.add_argument("--split", choices=SPLITS, default="val", help="held-out split (test: datasets with eval_split)")
-    e.add_argument("--batches", type=int, help="held-out batches (default: the config's eval.batches)")
-    e.add_argument("--plugins", help="plugin names to evaluate with, e.g. reference (default: the run's)")
-    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    e.add_argument("--device", help="cpu, cuda or cuda:N (default: the config's run.device)")
-    e.add_argument("--json", metavar="FILE", help="where to write the result (default: RUN/eval-step-N-SPLIT.json)")
-    e.set_defaults(func=cmd_eval)
-
-
 def cmd_eval(args) -> int:
     result = evaluate_checkpoint(args.checkpoint, config=args.config, overrides=args.set, plugins=args.plugins,
                                  split=args.split, batches=args.batches, device=args.device)

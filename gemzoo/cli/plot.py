@@ -72,7 +72,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] 
     eval_keys = sorted({k for _, recs in runs for r in recs for k in r if k.startswith("eval/")})
     fig = _figure(15, 4.2)
     ax_loss, ax_tput, ax_eval = fig.subplots(1, 3)
-    for i, ((_, recs), label) in enumerate(zip(runs, labels)):
+    for i, ((_, recs), label) in enumerate(zip(runs, labels, strict=True)):
         c = COLORS[i % len(COLORS)]
         ax_loss.plot(*_series(recs, "loss"), color=c, label=label, lw=1.2)
         ax_tput.plot(*_series(recs, "samples_per_s"), color=c, label=label, lw=1.2)
@@ -108,8 +108,9 @@ def _bars(ax, rows: list[dict], key: str, *, scale: float = 1.0, fmt: str = "{:.
     bars = ax.bar(xs, values, color=colors)
     top = max(values, default=0.0) or 1.0
     failed = [r.get("status") != "ok" for r in rows]
-    ax.bar_label(bars, labels=["" if f else fmt.format(v) for f, v in zip(failed, values)], padding=2, fontsize=8)
-    for bar, f in zip(bars, failed):
+    ax.bar_label(bars, labels=["" if f else fmt.format(v) for f, v in zip(failed, values, strict=True)], padding=2,
+                 fontsize=8)
+    for bar, f in zip(bars, failed, strict=True):
         if f:  # at the foot of the axes, whatever its y-limits
             ax.text(bar.get_x() + bar.get_width() / 2, 0.02, "failed", ha="center", va="bottom", fontsize=8,
                     color="#b00000", transform=ax.get_xaxis_transform())
@@ -192,7 +193,7 @@ def ablation_plots(data: dict, out: str | Path) -> list[Path]:
         axes = list(fig.subplots(nrows, ncols, squeeze=False).flat)
         for ax in axes[len(keys):]:
             ax.set_visible(False)
-        for ax, key in zip(axes, keys):
+        for ax, key in zip(axes, keys, strict=False):
             scored = [dict(r, _v=r["eval"][key]) if r.get("status") == "ok" and key in r.get("eval", {})
                       else dict(r, status="failed") for r in rows]
             _bars(ax, scored, "_v", fmt="{:.4f}", ylabel=key.removeprefix("eval/"),
@@ -201,7 +202,7 @@ def ablation_plots(data: dict, out: str | Path) -> list[Path]:
             if vals:  # zoom on the spread: eval metrics of an ablation differ in the 2nd or 3rd digit
                 lo, hi = min(vals), max(vals)
                 pad = max((hi - lo) * 0.6, 0.01 * max(abs(hi), 1e-6))
-                fig.suptitle(f"Eval metrics per run (held-out batches; y-axes zoomed to the spread)")
+                fig.suptitle("Eval metrics per run (held-out batches; y-axes zoomed to the spread)")
                 ax.set_ylim(max(0.0, lo - pad) if lo >= 0 else lo - pad, hi + pad)
         paths.append(_save(fig, out / "eval.png"))
     return paths
@@ -214,16 +215,6 @@ def _save(fig, path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------------------------- CLI
-def add_command(sub) -> None:
-    p = sub.add_parser("plot", help="loss, throughput and eval curves of run folders into a PNG",
-                       description="Plot the metrics.jsonl of one or more run folders: training loss, samples/s "
-                       "and eval metrics against the step, one PNG with three panels.")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (run.out_dir of a training run)")
-    p.add_argument("--out", help="PNG to write (default: RUN/curves.png for one run, curves.png for several)")
-    p.add_argument("--labels", help="comma-separated legend labels, one per run (default: folder names)")
-    p.set_defaults(func=cmd_plot)
-
-
 def cmd_plot(args) -> int:
     labels = args.labels.split(",") if args.labels else None
     if labels is not None and len(labels) != len(args.runs):
