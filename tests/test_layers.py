@@ -29,11 +29,9 @@ from gemzoo.cli.new_plugin import render
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# file -> the forbidden modules it imports, with its issue (issue #9 items 5 and 9 emptied both)
+# file -> the forbidden modules it imports (none are allowed)
 KNOWN_CORE_BUILTIN: dict[str, set[str]] = {}
 KNOWN_PLUGIN_INTERNALS: dict[str, set[str]] = {}
-# import cycles inside gemzoo/ that are being taken apart (the command line's modules)
-KNOWN_CYCLES: set[frozenset[str]] = {frozenset({"gemzoo.ablate", "gemzoo.cli"})}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -196,9 +194,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 def test_no_import_cycle_in_gemzoo():
     cycles = set(_cycles(gemzoo_import_graph()))
-    assert not cycles - KNOWN_CYCLES, f"import cycles in gemzoo/: {[sorted(c) for c in cycles - KNOWN_CYCLES]}"
-    fixed = KNOWN_CYCLES - cycles
-    assert not fixed, f"{[sorted(c) for c in fixed]} no longer form a cycle: remove them from KNOWN_CYCLES"
+    assert not cycles, f"import cycles in gemzoo/: {[sorted(c) for c in cycles]}"
 
 
 def test_declarations_import_no_layer_above():
