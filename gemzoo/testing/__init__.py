@@ -28,6 +28,7 @@ _LAZY = {
     "kernel_ms": ("gemzoo.profiling", "kernel_ms"),
     "gpu_idle": ("gemzoo.profiling", "gpu_idle"),
     "annotations_ms": ("gemzoo.profiling", "annotations_ms"),
+    "CompileWatch": ("gemzoo.train.compiles", "CompileWatch"),
 }
 
 
