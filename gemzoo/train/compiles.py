@@ -63,6 +63,12 @@ class CompileWatch:
             self._installed = True
         return self
 
+    def __enter__(self) -> CompileWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         if self._installed and self._knobs.jit_cache_hook == self._hook:
             self._knobs.jit_cache_hook = self._previous
