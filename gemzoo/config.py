@@ -33,6 +33,9 @@ class RunConfig:
     out_dir: str = "runs/run"
     device: str = bounded("auto", pattern=r"auto|cpu|cuda(:\d+)?", means="auto, cpu, cuda or cuda:N")
     log_every: int = bounded(10, min=1)
+    # steps left out of the run's mean throughput (compiles, allocator and cache warm-up); compiles after them are
+    # counted in the metrics (compiles_after_warmup) and named in a warning
+    warmup: int = bounded(5, min=0)
     # when the loop waits for the device: "step" synchronizes after every step and reads its numbers (each step
     # timed alone); "log" only at steps that write a row, evaluate, checkpoint or stop, so the host queues the
     # next steps' work while the device runs (the steps between two such points share their mean time)

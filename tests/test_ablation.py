@@ -54,18 +54,26 @@ def test_ablate_writes_table_plots_and_report(tmp_path):
         assert set(r["eval"]) >= {"eval/auc_click"} and 0 < r["eval"]["eval/auc_click"] < 1
         assert r["peak_mem_source"] == "peak RSS of the run's process" and 0.05 < r["peak_mem_gib"] < 20
         assert (out / r["run_dir"] / "metrics.jsonl").is_file()  # each set has its own run folder
+        # the mean over wall-clock time after warm-up, as the run's own end event recorded it
+        end = [json.loads(line) for line in (out / r["run_dir"] / "metrics.jsonl").read_text().splitlines()][-1]
+        assert end["event"] == "end" and r["measured_steps"] == 2
+        for key in ("mean_samples_per_s", "mean_mfu", "max_step_s"):
+            assert r[key] == pytest.approx(end[key]) and r[key] > 0
+        assert r["max_step_s"] >= r["median_step_s"]
     assert rows["cpu,fp32"]["run_dir"] != rows["cpu,bf16"]["run_dir"]
     failed = rows["flex,fp32"]
     assert failed["status"] == "failed" and "flex" in failed["error"] and "backward" in failed["error"]
 
     header = (out / "ablation.csv").read_text().splitlines()[0].split(",")
-    assert {"plugins", "samples_per_s", "mfu", "peak_mem_gib", "final_loss", "error", "eval/auc_click"} <= set(header)
+    assert {"plugins", "samples_per_s", "mfu", "peak_mem_gib", "final_loss", "error", "eval/auc_click",
+            "mean_samples_per_s", "mean_mfu", "max_step_s"} <= set(header)
     for png in ("throughput.png", "memory.png", "loss.png", "eval.png"):
         blob = (out / png).read_bytes()
         assert blob.startswith(PNG) and len(blob) > 10_000, png
     report = (out / "report.md").read_text()
     assert f"gemzoo ablate {ablation} --out {out}" in report
     assert "| `cpu,fp32` |" in report and "FAILED" in report and "![loss](loss.png)" in report
+    assert "| plugins | mean samples/s | mean MFU | slowest step s |" in report  # the means first
     assert "torch " in report and "Python " in report and "MFU peak: CPU" in report
     assert "| plugins |" in proc.stdout
 

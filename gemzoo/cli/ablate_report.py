@@ -15,8 +15,9 @@ from gemzoo.cli import plot
 from gemzoo.errors import ConfigError
 
 OUTPUTS = ("ablation.json", "ablation.csv", "report.md", "throughput.png", "memory.png", "loss.png", "eval.png")
-CSV_COLUMNS = ("name", "plugins", "status", "samples_per_s", "tokens_per_s", "tflops", "mfu", "mfu_peak",
-               "peak_mem_gib", "peak_mem_source", "final_loss", "step_s", "wall_s", "steps", "run_dir", "error")
+CSV_COLUMNS = ("name", "plugins", "status", "mean_samples_per_s", "mean_mfu", "max_step_s", "samples_per_s",
+               "tokens_per_s", "tflops", "mfu", "mfu_peak", "peak_mem_gib", "peak_mem_source", "final_loss",
+               "step_s", "median_step_s", "compiles_after_warmup", "wall_s", "steps", "run_dir", "error")
 
 
 def label(row: dict) -> str:
@@ -43,8 +44,11 @@ def summary_line(row: dict) -> str:
     if row.get("status") != "ok":
         return f"FAILED: {row.get('error', '')}"
     ev = " ".join(f"{k}={v:.4g}" for k, v in row.get("eval", {}).items())
-    return (f"{row['samples_per_s']:.4g} samples/s, {_fmt_tflops(row['tflops'])} TFLOP/s, MFU {_pct(row['mfu'])}, "
-            f"peak {row.get('peak_mem_gib', float('nan')):.3g} GiB, loss {row['final_loss']:.4f} {ev}").strip()
+    mean = (f"mean {row['mean_samples_per_s']:.4g} samples/s, mean MFU {_pct(row['mean_mfu'])}, slowest step "
+            f"{row['max_step_s']:.3g} s; median " if "mean_samples_per_s" in row else "")
+    return (f"{mean}{row['samples_per_s']:.4g} samples/s, {_fmt_tflops(row['tflops'])} TFLOP/s, MFU "
+            f"{_pct(row['mfu'])}, peak {row.get('peak_mem_gib', float('nan')):.3g} GiB, loss {row['final_loss']:.4f} "
+            f"{ev}").strip()
 
 
 def eval_keys(rows: list[dict]) -> list[str]:
@@ -118,6 +122,14 @@ def _pct(x) -> str:
     return f"{100 * x:.1f}%" if x >= 0.001 else f"{100 * x:.3g}%"
 
 
+def _num(x, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _pct_or_blank(x) -> str:
+    return "" if x is None else _pct(x)
+
+
 def _fmt_tflops(x) -> str:
     return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
 
@@ -126,18 +138,22 @@ def table_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     rows = data["rows"]
     evals = eval_keys(rows)
     base = next((r for r in rows if r.get("status") == "ok"), None)
-    header = ["plugins", "samples/s", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "final loss",
-              *[k.removeprefix("eval/") for k in evals], "vs first"]
+    header = ["plugins", "mean samples/s", "mean MFU", "slowest step s", "median samples/s", "tokens/s",
+              "TFLOP/s", "median MFU", "peak GiB", "final loss", *[k.removeprefix("eval/") for k in evals],
+              "vs first"]
     body = []
     for r in rows:
         if r.get("status") != "ok":
             err = str(r.get("error", "failed")).replace("|", "\\|").replace("\n", " ")
             body.append([f"`{label(r)}`", f"FAILED: {err[:200]}"] + [""] * (len(header) - 2))
             continue
-        body.append([f"`{label(r)}`", f"{r['samples_per_s']:,.1f}", f"{r['tokens_per_s']:,.0f}",
+        mean_key = "mean_samples_per_s" if "mean_samples_per_s" in r and "mean_samples_per_s" in base else \
+            "samples_per_s"
+        body.append([f"`{label(r)}`", _num(r.get("mean_samples_per_s"), ",.1f"), _pct_or_blank(r.get("mean_mfu")),
+                     _num(r.get("max_step_s"), ".3g"), f"{r['samples_per_s']:,.1f}", f"{r['tokens_per_s']:,.0f}",
                      _fmt_tflops(r["tflops"]), _pct(r["mfu"]), f"{r['peak_mem_gib']:.2f}", f"{r['final_loss']:.4f}",
                      *[f"{r['eval'][k]:.4f}" if k in r.get("eval", {}) else "" for k in evals],
-                     f"{r['samples_per_s'] / base['samples_per_s']:.2f}x"])
+                     f"{r[mean_key] / base[mean_key]:.2f}x"])
     return header, body
 
 
@@ -169,9 +185,11 @@ def render_report(data: dict, plots: list[Path]) -> str:
     lines = [
         f"# Ablation: {Path(data['ablation']).stem}",
         "",
-        f"`{_shown(data['config'])}` under {len(rows)} plugin sets, {data['steps']} steps each; throughput figures "
-        f"are medians after {data['warmup']} warm-up steps. Each set trained in its own process and run folder "
-        "(`runs/`).",
+        f"`{_shown(data['config'])}` under {len(rows)} plugin sets, {data['steps']} steps each. The mean figures "
+        f"are the steps after {data['warmup']} warm-up steps over their wall-clock time (samples, and model FLOPs "
+        "for MFU, divided by the summed step times: stalls and compiles count); the slowest step is the longest "
+        "after warm-up; the median columns are medians of those steps. Each set trained in its own process and "
+        "run folder (`runs/`).",
         "",
         "```bash",
         data["command"] or "gemzoo ablate " + data["ablation"],

@@ -71,6 +71,7 @@ def _train_and_summarise(spec: dict) -> dict:
     # a row per step; with run.sync = "log" a row (and a wait for the device) per warm-up's worth of steps, so the
     # first stretch is exactly the warm-up and the medians see whole stretches (result.history has every step)
     cfg.run.log_every = 1 if cfg.run.sync == "step" else max(1, warmup)
+    cfg.run.warmup = warmup  # the run's own mean over wall-clock time leaves out the same steps
     if cfg.eval.every > 0:  # evaluate once, after the last step: timings stay clean
         cfg.eval.every = steps
     cuda = torch.cuda.is_available() and not cfg.run.device.startswith("cpu")
@@ -83,7 +84,8 @@ def _train_and_summarise(spec: dict) -> dict:
     kept = history[warmup:] if len(history) > warmup else history
     out = {"status": "ok", "steps": len(history), "wall_s": wall, "final_loss": result.final_loss,
            "mfu_peak": history[-1]["mfu_peak"], "eval": dict(result.eval), "gemzoo": __version__,
-           **{k: statistics.median(r[k] for r in kept) for k in MEDIAN_KEYS}}
+           **{k: statistics.median(r[k] for r in kept) for k in MEDIAN_KEYS},
+           **result.throughput}  # mean_samples_per_s, mean_mfu, max_step_s, ...: the steps after warm-up
     if cuda:
         out["peak_mem_gib"] = max(r["peak_mem_gib"] for r in history)
         out["peak_mem_source"] = "torch.cuda.max_memory_allocated"

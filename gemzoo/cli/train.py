@@ -33,7 +33,7 @@ def cmd_train(args) -> int:
               file=sys.stderr)
         return 130
     if result.is_main:
-        summary = {"final_loss": result.final_loss, "steps": result.steps, **result.eval,
+        summary = {"final_loss": result.final_loss, "steps": result.steps, **result.eval, **result.throughput,
                    "out_dir": str(result.out_dir)}
         print(json.dumps(json_safe(summary), allow_nan=False))
     return 0

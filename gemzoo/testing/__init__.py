@@ -33,6 +33,7 @@ _LAZY = {
     "route": ("gemzoo.data.exchange", "route"),
     "Planned": ("gemzoo.data.lookahead", "Planned"),
     "move": ("gemzoo.data.lookahead", "move"),
+    "CompileWatch": ("gemzoo.train.compiles", "CompileWatch"),
 }
 
 

@@ -36,7 +36,16 @@ from gemzoo.interfaces.memory import policy_report
 from gemzoo.interfaces.models import host_view
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train import run_folder
-from gemzoo.train.metrics import MetricsLog, last_step_row, peak_memory_bytes, reduce_across_ranks, step_metrics
+from gemzoo.train.compiles import CompileWatch
+from gemzoo.train.metrics import (
+    MetricsLog,
+    Throughput,
+    last_step_row,
+    peak_memory_bytes,
+    reduce_across_ranks,
+    step_metrics,
+    stretch_metrics,
+)
 from gemzoo.train.optim import lr_factor
 from gemzoo.train.tensorboard import maybe_tensorboard
 
@@ -49,6 +58,9 @@ class TrainResult:
     out_dir: Path | None = None
     history: list[dict] = field(default_factory=list)
     is_main: bool = True  # rank 0 (the one that logs and prints)
+    # the run's throughput over wall-clock time after warm-up (gemzoo.train.metrics.Throughput.summary) and the
+    # compiles after warm-up; {} when fewer steps than run.warmup ran
+    throughput: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -353,11 +365,15 @@ class StepLoop:
         lines = show and not sys.stdout.isatty()  # batch jobs: a plain line every run.log_every steps
         progress = progress_bar(show and not lines)
         t_start = time.perf_counter()
-        with progress, StopSignals(self.world, self.device) as stop, self.lookahead:
+        throughput = Throughput(min(cfg.run.warmup, cfg.run.steps - self.start_step - 1))
+        watch = CompileWatch().start()
+        if throughput.warmed_up:
+            watch.arm()
+        with progress, StopSignals(self.world, self.device) as stop, self.lookahead, watch:
             task = progress.add_task(cfg.run.name, total=cfg.run.steps, completed=self.start_step, info="")
             # Steps are queued (launch_step) and read together (finish_steps) at each *point*: every step with
             # run.sync = "step"; with "log" only steps that write a row, evaluate, checkpoint, end the run or stop.
-            queued, t_mark = [], self._mark()
+            queued, since_row, t_mark = [], [], self._mark()
             for step in range(self.start_step, cfg.run.steps):
                 queued.append(self.launch_step(step))
                 done = step + 1
@@ -370,7 +386,17 @@ class StepLoop:
                     continue
                 self._wait()
                 seconds = (time.perf_counter() - t_mark) / len(queued)
-                for s, metrics in zip(queued, self.finish_steps(queued, seconds), strict=True):
+                finished = self.finish_steps(queued, seconds)
+                for m in finished:
+                    was_warm = throughput.warmed_up
+                    throughput.add(m)
+                    if throughput.warmed_up and not was_warm:
+                        watch.arm()  # compiles from here on are stalls in the measured steps
+                compiles = watch.after_warmup
+                for event in watch.new_events():
+                    self.say(f"warning: {event}", err=True)
+                since_row.extend(finished)
+                for s, metrics in zip(queued, finished, strict=True):
                     at = s.step + 1
                     loss = metrics["loss"]
                     if at == done and evaluated:
@@ -379,7 +405,9 @@ class StepLoop:
                     record = {"step": at, **metrics, "mfu_peak": peak_source}
                     history.append(record)
                     if at == done and log and (logged or evaluated):
-                        log.write(record)
+                        # the row's throughput is its own steps' (every step since the last row), over their time
+                        log.write({**record, **stretch_metrics(since_row), "compiles_after_warmup": compiles})
+                        since_row = []
                     if at == done and lines and (logged or evaluated):
                         eta = (time.perf_counter() - t_start) / (done - self.start_step) * (cfg.run.steps - done)
                         print(log_line(done, cfg.run.steps, metrics, eta), flush=True)
@@ -397,10 +425,13 @@ class StepLoop:
                     raise TrainingInterrupted(signum, done, saved, self.out_dir)
                 t_mark = self._mark()
         self.log_memory_reports(log)
+        summary = throughput.summary()
+        if summary:
+            summary["compiles_after_warmup"] = watch.after_warmup
         if log:
-            log.write({"event": "end", "step": cfg.run.steps, "final_loss": loss, **last_eval})
+            log.write({"event": "end", "step": cfg.run.steps, "final_loss": loss, **last_eval, **summary})
             log.close()
-        return TrainResult(loss, cfg.run.steps, last_eval, self.out_dir, history, main)
+        return TrainResult(loss, cfg.run.steps, last_eval, self.out_dir, history, main, summary)
 
     def _already_done(self, log: MetricsLog | None, metrics_path: Path) -> TrainResult:
         """Resuming a run that has reached run.steps: nothing to train; report its last logged numbers."""

@@ -36,6 +36,65 @@ def step_metrics(*, loss: float, seconds: float, samples: int, tokens: int, flop
     }
 
 
+def stretch_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The throughput of several consecutive steps as one: their samples, tokens and FLOPs over their summed
+    time (a metrics row that stands for the steps since the last one reports what those steps did, not the
+    last step's count over the stretch's mean time)."""
+    seconds = sum(m["step_s"] for m in steps)
+    if seconds <= 0:
+        return {}
+    out = {k: sum(m[k] * m["step_s"] for m in steps) / seconds for k in ("samples_per_s", "tokens_per_s",
+                                                                          "tflops", "mfu")}
+    out["step_s"] = seconds / len(steps)
+    return out
+
+
+class Throughput:
+    """A run's throughput over wall-clock time after warm-up: every step after the first ``warmup`` counts, with
+    its samples, tokens and FLOPs, over the summed time of those steps (each step timed from the end of the one
+    before it, so loading, stalls and compiles count; evaluation and checkpoint writes between steps do not).
+
+    ``summary()`` gives ``mean_samples_per_s``, ``mean_tokens_per_s``, ``mean_tflops``, ``mean_mfu`` (those
+    steps' model FLOPs over their time and the peak), ``median_step_s`` and ``max_step_s`` (with
+    ``run.sync = "log"``, a step's time is its stretch's mean), and ``measured_steps``."""
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.seen = 0
+        self.seconds = 0.0
+        self.samples = self.tokens = self.flops = self.peak = 0.0
+        self.step_s: list[float] = []
+
+    def add(self, metrics: dict[str, float]) -> None:
+        self.seen += 1
+        if self.seen <= self.warmup:
+            return
+        s = metrics["step_s"]
+        self.seconds += s
+        self.samples += metrics["samples_per_s"] * s
+        self.tokens += metrics["tokens_per_s"] * s
+        self.flops += metrics["tflops"] * 1e12 * s
+        if metrics["mfu"] > 0:
+            self.peak = metrics["tflops"] * 1e12 / metrics["mfu"]
+        self.step_s.append(s)
+
+    @property
+    def warmed_up(self) -> bool:
+        return self.seen >= self.warmup
+
+    def summary(self) -> dict[str, float]:
+        if not self.step_s or self.seconds <= 0:
+            return {}
+        ordered = sorted(self.step_s)
+        mid = len(ordered) // 2
+        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        tflops = self.flops / self.seconds / 1e12
+        return {"mean_samples_per_s": self.samples / self.seconds, "mean_tokens_per_s": self.tokens / self.seconds,
+                "mean_tflops": tflops, "mean_mfu": tflops * 1e12 / self.peak if self.peak else 0.0,
+                "median_step_s": median, "max_step_s": ordered[-1], "measured_steps": len(ordered),
+                "warmup_steps": self.warmup}
+
+
 def reduce_across_ranks(values: dict[str, float], op: str, device: torch.device, group=None) -> dict[str, float]:
     """All-reduce a few numbers at once (``op`` "sum" or "max"), in float64, over ``group`` (default: every
     rank) with the tensor on ``device``; every rank of the group must call it. Host numbers reduced over a gloo

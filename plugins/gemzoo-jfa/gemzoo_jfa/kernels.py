@@ -412,7 +412,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_items_cap", "Tq", "split_n"))
 def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, qk_scale, inv_norm, window,
                     split_n, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
@@ -477,7 +477,7 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
         tl.store(o_ptrs, tl.where(keep[:, None], acc * inv_norm, 0.0).to(O.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("T",))
 def attn_bwd_preprocess(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
                         DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr):
     """Softmax only: delta[h, t] = sum_d o[t, h, d] * do[t, h, d] in fp32."""
@@ -555,7 +555,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_items_cap", "Tq"))
 def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD, DOD, n_items_cap, Tq, qk_scale,
                          dk_scale, dv_scale, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                          stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -656,7 +656,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_items_cap", "Tq", "split_n"))
 def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq, qk_scale, dq_scale,
                        window, split_n,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,

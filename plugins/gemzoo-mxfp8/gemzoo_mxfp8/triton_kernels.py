@@ -94,7 +94,7 @@ CAST_VARIANT = ({"ROUND": 0, "ROW_SPLIT": 0, "COL_MMA": 0, "COL_T": 0} if INTERP
                 {"ROUND": 2, "ROW_SPLIT": 0, "COL_MMA": 1, "COL_T": 0})
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("R",))
 def _mx_cast_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
     rq_ptr, rs_ptr, rdq_ptr,          # rowwise: data [R, C], scale [R, ceil(C/32)], dequantized [R, C]
@@ -277,7 +277,7 @@ def launch_cast(x: torch.Tensor, buffers: list[torch.Tensor], *, row_q, row_dq, 
 
 
 # ------------------------------------------------------------------------------------------- dequantize
-@triton.jit
+@triton.jit(do_not_specialize=("R",))
 def _mx_dequant_kernel(q_ptr, s_ptr, out_ptr, R, C, stride_qr, stride_sr, AXIS0: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -399,7 +399,7 @@ def _gemm_configs():
     return cfgs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))
 def _mx_gemm_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M, N, K,
     stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_cn,
@@ -522,7 +522,7 @@ def prune_gemm_configs(device) -> list[str]:
 
 
 # ------------------------------------------------------------------------------- fp8-rowwise casts (GPU)
-@triton.jit
+@triton.jit(do_not_specialize=("R",))
 def _rowwise_q_kernel(x_ptr, q_ptr, s_ptr, camax_ptr, R, C, stride_xr,
                       COL_AMAX: tl.constexpr, ROUND: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """Per-row e4m3 quantization of BR rows (scale = amax / 448), plus the per-column amax (atomic max)."""
@@ -546,7 +546,7 @@ def _rowwise_q_kernel(x_ptr, q_ptr, s_ptr, camax_ptr, R, C, stride_xr,
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("R",))
 def _colwise_q_kernel(x_ptr, camax_ptr, q_ptr, s_ptr, R, RP, C, stride_xr, ROUND: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr):
     """Per-column e4m3 quantization with precomputed column amax; writes the transpose q [C, RP] (rows
