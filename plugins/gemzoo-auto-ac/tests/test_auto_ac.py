@@ -10,13 +10,10 @@ import json
 
 import pytest
 import torch
-
-import gemzoo
-from gemzoo.config import load_config
-from gemzoo.errors import ConfigError
-from gemzoo.train.trainer import Trainer
 from gemzoo_auto_ac import AutoACOptions, AutoACPolicy, BudgetSearch
 from gemzoo_auto_ac.plugin import GIB, SavedBytes
+
+from gemzoo.api import ConfigError, Trainer, load_config, registry
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 TINY = str(ROOT / "configs" / "gem-tiny.toml")
@@ -108,9 +105,9 @@ def test_unreachable_target_names_the_smallest_peak():
 
 # ------------------------------------------------------------------------------------------ options
 def test_registered_and_needs_compile():
-    assert "auto-ac" in gemzoo.registry.names("memory")
-    policy = gemzoo.registry.get("memory", "auto-ac")
-    assert policy.needs_compile and gemzoo.registry.entry("memory", "auto-ac").distribution == "gemzoo-auto-ac"
+    assert "auto-ac" in registry.names("memory")
+    policy = registry.get("memory", "auto-ac")
+    assert policy.needs_compile and registry.entry("memory", "auto-ac").distribution == "gemzoo-auto-ac"
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -37,7 +37,7 @@ import heapq
 import numpy as np
 import torch
 
-from gemzoo.errors import PluginError
+from gemzoo.api import PluginError
 
 KK_LIMIT = 1 << 16  # N * W above which method "auto" uses the balanced variant (kk merges N partitions of W lists)
 REFINE_STEPS = 1024  # moves/swaps at most after the partition

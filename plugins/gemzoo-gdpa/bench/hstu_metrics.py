@@ -73,8 +73,7 @@ def register_cpu_host() -> None:
     """Attention kernel ``cpu-host``: the registered ``cpu`` kernel run on host copies of CUDA tensors."""
     import dataclasses
 
-    from gemzoo import registry
-    from gemzoo.interfaces.attention import FunctionKernel
+    from gemzoo.api import FunctionKernel, registry
 
     if "cpu-host" in registry.names("attention"):
         return
@@ -94,9 +93,8 @@ def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, t
               seed: int = 0) -> dict:
     import torch
 
-    from gemzoo import ops
-    from gemzoo.config import load_config
-    from gemzoo.train.trainer import Trainer
+    from gemzoo.api import Trainer, load_config
+    from gemzoo.testing import extension_available
 
     register_cpu_host()
     if threads:
@@ -111,7 +109,7 @@ def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, t
     wall = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in result.eval.items()}
     return {"plugins": plugins, "device": device, "seed": seed, "steps": steps, "wall_s": wall,
-            "extension": ops.extension_available(),
+            "extension": extension_available(),
             "final_loss": result.final_loss, "metrics": metrics}
 
 

@@ -423,7 +423,6 @@ def smoke_rank(rank: int, world: int, port: int, device_kind: str, out_dir: str,
     import warnings
 
     import torch.distributed as dist
-
     from gemzoo_ncclx import NcclxComms
 
     with warnings.catch_warnings(record=True) as said:

@@ -31,9 +31,9 @@ def overrides(out: str, planner: str, options: dict | None = None) -> list[str]:
 
 def main() -> None:
     import torch
-
-    from gemzoo.config import load_config
     from gemzoo_sharding_2d.measure import train_and_record
+
+    from gemzoo.api import load_config
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--multi", action="store_true", help="under torchrun: G = W/2 x R = 2 over NCCL")

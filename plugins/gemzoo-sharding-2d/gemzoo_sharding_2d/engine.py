@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo.errors import CheckpointError, JaggedShapeError
+from gemzoo.api import CheckpointError, JaggedShapeError
 from gemzoo_sharding_2d.layout import Block, Layout
 
 EPS = 1e-10  # torch.optim.Adagrad's default eps
@@ -119,7 +119,7 @@ class TableView:
             self.tensor = tensor
             self.metadata = TableView._Meta(offsets, tensor.shape)
 
-    def __init__(self, shape, dtype, pieces, owner: "ShardedTables"):
+    def __init__(self, shape, dtype, pieces, owner: ShardedTables):
         self.shape, self.dtype = torch.Size(shape), dtype
         self._shards = [TableView._Shard(t, off) for t, off in pieces]
         self._owner = owner

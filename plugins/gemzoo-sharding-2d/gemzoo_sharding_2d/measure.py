@@ -7,16 +7,14 @@ def train_and_record(cfg, *, resume=False) -> dict:
     """Train ``cfg``; returns ``losses`` and ``steps`` (every logged step), and with planner sharding-2d this
     rank's table ``memory`` (bytes, ``ShardedTables.memory``) and ``bytes``: its cumulative ``CommCounter``
     snapshot after each step."""
-    import gemzoo
-    from gemzoo import registry
-    from gemzoo.train.trainer import train
+    from gemzoo.api import hookimpl, registry, train
     from gemzoo_sharding_2d.plugin import Sharding2D
 
     seen = {"memory": None, "bytes": []}
     ours = cfg.plugins.planner == "sharding-2d"
 
     class Record:
-        @gemzoo.hookimpl
+        @hookimpl
         def gemzoo_step_end(self, trainer, step, metrics):
             if ours:
                 seen["memory"] = Sharding2D.memory(trainer.model)
@@ -44,7 +42,7 @@ def per_step(snapshots: list[dict]) -> list[dict[str, int]]:
 
 def sample_ids(ds, step: int, rank: int, world: int) -> tuple[dict[str, float], int]:
     """(mean ids a sample of each sparse feature, samples) of the part of ``step``'s batch ``rank`` loads."""
-    from gemzoo.data.exchange import load_shard
+    from gemzoo.api import load_shard
 
     b = load_shard(ds, step, rank, world)
     n = b.num_samples

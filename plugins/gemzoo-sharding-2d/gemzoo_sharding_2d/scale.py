@@ -25,7 +25,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from gemzoo.errors import ConfigError
+from gemzoo.api import ConfigError
 from gemzoo_sharding_2d.layout import Layout, plan_layout
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -109,8 +109,7 @@ def describe_config(cfg, batch_per_rank: float | None = None) -> dict:
     """What the calculation needs from a config: tables, features, mean tokens and ids per sample, dense sizes."""
     import torch
 
-    from gemzoo import registry
-    from gemzoo.interfaces.models import transformer_blocks
+    from gemzoo.api import registry, transformer_blocks
 
     ds = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
     batch = ds.train_batch(0)
@@ -233,7 +232,7 @@ def render(report: dict, console=None) -> None:
 
 
 def cmd_plan(args) -> int:
-    from gemzoo.config import load_config
+    from gemzoo.api import load_config
 
     cfg = load_config(args.config, overrides=list(args.set or []), plugins=args.plugins)
     links = Links(args.nvlink, args.ib, args.gpus_per_node)
