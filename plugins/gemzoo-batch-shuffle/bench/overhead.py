@@ -187,7 +187,7 @@ def overlapped(tr, worker, policy, draws: dict, world: int, measured, base: list
         times.append(timed_step(tr, s, before=lambda s=s: submit(s), after=after, host=host))
     while pending:  # the last d - 1 finish after the measured steps: not a wait of any step
         pending.popleft().result()
-    paired = statistics.median(t - b for t, b in zip(times, base))
+    paired = statistics.median(t - b for t, b in zip(times, base, strict=False))
     wait_med = statistics.median(waits)
     return {"step_ms": ms(times), "median_step_ms": round(1e3 * statistics.median(times), 3),
             "overhead_ms": round(1e3 * paired, 3), "overhead_pct": round(100 * paired / base_med, 3),

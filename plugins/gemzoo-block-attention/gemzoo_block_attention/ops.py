@@ -7,9 +7,10 @@ torch.compile traces them).
                                 inv_norm, window, block, rope_theta, options) -> (dq, dk, dv)
 
 ``activation`` is a code of ``gemzoo.api.ACTIVATION_CODES`` (0 softmax, else pointwise); ``window`` and
-``block`` are -1 for "off", ``rope_theta`` 0.0; ``options`` a ``gemzoo_jfa.family.options_index``. ``lse`` is [H, Tq] fp32 (base 2) for softmax and [H, 0]
-for pointwise activations, which save nothing but q, k, v. RoPE is applied to the q and k tiles inside
-the kernels (and undone on dq, dk), so no rotated copy of q or k is written or saved.
+``block`` are -1 for "off", ``rope_theta`` 0.0; ``options`` a ``gemzoo_jfa.family.options_index``. ``lse`` is
+[H, Tq] fp32 (base 2) for softmax and [H, 0] for pointwise activations, which save nothing but q, k, v. RoPE
+is applied to the q and k tiles inside the kernels (and undone on dq, dk), so no rotated copy of q or k is
+written or saved.
 """
 
 from __future__ import annotations

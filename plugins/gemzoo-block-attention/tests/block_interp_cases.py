@@ -97,7 +97,7 @@ def run_case(act, q_lens, k_lens, causal, window, block, rope, norm, d, dv, dtyp
         ref.backward(grad.double())
     ref_grads = tuple(torch.zeros_like(r) if r.grad is None else r.grad for r in refs)
     res = {}
-    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + ref_grads):
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + ref_grads, strict=True):
         # an all-(near-)zero reference (e.g. dq with one key per row): absolute error instead
         res[name] = float((mine.double() - theirs).abs().max()) if theirs.norm() < 1e-3 else _rel(mine, theirs)
         res[name + "_finite"] = bool(torch.isfinite(mine).all())
@@ -153,7 +153,8 @@ def compile_check():
         return block_attention_triton(q, k, v, off, block_size=4, rope_theta=100.0).square().sum()
 
     same = compiled_matches_eager(f, q, k, v)
-    for args in ((q, k, v, off, off, True, 0, 0.25, 1.0, -1, 4, 100.0), (q, k, v, off, off, False, 1, 0.25, 0.5, 3, 8, 0.0, 0)):
+    for args in ((q, k, v, off, off, True, 0, 0.25, 1.0, -1, 4, 100.0),
+                 (q, k, v, off, off, False, 1, 0.25, 0.5, 3, 8, 0.0, 0)):
         torch.library.opcheck(block_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                            "test_autograd_registration"))
     return {"compile": same, "opcheck": True}

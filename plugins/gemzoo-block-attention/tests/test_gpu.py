@@ -66,7 +66,8 @@ def test_poisoned_against_reference(name):
     ref = reference_attention(*refs, q_off.cpu(), k_off.cpu(), causal=causal, window=window, block_size=block,
                               rope_theta=rope, activation=act, norm=norm)
     ref.backward(grad.double().cpu())
-    for what, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + tuple(r.grad for r in refs)):
+    wants = (ref.detach(),) + tuple(r.grad for r in refs)
+    for what, mine, theirs in zip(("out", "dq", "dk", "dv"), got, wants, strict=True):
         assert torch.isfinite(mine).all(), f"{name}: {what} has NaN/Inf (unwritten elements stay NaN)"
         err = _rel(mine, theirs)
         assert err <= TOL[dtype], f"{name}: {what} relative error {err:.2e}"
@@ -97,7 +98,7 @@ def test_fused_rope_equals_rope_in_torch():
     plain = block_attention_triton(qr, kr, v, off, block_size=64)
     plain.float().square().sum().backward()
     assert _rel(fused, plain) < 1e-2
-    for a, t in zip(g_fused, (q, k, v)):
+    for a, t in zip(g_fused, (q, k, v), strict=True):
         assert _rel(a, t.grad) < 2e-2
 
 

@@ -31,7 +31,7 @@ from bench_jfa import Workload, gem_lognormal, log, rel, short_lengths, uniform_
 from gemzoo_gdpa import gdpa_triton  # noqa: E402
 from gemzoo_jfa import jfa_triton  # noqa: E402
 
-from gemzoo.api import ACTIVATIONS, apply_activation, jagged_to_padded, lengths_to_offsets, padded_to_jagged  # noqa: E402  # noqa: E402
+from gemzoo.api import ACTIVATIONS, apply_activation, jagged_to_padded, lengths_to_offsets, padded_to_jagged  # noqa: E402
 
 H, D, DTYPE = 4, 128, torch.bfloat16
 RESULTS: dict = {"device": None, "rows": [], "checks": {}}
@@ -149,7 +149,7 @@ def self_attention(name, lens, activations, baselines=True):
 
     if EAGER:
         res["eager"] = guarded(f"{name} eager", eager)
-    del w
+    w = None  # the workload's tensors go before the next one's
     torch.cuda.empty_cache()
     return res
 
@@ -213,8 +213,8 @@ def cross_attention(n_cand=64):
             t.grad = None
         e.fwd_bwd()
         theirs = [padded_to_jagged(g.transpose(1, 2), off) for g, off in zip((x.grad for x in e.leaves),
-                                                                              (q_off, k_off, k_off))]
-        for n, a, b in zip(("dq", "dk", "dv"), mine_g, theirs):
+                                                                              (q_off, k_off, k_off), strict=False)]
+        for n, a, b in zip(("dq", "dk", "dv"), mine_g, theirs, strict=True):
             RESULTS["checks"][f"{name} gdpa vs eager {n}"] = rel(a, b)
         for t in e.leaves:
             t.grad = None

@@ -61,7 +61,7 @@ def write_synthetic_ml1m(folder: Path, users: int = 6040, items: int = 3706, gen
         seq = pool[walk[np.sort(first)[:n]]]
         t0 = 978_300_000 + int(rng.integers(0, 10_000_000))
         times = t0 + np.cumsum(rng.integers(1, 4000, size=len(seq)))
-        lines += [f"{u + 1}::{m + 1}::{int(rng.integers(1, 6))}::{t}" for m, t in zip(seq, times)]
+        lines += [f"{u + 1}::{m + 1}::{int(rng.integers(1, 6))}::{t}" for m, t in zip(seq, times, strict=False)]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "ratings.dat").write_text("\n".join(lines) + "\n")
     (folder / "movies.dat").write_text("".join(f"{m + 1}::Movie {m + 1} (2000)::Genre{genre_of[m]}\n"

@@ -91,7 +91,7 @@ def run_case(act, q_lens, k_lens, causal, window, norm, d, dv, dtype, split, tma
         ref.backward(grad.double())
     ref_grads = tuple(torch.zeros_like(r) if r.grad is None else r.grad for r in refs)  # no pair: zero grads
     res = {}
-    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + ref_grads):
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + ref_grads, strict=True):
         res[name] = float((mine.double() - theirs).abs().max()) if theirs.norm() == 0 else _rel(mine, theirs)
         res[name + "_finite"] = bool(torch.isfinite(mine).all())
     res["tol"] = TOL[dtype]

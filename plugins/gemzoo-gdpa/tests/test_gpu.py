@@ -60,14 +60,14 @@ def check(d, dv_dim, causal, k_mode, window, dtype, act, norm, split=None, batch
     scale = d ** -0.5
     got = run_poisoned(q, k, v, q_off, k_off, causal, window, grad, act, scale, norm, KernelOptions(split=split))
     torch.cuda.synchronize()
-    for name, t in zip(("out", "dq", "dk", "dv"), got):
+    for name, t in zip(("out", "dq", "dk", "dv"), got, strict=True):
         assert torch.isfinite(t).all(), f"{name} has unwritten (NaN) or non-finite elements"
     refs = [t.double().cpu().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, q_off.cpu(), k_off.cpu(), causal=causal, window=window, activation=act,
                               scale=scale, norm=norm)
     ref.backward(grad.double().cpu())
     errs = {n: _rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + tuple(
-        r.grad for r in refs))}
+        r.grad for r in refs), strict=False)}
     assert all(e < TOL[dtype] for e in errs.values()), errs
 
 
@@ -163,10 +163,10 @@ def test_registered_kernel_autograd_and_compile_on_cuda():
     grads = [t.grad.clone() for t in (q, k, v)]
     refs = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
     reference_attention(*refs, off.cpu(), activation="silu", norm=300.0).square().sum().backward()
-    for mine, theirs in zip(grads, refs):
+    for mine, theirs in zip(grads, refs, strict=True):
         assert _rel(mine, theirs.grad) < 2e-2
     for t in (q, k, v):
         t.grad = None
     torch.compile(f, fullgraph=True)(q, k, v).backward()
-    for g, t in zip(grads, (q, k, v)):
+    for g, t in zip(grads, (q, k, v), strict=True):
         assert _rel(t.grad, g) < 1e-2

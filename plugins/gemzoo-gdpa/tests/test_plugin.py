@@ -107,5 +107,6 @@ def test_split_items_repeat_each_item_once_per_split(n_splits):
 def test_split_chunks_cover_the_keys(lk):
     """The kernel's rule: chunk = ceil(Lk / n) rounded up to BN; n chunks cover [0, Lk)."""
     for n in (1, 2, 8, 16):
-        chunk = -(-(-(-lk // n)) // 64) * 64
+        per_split = -(-lk // n)
+        chunk = -(-per_split // 64) * 64
         assert n * chunk >= lk and chunk % 64 == 0

@@ -234,7 +234,9 @@ def _desc(t: torch.Tensor, rows: int):
 
 
 def _configs(q: torch.Tensor, options: KernelOptions) -> Configs:
-    return options.configs if options.configs is not None else default_configs(q.shape[-1], q.device.type, q.element_size())
+    if options.configs is not None:
+        return options.configs
+    return default_configs(q.shape[-1], q.device.type, q.element_size())
 
 
 def _pow2(n: int) -> int:
@@ -259,7 +261,7 @@ def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, bl
     """
     if activation == 0 or split == 0 or batch == 0:
         return None
-    tq, tk, h = q.shape[0], k.shape[0], q.shape[1]
+    tq, tk = q.shape[0], k.shape[0]
     if split is None and not (tq <= 256 * batch and tk >= 4 * tq):
         return None
     bm = min(block_m, 64) if tq <= 64 * batch else block_m
@@ -270,7 +272,8 @@ def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, bl
 
 
 def length_buckets(q: torch.Tensor, k: torch.Tensor, batch: int, kind: str, activation: int = 0, block: int = -1,
-                   options: KernelOptions = DEFAULT_OPTIONS) -> list[tuple[KernelConfig, tuple[int, int | None] | None]]:
+                   options: KernelOptions = DEFAULT_OPTIONS
+                   ) -> list[tuple[KernelConfig, tuple[int, int | None] | None]]:
     """The launches of kernel ``kind`` (fwd, dkdv, dq, dkdv_fused): (tile config, length range (lo, hi] of max(Lq, Lk),
     or None for every sequence). One launch on the main tiles unless buckets apply (see default_buckets and
     SHORT_AVERAGE); never with the pointwise split-K path, which has its own short-query tiles."""

@@ -126,7 +126,7 @@ def test_autograd_and_registered_kernel_on_cuda():
     ref = reference_attention(*refs, off.cpu())
     ref.square().sum().backward()
     assert _rel(out.detach(), ref.detach()) < 1e-2
-    for mine, theirs in zip((q, k, v), refs):
+    for mine, theirs in zip((q, k, v), refs, strict=True):
         assert _rel(mine.grad, theirs.grad) < 2e-2
 
 
@@ -152,7 +152,7 @@ def test_long_sequence_64k_matches_sdpa():
         ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         ref.backward(grad[s:e].transpose(0, 1).unsqueeze(0))
         assert _rel(out.detach()[s:e], ref.detach()[0].transpose(0, 1)) < 1e-2
-        for mine, theirs in zip((q, k, v), (qs, ks, vs)):
+        for mine, theirs in zip((q, k, v), (qs, ks, vs), strict=True):
             assert _rel(mine.grad[s:e], theirs.grad[0].transpose(0, 1)) < 2e-2
 
 

@@ -96,7 +96,7 @@ def test_schedule_covers_every_block_once_longest_first(over, causal, window):
     items = build_schedule(qo, ko, total, 64, over=over, causal=causal, window=window)
     assert items.dtype == torch.int32 and items.shape == (2, capacity(total, 37, 64))
     seq, blk = items.tolist()
-    real = [(s, b) for s, b in zip(seq, blk) if s >= 0]
+    real = [(s, b) for s, b in zip(seq, blk, strict=True) if s >= 0]
     assert len(real) == len(set(real)) and set(real) == _expected_items(lens, 64)
     assert all(s < 0 for s in seq[len(real):]), "empty slots must come last"
     # lpt: sequences longest first, each sequence's items contiguous
@@ -154,14 +154,16 @@ def test_length_buckets_apply_to_short_batches_only():
     assert launches([2000, 10], buckets=()) == [(16, 16, None)]
     assert family.short_buckets(128, "cuda", 2) and not family.short_buckets(256, "cuda", 2)
     assert not family.short_buckets(128, "cuda", 4)
-    assert family.default_buckets(128, "cuda", 2) == (family.short_buckets(128, "cuda", 2) if family.BUCKETS_BY_DEFAULT else ())
+    expected = family.short_buckets(128, "cuda", 2) if family.BUCKETS_BY_DEFAULT else ()
+    assert family.default_buckets(128, "cuda", 2) == expected
 
 
 def test_a_short_softmax_batch_loads_its_long_sequences_through_pointers(monkeypatch):
     from gemzoo_jfa import family
 
     monkeypatch.setattr(family, "default_buckets", lambda *a: family.short_buckets(128, "cuda", 2))
-    monkeypatch.setattr(family, "default_configs", lambda *a: family.Configs(*(family.KernelConfig(128, 128, 8, 3),) * 3))
+    big = family.KernelConfig(128, 128, 8, 3)
+    monkeypatch.setattr(family, "default_configs", lambda *a: family.Configs(big, big, big))
     q = torch.empty(300, 4, 128, dtype=torch.bfloat16, device="meta")
     softmax = family.length_buckets(q, q, 10, "fwd")
     assert [c.tma for c, _ in softmax] == [False, False, False]  # both buckets and the main tiles
@@ -177,7 +179,7 @@ def test_schedule_long_sequence_int64():
     off = lengths_to_offsets(lens)
     items = build_schedule(off, off, 70_003, 128, over="q", causal=True, window=None)
     seq, blk = items.tolist()
-    real = [(s, b) for s, b in zip(seq, blk) if s >= 0]
+    real = [(s, b) for s, b in zip(seq, blk, strict=True) if s >= 0]
     assert len(real) == 547 + 1 and real[0] == (0, 546)  # last block of the 70K sequence costs most
     assert real[-1] == (2, 0)
     with pytest.raises(ValueError, match="order"):

@@ -240,15 +240,18 @@ def check_linears():
     fp32 = run(None, "cpu", torch.float32)
     out = {}
     for rht in (False, True):
-        cpu_path = run(lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=rht)), "cpu", torch.float32)
+        cpu_path = run(lambda lin, rht=rht: MXLinear.from_linear(lin, MXLinearConfig(rht=rht)), "cpu", torch.float32)
         for backend in ((("triton", "cublas", "hybrid") if not rht else ("cublas",)) if CUDA else ()):
-            got = run(lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=rht, backend=backend)), DEV, torch.bfloat16)
+            def mx(lin, rht=rht, backend=backend):
+                return MXLinear.from_linear(lin, MXLinearConfig(rht=rht, backend=backend))
+
+            got = run(mx, DEV, torch.bfloat16)
             out[f"mx-{backend}{'-rht' if rht else ''}"] = {
-                "vs_cpu_mx_path": [rel(a, b) for a, b in zip(got, cpu_path)],
-                "vs_fp32": [rel(a, b) for a, b in zip(got, fp32)]}
-        out[f"mx-cpu{'-rht' if rht else ''}"] = {"vs_fp32": [rel(a, b) for a, b in zip(cpu_path, fp32)]}
+                "vs_cpu_mx_path": [rel(a, b) for a, b in zip(got, cpu_path, strict=True)],
+                "vs_fp32": [rel(a, b) for a, b in zip(got, fp32, strict=True)]}
+        out[f"mx-cpu{'-rht' if rht else ''}"] = {"vs_fp32": [rel(a, b) for a, b in zip(cpu_path, fp32, strict=True)]}
     got = run(FP8RowwiseLinear.from_linear, DEV, torch.bfloat16)
-    out["fp8-rowwise"] = {"vs_fp32": [rel(a, b) for a, b in zip(got, fp32)]}
+    out["fp8-rowwise"] = {"vs_fp32": [rel(a, b) for a, b in zip(got, fp32, strict=True)]}
     RESULTS["checks"]["linear"] = out
     for name, v in out.items():
         log(f"linear {name} (y, dx, dw): " + ", ".join(f"{kk}={[round(e, 5) for e in vv]}" for kk, vv in v.items()))
@@ -277,7 +280,7 @@ def bench_casts():
                 if CUDA else [tk.CAST_CONFIG]):
         configs[str(cfg)] = dict(cfg)
         try:
-            ms = bench(lambda: tk.mx_cast(x, row_q=True, col_q=True, config=cfg))
+            ms = bench(lambda cfg=cfg: tk.mx_cast(x, row_q=True, col_q=True, config=cfg))
             sweep[str(cfg)] = (read + 2 * one) / ms / 1e9
         except Exception as exc:
             sweep[str(cfg)] = f"{type(exc).__name__}: {str(exc)[:100]}"
@@ -314,8 +317,8 @@ def bench_casts():
                 d, sc = tk.mx_cast(xe, col_q=True, variant=v, col_layout=lay)["col"]
                 d, sc = (d[:, : xe.shape[0]].t(), sc.t()) if lay == "t" else (d[: xe.shape[0]], sc)
                 exact &= same_mx((d, sc.view(torch.float8_e8m0fnu)), quantize_mx_torch(xe.cpu(), axis=0)) == 0
-            ms = bench(lambda: tk.mx_cast(x, col_q=True, variant=v, col_layout=lay))
-            ms32 = bench(lambda: tk.mx_cast(x32, col_q=True, variant=v, col_layout=lay))
+            ms = bench(lambda v=v, lay=lay: tk.mx_cast(x, col_q=True, variant=v, col_layout=lay))
+            ms32 = bench(lambda v=v, lay=lay: tk.mx_cast(x32, col_q=True, variant=v, col_layout=lay))
         except Exception as exc:  # one variant failing to compile must not hide the others
             res[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             log(f"{name} failed: {res[name]['error']}")
@@ -328,10 +331,10 @@ def bench_casts():
         tk.CAST_VARIANT.update(col_best[1])
         res["columnwise variant in use"] = col_best[1]
     for name, (kw, nbytes) in cases.items():
-        ms = bench(lambda: tk.mx_cast(x, **kw))
+        ms = bench(lambda kw=kw: tk.mx_cast(x, **kw))
         res[name] = {"ms": ms, "TBs": nbytes / ms / 1e9}
     for name, axis in (("eager torch rowwise", -1), ("eager torch columnwise", 0)):
-        ms = bench(lambda: quantize_mx_torch(x, axis=axis))
+        ms = bench(lambda axis=axis: quantize_mx_torch(x, axis=axis))
         res[name] = {"ms": ms, "TBs": (read + one) / ms / 1e9}
     RESULTS["cast"] = res
     log("cast: " + json.dumps(res, default=str))
@@ -347,12 +350,12 @@ def bench_gemms():
             a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
             flops = 2 * m * n * k
-            ms_bf16 = bench(lambda: a @ b.t())
+            ms_bf16 = bench(lambda a=a, b=b: a @ b.t())
             qa, qb = tk.mx_cast(a, row_q=True)["row"], tk.mx_cast(b, row_q=True)["row"]
-            ms_mx = bench(lambda: tk.mx_gemm(*qa, *qb))
+            ms_mx = bench(lambda qa=qa, qb=qb: tk.mx_gemm(*qa, *qb))
             best = str(getattr(tk._mx_gemm_autotuned, "best_config", None))
             bdq = tk.mx_cast(b, row_dq=True)["row_dq"]
-            ms_mxb = bench(lambda: tk.mx_gemm(*qa, bdq, None))
+            ms_mxb = bench(lambda qa=qa, bdq=bdq: tk.mx_gemm(*qa, bdq, None))
             best_b = str(getattr(tk._mx_gemm_autotuned, "best_config", None))
             RESULTS["gemm"][f"{m}x{n}x{k}"] = {"bf16_cublas_tflops": flops / ms_bf16 / 1e9,
                                                 "mx_triton_tflops": flops / ms_mx / 1e9, "mx_config": best,
@@ -394,10 +397,10 @@ def bench_mlp(d, h, kinds):
             fn = torch.compile(mlp) if compiled else mlp
             params = list(mlp.parameters())
 
-            def step():
+            def step(fn=fn):
                 fn(x).backward(g)
 
-            def fwd():
+            def fwd(fn=fn):
                 with torch.no_grad():
                     fn(x)
 
@@ -425,7 +428,7 @@ def bench_mlp(d, h, kinds):
         if CUDA:
             torch.cuda.empty_cache()
     base = res.get("bf16", {}).get("ms")
-    for kind, v in res.items():
+    for v in res.values():
         if base and "ms" in v:
             v["speedup_vs_bf16"] = base / v["ms"]
 

@@ -46,7 +46,7 @@ def test_mx_linear_matches_fp32(cfg, bias):
     g = torch.randn(3, 37, 48)
     want, got = run(fp32, x, g), run(mx, x, g)
     tol = TOL * (2 if cfg.grad_elem == torch.float8_e5m2 else 1)  # e5m2 has one mantissa bit less
-    for name, a, b in zip(("y", "dx", "dw"), got, want):
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
         assert rel(a, b) < tol, f"{name}: {rel(a, b):.4f} >= {tol}"
     if bias:
         assert torch.allclose(got[3], want[3], rtol=1e-5, atol=1e-5)
@@ -86,7 +86,8 @@ def test_rht_helps_outliers():
     g = torch.randn(256, 32) * torch.where(torch.rand(256, 1) < 0.05, 50.0, 1.0)
     errs = {}
     for rht in (False, True):
-        fp32, mx = pair(lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=rht)), n=32, bias=False, seed=3)
+        config = MXLinearConfig(rht=rht)
+        fp32, mx = pair(lambda lin, config=config: MXLinear.from_linear(lin, config), n=32, bias=False, seed=3)
         errs[rht] = rel(run(mx, x, g)[2], run(fp32, x, g)[2])
     assert errs[True] < errs[False], errs
 
@@ -113,7 +114,7 @@ def test_bf16_inputs_and_weights():
     got = run(mx, x.bfloat16(), g)
     assert mx(x.bfloat16()).dtype == torch.bfloat16 and mx.weight.grad.dtype == torch.bfloat16
     want = run(fp32, x, g)
-    for a, b in zip(got[:3], want[:3]):
+    for a, b in zip(got[:3], want[:3], strict=False):
         assert rel(a, b) < TOL + 0.01  # + bf16 rounding of the output and the weights
 
 
@@ -123,7 +124,7 @@ def test_fp8_rowwise_matches_fp32(device):
     fp8 = fp8.to(device)
     x, g = torch.randn(2, 37, 64), torch.randn(2, 37, 48)  # 74 tokens: wgrad pads them to 80 for _scaled_mm
     got = [t.cpu() for t in run(fp8, x.to(device), g.to(device))]
-    for name, a, b in zip(("y", "dx", "dw", "db"), got, run(fp32, x, g)):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, run(fp32, x, g), strict=True):
         assert rel(a, b) < FP8RowwisePolicy.capabilities.linear_rtol, name
 
 
@@ -154,7 +155,7 @@ def test_cuda_backends_match_cpu_path(backend, rht):
     # The GPU RHT sums in another order than the CPU transform: a few elements per million land one e4m3
     # step apart (measured 1.3e-4 on dW), hence the looser bound with RHT.
     tol = 1e-4 if backend == "triton" and not rht else 5e-3
-    for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, want, strict=True):
         assert rel(a.cpu(), b) < tol, name
 
 
@@ -175,7 +176,7 @@ def test_gpu_code_paths_in_interpreter(backend, monkeypatch):
     monkeypatch.setattr(cast, "FORCE_TRITON", True)
     got = run(MXLinear.from_linear(lin, cfg), x, g)
     tol = 1e-5 if backend == "triton" else 5e-3  # cuBLAS paths round their outputs to bf16
-    for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, want, strict=True):
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
@@ -227,7 +228,7 @@ def test_mx_linear_compiles_without_graph_breaks(backend, rht, monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(lin, backend="aot_eager" if dev == "cpu" else "inductor", fullgraph=not rht)
     got = run(compiled, x, g)
-    for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, want, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), name
 
 

@@ -100,7 +100,7 @@ def make_cuda_transport(pg, device: torch.device):
         return False
     local = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
     mine = []
-    for r, info in enumerate(infos):
+    for info in infos:
         peer = local.get(info["uuid"]) if info["host"] == infos[pg._rank]["host"] else None
         try:
             mine.append(bool(peer is not None and ext.can_access_peer(index, peer)))

@@ -120,7 +120,7 @@ def _torchrec_blocks(specs: dict[str, TableSpec], group_size: int, allowed: list
                                                constraints=constraints)
             plan = planner.plan(meta, [AnyTypeSharder()])
     finally:
-        for q, level in zip(quiet, levels):
+        for q, level in zip(quiet, levels, strict=False):
             q.setLevel(level)
     blocks, types = {}, {}
     for module_plan in plan.plan.values():

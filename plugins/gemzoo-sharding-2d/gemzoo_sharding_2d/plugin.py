@@ -147,7 +147,7 @@ class Sharding2D(TakesOptions):
             raise PluginError("planner 'sharding-2d': call attach_optimizer(model, plan, SparseOptimizer(lr=...)) "
                               "before shard")
         if mesh is not None:
-            dims = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+            dims = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=False))
             if dims.get("shard") != plan.group_size or dims.get("replica") != plan.replicas:
                 raise ConfigError(f"planner 'sharding-2d' planned groups of {plan.group_size} x {plan.replicas} "
                                   f"replicas but the mesh is {dims}; build it from mesh_dims()")

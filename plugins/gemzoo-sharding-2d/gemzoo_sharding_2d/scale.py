@@ -109,12 +109,12 @@ def describe_config(cfg, batch_per_rank: float | None = None) -> dict:
     """What the calculation needs from a config: tables, features, mean tokens and ids per sample, dense sizes."""
     import torch
 
-    from gemzoo.api import registry, transformer_blocks
+    from gemzoo.api import configured, transformer_blocks
 
-    ds = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
+    ds = configured("dataset", cfg.data.source, cfg).build(cfg.data, cfg.run.seed)
     batch = ds.train_batch(0)
     with torch.device("meta"):
-        model = registry.get("model", cfg.model.family).build(cfg.model, ds.info)
+        model = configured("model", cfg.model.family, cfg).build(cfg.model, ds.info)
     sparse = {id(p) for p in model.sparse_arch.parameters()} if getattr(model, "sparse_arch", None) else set()
     blocks = {id(p) for b in transformer_blocks(model) for p in b.parameters()}
     dense = [p for p in model.parameters() if id(p) not in sparse]

@@ -89,7 +89,7 @@ def test_four_gloo_ranks_match_one_process_resume_reshard_memory_and_bytes(tmp_p
     # weight averaging every 2 steps (DMPCollection.sync): the same first step, then close but not equal
     got = r0["weights"]["losses"]
     assert got[0] == pytest.approx(ref[0], rel=1e-6) and got != r0["rep"]["losses"][:4]
-    assert max(abs(a - b) / b for a, b in zip(got, ref)) < 1e-2
+    assert max(abs(a - b) / b for a, b in zip(got, ref, strict=False)) < 1e-2
     # 4. embedding memory a rank: tables / G replicated, tables / (G x R) fully sharded
     whole = 4 * cases.TABLE_ROWS * 8 * 4  # 4 tables of 64 x 8 fp32
     for r in ranks:
@@ -233,7 +233,7 @@ def test_row_and_column_blocks_pool_like_whole_tables():
     tables = ShardedTables(layout, {n: w.clone() for n, w in whole.items()}, Groups(), ["fa", "fb", "fc"])
     lengths = torch.tensor([2, 0, 3, 1, 1, 2, 0, 2, 1])  # 3 features x 3 samples, key-major
     values = torch.cat([torch.randint(s.num_embeddings, (int(n),), generator=g)
-                        for s, n in zip(specs.values(), lengths.view(3, 3).sum(1))])
+                        for s, n in zip(specs.values(), lengths.view(3, 3).sum(1), strict=False)])
     out = tables(["fa", "fb", "fc"], values, lengths)
     ref_w = {n: w.clone().requires_grad_(True) for n, w in whole.items()}
     starts = [0] + torch.cumsum(lengths.view(3, 3).sum(1), 0).tolist()
