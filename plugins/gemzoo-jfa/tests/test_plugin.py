@@ -309,3 +309,25 @@ def test_the_launch_path_reads_no_device_value(monkeypatch, variant):
     launched = {name for name, *_ in calls}
     assert "attn_fwd_kernel" in launched and "attn_bwd_dkdv_kernel" in launched
     assert ("attn_bwd_dq_kernel" in launched) == (variant != "fused_dq")
+
+
+def test_kernel_options_are_checked_and_cross_the_custom_op_as_an_index():
+    from gemzoo.api import ACTIVATION_CODES
+    from gemzoo_jfa import family
+
+    assert family.ACTIVATION_CODES is ACTIVATION_CODES  # the kernels take gemzoo's one numbering
+    assert family.options_index(None) == 0 and family.options_at(0) == family.KernelOptions()
+    small = family.Configs(*(family.KernelConfig(16, 16, 1, 1),) * 3)
+    options = family.KernelOptions(order="natural", tma=False, split=2, buckets=[family.Bucket(64, small)])
+    assert options.buckets == (family.Bucket(64, small),)  # a list becomes a tuple: the options stay hashable
+    index = family.options_index(options)
+    assert index > 0 and family.options_index(family.KernelOptions(**vars(options))) == index
+    assert family.options_at(index) is options
+    with pytest.raises(ValueError, match="order='fastest'"):
+        family.KernelOptions(order="fastest")
+    with pytest.raises(ValueError, match="split"):
+        family.KernelOptions(split=-1)
+    with pytest.raises(ValueError, match="increasing"):
+        family.KernelOptions(buckets=(family.Bucket(128, small), family.Bucket(64, small)))
+    with pytest.raises(TypeError, match="KernelOptions"):
+        family.options_index({"tma": False})
