@@ -312,8 +312,9 @@ def test_the_launch_path_reads_no_device_value(monkeypatch, variant):
 
 
 def test_kernel_options_are_checked_and_cross_the_custom_op_as_an_index():
-    from gemzoo.api import ACTIVATION_CODES
     from gemzoo_jfa import family
+
+    from gemzoo.api import ACTIVATION_CODES
 
     assert family.ACTIVATION_CODES is ACTIVATION_CODES  # the kernels take gemzoo's one numbering
     assert family.options_index(None) == 0 and family.options_at(0) == family.KernelOptions()
