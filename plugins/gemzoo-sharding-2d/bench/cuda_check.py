@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "gem-tiny.toml"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # sharding_2d_measure
 
 
 def overrides(out: str, planner: str, options: dict | None = None) -> list[str]:
@@ -31,7 +33,7 @@ def overrides(out: str, planner: str, options: dict | None = None) -> list[str]:
 
 def main() -> None:
     import torch
-    from gemzoo_sharding_2d.measure import train_and_record
+    from sharding_2d_measure import train_and_record
 
     from gemzoo.api import load_config
 

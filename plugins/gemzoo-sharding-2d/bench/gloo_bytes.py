@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # sharding_2d_measure: the tests' measurement
 CONFIG = HERE.parents[2] / "configs" / "gem-tiny.toml"
 ROWS, DIM, STEPS, WORLD = 4096, 16, 4, 4
 LAYOUTS = {
@@ -45,7 +46,7 @@ def rank_main(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port)
     import torch
     import torch.distributed as dist
-    from gemzoo_sharding_2d.measure import train_and_record
+    from sharding_2d_measure import train_and_record
 
     from gemzoo.api import load_config
 
@@ -59,8 +60,8 @@ def rank_main(rank: int, world: int, port: int, tmp: str) -> None:
 
 def main() -> None:
     from gemzoo_sharding_2d.layout import plan_layout
-    from gemzoo_sharding_2d.measure import per_step, sample_ids
     from gemzoo_sharding_2d.scale import embedding_traffic
+    from sharding_2d_measure import per_step, sample_ids
 
     from gemzoo.api import TableConfig, load_config, registry
     from gemzoo.testing.comms import spawn

@@ -11,8 +11,8 @@ import pytest
 import sharding_2d_cases as cases
 import torch
 from gemzoo_sharding_2d import Sharding2D, Sharding2DOptions
-from gemzoo_sharding_2d.measure import per_step, sample_ids
 from gemzoo_sharding_2d.scale import Links, embedding_traffic, parse_bytes, plan_report
+from sharding_2d_measure import per_step, sample_ids
 
 from gemzoo.api import CheckpointError, ConfigError, SparseOptimizer, Topology, registry
 from gemzoo.testing.planner import check_planner_local

@@ -1,4 +1,5 @@
-"""Train a config and record what sharding-2d stored and sent: the tests' and the bench's measurement."""
+"""Train a config and record what sharding-2d stored and sent: the tests' and the bench's measurement (a
+package-unique module name, imported as ``sharding_2d_measure``; the bench scripts put this folder on sys.path)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ def train_and_record(cfg, *, resume=False) -> dict:
     """Train ``cfg``; returns ``losses`` and ``steps`` (every logged step), and with planner sharding-2d this
     rank's table ``memory`` (bytes, ``ShardedTables.memory``) and ``bytes``: its cumulative ``CommCounter``
     snapshot after each step."""
-    from gemzoo.api import hookimpl, registry, train
     from gemzoo_sharding_2d.plugin import Sharding2D
+
+    from gemzoo.api import hookimpl, registry, train
 
     seen = {"memory": None, "bytes": []}
     ours = cfg.plugins.planner == "sharding-2d"
