@@ -46,7 +46,7 @@ def test_mx_linear_matches_fp32(cfg, bias):
     g = torch.randn(3, 37, 48)
     want, got = run(fp32, x, g), run(mx, x, g)
     tol = TOL * (2 if cfg.grad_elem == torch.float8_e5m2 else 1)  # e5m2 has one mantissa bit less
-    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=False):  # got and want also hold db
         assert rel(a, b) < tol, f"{name}: {rel(a, b):.4f} >= {tol}"
     if bias:
         assert torch.allclose(got[3], want[3], rtol=1e-5, atol=1e-5)
