@@ -191,8 +191,8 @@ def cross_attention(n_cand=64):
 
     for tag, split in (("gdpa silu", None), ("gdpa silu unsplit", 0)):
         options = KernelOptions(split=split)
-        fn = lambda: gdpa_triton(q, k, v, q_off, k_off, causal=False, activation="silu", norm=norm,  # noqa: E731
-                                 options=options)  # noqa: B023 (called before the loop moves on)
+        fn = lambda options=options: gdpa_triton(  # noqa: E731
+            q, k, v, q_off, k_off, causal=False, activation="silu", norm=norm, options=options)
         res[tag] = row(name, tag, *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
 
     def flex():
