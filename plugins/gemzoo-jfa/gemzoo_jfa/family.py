@@ -11,7 +11,7 @@ RoPE (block-attention). A family member builds its custom ops over these functio
 ``activation`` is a code of ``ACTIVATION_CODES`` (gemzoo's one table: 0 softmax, the others pointwise),
 ``window`` and ``block`` are -1 for "off", ``rope_theta`` 0.0. How the kernels run (tiles, schedule order,
 TMA, key split, length buckets, fused dQ) travels as a frozen ``KernelOptions`` passed through the call;
-``options_index`` / ``options_at`` carry it across a custom op's schema. ``GEMZOO_JFA_BUCKETS=0`` turns the
+``options_index`` / ``options_at`` pass it across a custom op's schema. ``GEMZOO_JFA_BUCKETS=0`` turns the
 default length buckets off for a process.
 """
 
@@ -171,7 +171,7 @@ class KernelOptions:
 
 DEFAULT_OPTIONS = KernelOptions()
 
-# A custom op's schema takes no dataclass: the ops carry an index into this append-only table of the options
+# A custom op's schema takes no dataclass: the ops take an index into this append-only table of the options
 # seen so far (index 0 the defaults), so compiled and eager calls run with the same KernelOptions.
 _INTERNED: list[KernelOptions] = [DEFAULT_OPTIONS]
 _INDEX: dict[KernelOptions, int] = {DEFAULT_OPTIONS: 0}
