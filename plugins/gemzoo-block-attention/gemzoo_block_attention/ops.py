@@ -16,6 +16,7 @@ written or saved.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from gemzoo_jfa.family import (
@@ -42,15 +43,24 @@ def block_configs(q: torch.Tensor, block: int):
     masked as with jfa's 128-row tiles; None (jfa's defaults) otherwise."""
     if q.device.type != "cuda" or block <= 0 or block > 64 or q.element_size() != 2 or q.shape[-1] > 128:
         return None
-    c = KernelConfig(64, 64, 4, 3)
-    return Configs(c, c, c)
+    return _SMALL_BLOCK_CONFIGS
+
+
+_SMALL_BLOCK_TILE = KernelConfig(64, 64, 4, 3)
+_SMALL_BLOCK_CONFIGS = Configs(_SMALL_BLOCK_TILE, _SMALL_BLOCK_TILE, _SMALL_BLOCK_TILE)
 
 
 def block_options(q: torch.Tensor, block: int, options: KernelOptions | None = None) -> KernelOptions:
     """``options`` (None: the defaults) with ``block_configs``' tiles, unless they set tiles themselves (bench)."""
     options = DEFAULT_OPTIONS if options is None else options
     configs = block_configs(q, block) if options.configs is None else None
-    return options if configs is None else dataclasses.replace(options, configs=configs)
+    return options if configs is None else _with_configs(options, configs)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_configs(options: KernelOptions, configs: Configs) -> KernelOptions:
+    """One KernelOptions object per (options, tiles): two calls a step (forward, backward) build none."""
+    return dataclasses.replace(options, configs=configs)
 
 
 # -- bodies (run by the custom ops, and in eager by gemzoo_jfa.family.run_attention) ----------------------
