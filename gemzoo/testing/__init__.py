@@ -29,6 +29,7 @@ _LAZY = {
     "kernel_ms": ("gemzoo.profiling", "kernel_ms"),
     "gpu_idle": ("gemzoo.profiling", "gpu_idle"),
     "annotations_ms": ("gemzoo.profiling", "annotations_ms"),
+    "extension_available": ("gemzoo.ops", "extension_available"),
     # the batching exchange's phases, for benchmarks of its host work
     "route": ("gemzoo.data.exchange", "route"),
     "Planned": ("gemzoo.data.lookahead", "Planned"),

@@ -39,8 +39,7 @@ def group_of(name: str) -> str:
 
 
 def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list[str], trace_dir: str = "") -> dict:
-    from gemzoo.config import load_config
-    from gemzoo.train.trainer import Trainer
+    from gemzoo.api import Trainer, load_config
 
     cfg = load_config(config, plugins=plugins, overrides=[
         f"run.steps={steps}", "run.log_every=1", "eval.every=0", "checkpoint.every=0", "run.compile=true", *sets])
@@ -65,7 +64,7 @@ def profile_set(config: str, plugins: str, steps: int, profiled: int, sets: list
                 t = time.perf_counter()
                 tr.train_step(step)
                 walls.append(time.perf_counter() - t)
-    from gemzoo.profiling import annotations_ms, gpu_idle, kernel_ms
+    from gemzoo.testing import annotations_ms, gpu_idle, kernel_ms
 
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(os.path.join(tmp, "trace.json"))

@@ -42,12 +42,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import attention_sites
-from gemzoo.interfaces.options import TakesOptions
-from gemzoo.plugins import hookimpl
-from gemzoo_act_quant.quant import (ELEMS, FP8_DTYPES, SCALES, Packed, dequantize, mx_api, quantize,
-                                    quantize_blocks, quantize_rows, resolve_scale)
+from gemzoo.api import ConfigError, TakesOptions, attention_sites, hookimpl
+from gemzoo_act_quant.quant import (
+    ELEMS,
+    FP8_DTYPES,
+    SCALES,
+    Packed,
+    dequantize,
+    mx_api,
+    quantize,
+    quantize_blocks,
+    quantize_rows,
+    resolve_scale,
+)
+
+GEMZOO_API = ">=1,<2"
 
 GIB = 2**30
 MIN_ROW = 32

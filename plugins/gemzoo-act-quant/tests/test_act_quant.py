@@ -6,14 +6,11 @@ import math
 
 import pytest
 import torch
-
-import gemzoo
-from gemzoo.config import load_config
-from gemzoo.errors import ConfigError
-from gemzoo.train.trainer import Trainer
 from gemzoo_act_quant import ActQuantOptions, ActQuantPolicy, dequantize, quantize
 from gemzoo_act_quant.plugin import inline_supported
 from gemzoo_act_quant.quant import mx_api
+
+from gemzoo.api import ConfigError, Trainer, load_config, registry
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 TINY = str(ROOT / "configs" / "gem-tiny.toml")
@@ -71,8 +68,8 @@ def test_block32_uses_the_mx_cast_when_installed():
 
 # ------------------------------------------------------------------------------------------ options
 def test_registered():
-    assert "act-quant" in gemzoo.registry.names("memory")
-    entry = gemzoo.registry.entry("memory", "act-quant")
+    assert "act-quant" in registry.names("memory")
+    entry = registry.entry("memory", "act-quant")
     assert entry.distribution == "gemzoo-act-quant"
 
 
@@ -193,7 +190,7 @@ def test_loss_within_one_percent_of_unquantized(tmp_path):
 
 
 def test_config_show_lists_the_selection(capsys):
-    from gemzoo.cli import main
+    from gemzoo.testing import cli_main as main
 
     assert main(["config", "show", TINY, "--plugins", "jfa,act-quant"]) == 0
     import json

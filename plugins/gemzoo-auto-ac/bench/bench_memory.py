@@ -39,8 +39,7 @@ def _restore(saved) -> None:
 
 
 def run_row(config: str, label: str, plugins: str, sets: list[str], steps: int, warmup: int) -> dict:
-    from gemzoo.config import load_config
-    from gemzoo.train.trainer import Trainer
+    from gemzoo.api import Trainer, load_config
 
     cfg = load_config(config, plugins=plugins, overrides=[
         f"run.steps={steps}", "run.log_every=1", "eval.every=0", "checkpoint.every=0", "run.compile=true", *sets])

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gemzoo.errors import ConfigError
-from gemzoo.interfaces.options import TakesOptions
-from gemzoo.plugins import hookimpl
+from gemzoo.api import ConfigError, TakesOptions, hookimpl
+
+GEMZOO_API = ">=1,<2"
 
 GIB = 2**30
 SOLVERS = ("dp", "greedy", "ilp", "dp_knapsack_sliding_hirschberg")
@@ -241,7 +241,7 @@ class SavedBytes:
                 if isinstance(o, (torch.Tensor, tuple, list)):
                     self._count(o)
 
-    def __enter__(self) -> "SavedBytes":
+    def __enter__(self) -> SavedBytes:
         inner = _top_hooks()
         inner_pack, inner_unpack = inner if inner else (None, None)
 

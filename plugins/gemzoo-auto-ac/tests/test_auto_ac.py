@@ -10,13 +10,10 @@ import json
 
 import pytest
 import torch
-
-import gemzoo
-from gemzoo.config import load_config
-from gemzoo.errors import ConfigError
-from gemzoo.train.trainer import Trainer
 from gemzoo_auto_ac import AutoACOptions, AutoACPolicy, BudgetSearch
 from gemzoo_auto_ac.plugin import GIB, SavedBytes
+
+from gemzoo.api import ConfigError, Trainer, load_config, registry
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 TINY = str(ROOT / "configs" / "gem-tiny.toml")
@@ -108,9 +105,9 @@ def test_unreachable_target_names_the_smallest_peak():
 
 # ------------------------------------------------------------------------------------------ options
 def test_registered_and_needs_compile():
-    assert "auto-ac" in gemzoo.registry.names("memory")
-    policy = gemzoo.registry.get("memory", "auto-ac")
-    assert policy.needs_compile and gemzoo.registry.entry("memory", "auto-ac").distribution == "gemzoo-auto-ac"
+    assert "auto-ac" in registry.names("memory")
+    policy = registry.get("memory", "auto-ac")
+    assert policy.needs_compile and registry.entry("memory", "auto-ac").distribution == "gemzoo-auto-ac"
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -149,7 +146,7 @@ def test_compiled_auto_ac_gives_the_loss_of_none(tmp_path):
                       plugins="jfa,fp32,auto-ac")
     tr = Trainer(cfg, out_dir=str(tmp_path / "auto"), progress=False).assemble()
     got = tr.fit()
-    for a, b in zip(eager.history, got.history):
+    for a, b in zip(eager.history, got.history, strict=False):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["loss"], b["loss"])
     report = tr.memory[0].report()
     # budget 0 recomputes what it can: the compiled graphs save less than eager autograd does

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                 row = {"dist": dist, "world": w, "samples": costs.numel(), "counts": "equal" if eq else "free",
                        **{f"{k}_ms": statistics.median(v) for k, v in times.items()},
                        **{f"{k}_max_mean": imbalance(costs, g) for k, g in got.items()},
-                       "same": all(torch.equal(a, b) for a, b in zip(got["old"], got["new"])),
+                       "same": all(torch.equal(a, b) for a, b in zip(got["old"], got["new"], strict=False)),
                        "sizes_new": sorted({len(g) for g in got["new"]})[:3]}
                 rows.append(row)
                 print(f"| {dist} | {w} | {row['counts']} | {row['old_ms']:.0f} | {row['new_ms']:.0f} | "

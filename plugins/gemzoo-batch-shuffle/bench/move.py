@@ -1,4 +1,4 @@
-"""Host work of moving samples between ranks (``gemzoo.data.exchange.move``) at W ranks, on one CPU.
+"""Host work of moving samples between ranks (the batching exchange's ``move``) at W ranks, on one CPU.
 
     .venv/bin/python plugins/gemzoo-batch-shuffle/bench/move.py --worlds 8,64,1024,8192 --out /tmp/move.json
 
@@ -41,22 +41,22 @@ def _loopback(out, inp, output_split_sizes=None, input_split_sizes=None, group=N
 
 
 def measure(batch, world: int, per_rank: int, repeats: int, rank: int = 1) -> dict:
-    from gemzoo.data import exchange
-    from gemzoo.interfaces.batching import DataParallelGroup
+    from gemzoo.api import DataParallelGroup
+    from gemzoo.testing import Planned, move, route
 
     gen = torch.Generator().manual_seed(world)
     groups = list(torch.randperm(world * per_rank, generator=gen).split(per_rank))
     counts = [per_rank] * world
     dp = DataParallelGroup(rank=rank, size=world, group=None)
     t0 = time.perf_counter()
-    rt = exchange.route(groups, counts, rank)
+    rt = route(groups, counts, rank)
     route_ms = 1e3 * (time.perf_counter() - t0)
-    planned = exchange.Planned(step=0, batch=batch, counts=counts, dp=dp, route=rt)
+    planned = Planned(step=0, batch=batch, counts=counts, dp=dp, route=rt)
     times = []
     with mock.patch.object(dist, "all_to_all_single", _loopback):
         for _ in range(repeats + 1):  # the first call warms the allocator
             t0 = time.perf_counter()
-            moved = exchange.move(planned)
+            moved = move(planned)
             times.append(1e3 * (time.perf_counter() - t0))
     assert moved.num_samples == per_rank
     return {"world": world, "per_rank": per_rank, "route_ms": round(route_ms, 2),
@@ -64,8 +64,7 @@ def measure(batch, world: int, per_rank: int, repeats: int, rank: int = 1) -> di
 
 
 def main(argv=None):
-    from gemzoo import registry
-    from gemzoo.config import load_config
+    from gemzoo.api import load_config, registry
 
     a = parse(argv)
     cfg = load_config(a.config)

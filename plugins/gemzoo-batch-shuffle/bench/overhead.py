@@ -33,7 +33,6 @@ every phase (and phases stop starting once ``--budget-s`` is spent), so a cut-of
 from __future__ import annotations
 
 import argparse
-from collections import deque
 import json
 import math
 import os
@@ -41,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -81,9 +81,7 @@ def parse(argv=None):
 
 
 def build_trainer(a):
-    from gemzoo.config import load_config
-    from gemzoo.train.flops import peak_flops
-    from gemzoo.train.trainer import Trainer
+    from gemzoo.api import Trainer, load_config, peak_flops
 
     cfg = load_config(a.config, plugins=a.plugins or None, overrides=[
         f"run.steps={a.steps}", "eval.every=0", "checkpoint.every=0", "plugins.batching='none'", *a.set])
@@ -93,8 +91,7 @@ def build_trainer(a):
 
 
 def use_policy(tr, name: str):
-    from gemzoo.data.exchange import Lookahead
-    from gemzoo.train.trainer import configured
+    from gemzoo.api import Lookahead, configured
 
     tr.cfg.plugins.batching = name
     tr.batching = configured("batching", name, tr.cfg)
@@ -143,7 +140,7 @@ def host_summary(host: list) -> dict:
 
 def cpu_facts(workers: dict) -> dict:
     """The facts that decide whether a worker can slow the trainer's thread: CPUs, masks, thread counts."""
-    from gemzoo.data.exchange import available_cpus
+    from gemzoo.api import available_cpus
 
     return {"available_cpus": len(available_cpus()),
             "main_thread_cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -155,7 +152,7 @@ def cpu_facts(workers: dict) -> dict:
 def global_costs(tr, world: int, per_rank: int, seed: int) -> torch.Tensor:
     """Costs of a simulated global batch of world x per_rank samples: the config's dataset's length and
     candidate distributions, priced by the trained model's cost_model."""
-    from gemzoo.data.synthetic import gem_lognormal_lengths
+    from gemzoo.testing import gem_lognormal_lengths
 
     d = tr.cfg.data
     g = torch.Generator().manual_seed(seed)
@@ -190,7 +187,7 @@ def overlapped(tr, worker, policy, draws: dict, world: int, measured, base: list
         times.append(timed_step(tr, s, before=lambda s=s: submit(s), after=after, host=host))
     while pending:  # the last d - 1 finish after the measured steps: not a wait of any step
         pending.popleft().result()
-    paired = statistics.median(t - b for t, b in zip(times, base))
+    paired = statistics.median(t - b for t, b in zip(times, base, strict=False))
     wait_med = statistics.median(waits)
     return {"step_ms": ms(times), "median_step_ms": round(1e3 * statistics.median(times), 3),
             "overhead_ms": round(1e3 * paired, 3), "overhead_pct": round(100 * paired / base_med, 3),
@@ -207,7 +204,7 @@ def ms(xs) -> list[float]:
 def main(argv=None) -> int:
     a = parse(argv)
     t_start = time.perf_counter()
-    from gemzoo.data.exchange import PartitionWorker, route_checked
+    from gemzoo.api import PartitionWorker, route_checked
 
     out = {"config": os.path.relpath(a.config, ROOT), "plugins": a.plugins, "dry_run": a.dry_run,
            "steps": a.steps, "warmup": a.warmup, "per_rank": a.per_rank, "depth": a.depth, "target_pct": TARGET_PCT,

@@ -29,7 +29,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
 from gemzoo_batch_shuffle import BatchShuffle, BatchShuffleOptions, imbalance
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -57,8 +56,7 @@ DISTS = {"gem-lognormal": gem_lognormal, "uniform-8k": uniform_8k, "zipf": zipf}
 
 def gem_cost_model(candidates: int):
     """gem-bench's model on meta; returns lengths -> float64 costs from its cost_model."""
-    from gemzoo import registry
-    from gemzoo.config import load_config
+    from gemzoo.api import load_config, registry
 
     cfg = load_config(ROOT / "configs" / "gem-bench.toml")
     mspec = registry.get("model", "gem")

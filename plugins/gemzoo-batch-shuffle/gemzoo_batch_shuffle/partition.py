@@ -37,7 +37,7 @@ import heapq
 import numpy as np
 import torch
 
-from gemzoo.errors import PluginError
+from gemzoo.api import PluginError
 
 KK_LIMIT = 1 << 16  # N * W above which method "auto" uses the balanced variant (kk merges N partitions of W lists)
 REFINE_STEPS = 1024  # moves/swaps at most after the partition
@@ -101,7 +101,7 @@ def _decreasing_costs(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _merge(a, b):
     """Merge two partitions (sums sorted descending, members aligned): a's heaviest with b's lightest."""
     sums = a[0] + b[0][::-1]
-    members = [x + y for x, y in zip(a[1], reversed(b[1]))]
+    members = [x + y for x, y in zip(a[1], reversed(b[1]), strict=False)]
     order = np.argsort(-sums, kind="stable")
     return sums[order], [members[i] for i in order]
 
@@ -494,7 +494,7 @@ def _keep_local_owner(owner: np.ndarray, by_subset: np.ndarray, n: int, w: int) 
     rank_of = [-1] * w  # plain lists: the greedy loops below index them once per pair
     taken = [False] * w
     ranked = np.lexsort((loader[starts], subset[starts], -counts))  # most first, ties by (subset, rank)
-    for s, r in zip(subset[starts][ranked].tolist(), loader[starts][ranked].tolist()):
+    for s, r in zip(subset[starts][ranked].tolist(), loader[starts][ranked].tolist(), strict=False):
         if rank_of[s] < 0 and not taken[r]:
             rank_of[s], taken[r] = r, True
     # then the pairs sharing one sample, in (subset, rank) order: each open subset its first free rank. An open
@@ -514,7 +514,8 @@ def _keep_local_owner(owner: np.ndarray, by_subset: np.ndarray, n: int, w: int) 
             at = free[np.minimum(np.searchsorted(free, hs), max(free.size - 1, 0))] if free.size else es
             at = np.where((at >= hs) & (at < es), at, -1)  # the first free pair of each subset, or none
             got = []
-            for s, a, e, r in zip(subset[hs].tolist(), at.tolist(), es.tolist(), rank[np.maximum(at, 0)].tolist()):
+            for s, a, e, r in zip(subset[hs].tolist(), at.tolist(), es.tolist(), rank[np.maximum(at, 0)].tolist(),
+                                  strict=False):
                 if a < 0:
                     continue
                 if taken[r]:  # taken by an earlier subset of this chunk

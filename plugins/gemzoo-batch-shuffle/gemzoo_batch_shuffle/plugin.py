@@ -39,11 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gemzoo.data.exchange import WORKERS
-from gemzoo.errors import ConfigError
-from gemzoo.interfaces.options import TakesOptions
-from gemzoo.plugins import hookimpl
+from gemzoo.api import WORKERS, ConfigError, TakesOptions, hookimpl
 from gemzoo_batch_shuffle.partition import METHODS, partition
+
+GEMZOO_API = ">=1,<2"
 
 
 @dataclass

@@ -34,30 +34,25 @@ def train_rank(rank: int, world: int, port: int, tmp: str, runs: list) -> None:
     rank_env(rank, world, port)
     import torch.distributed as dist
 
-    import gemzoo
-    from gemzoo import registry
-    from gemzoo.config import load_config
-    from gemzoo.data import exchange
-    from gemzoo.errors import TrainingError
-    from gemzoo.train.trainer import train
+    from gemzoo.api import Lookahead, TrainingError, hookimpl, load_config, load_shard, registry, train
 
     seen, ahead, keys, loaded = [], [], [], []
 
     class Record:
-        @gemzoo.hookimpl
+        @hookimpl
         def gemzoo_step_end(self, trainer, step, metrics):
             seen.append(round(metrics["samples_per_s"] * metrics["step_s"]))
             ahead.append(trainer.lookahead.last["ahead"])
 
-    original = exchange.Lookahead.batch
+    original = Lookahead.batch
 
     def recording(self, dataset, step, dp, *args, **kwargs):
         mine = original(self, dataset, step, dp, *args, **kwargs)
         keys.append(sample_keys(mine))
-        loaded.append(sample_keys(exchange.load_shard(dataset, step, dp.rank, dp.size)))
+        loaded.append(sample_keys(load_shard(dataset, step, dp.rank, dp.size)))
         return mine
 
-    exchange.Lookahead.batch = recording
+    Lookahead.batch = recording
     registry.host().register(Record(), name="record")
     out = {}
     for label, policy, steps, resume, options in runs:

@@ -9,16 +9,14 @@ import math
 import os
 from collections import Counter
 
+import batch_shuffle_cases as cases
 import numpy as np
 import pytest
 import torch
-
-import gemzoo
-from gemzoo.errors import ConfigError, PluginError
-from gemzoo.testing.batching import batching_cases, check_assignment, check_global_loss
 from gemzoo_batch_shuffle import BatchShuffle, BatchShuffleOptions, imbalance, partition
 
-import batch_shuffle_cases as cases
+from gemzoo.api import ConfigError, PluginError, registry
+from gemzoo.testing.batching import batching_cases, check_assignment, check_global_loss
 
 VARIANTS = {
     "default": BatchShuffleOptions(),
@@ -31,8 +29,8 @@ VARIANTS = {
 
 
 def test_entry_point_registers_the_policy():
-    assert "base-batch-shuffle" in gemzoo.registry.names("batching")
-    entry = gemzoo.registry.entry("batching", "base-batch-shuffle")
+    assert "base-batch-shuffle" in registry.names("batching")
+    entry = registry.entry("batching", "base-batch-shuffle")
     assert isinstance(entry.obj, BatchShuffle) and entry.distribution == "gemzoo-batch-shuffle"
 
 
@@ -138,8 +136,7 @@ def test_bad_world_and_options_are_named():
 
 
 def test_options_from_the_config(tmp_path):
-    from gemzoo.config import load_config
-    from gemzoo.train.trainer import configured
+    from gemzoo.api import configured, load_config
 
     cfg = load_config(cases.ROOT + "/configs/gem-tiny.toml", overrides=[
         "plugins.batching='base-batch-shuffle'", "plugins.options.base-batch-shuffle.equal_count=true"])
@@ -151,12 +148,11 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
     """overlap = true (the default) lets the trainer partition a step ahead in a worker thread; false, a
     policy without the attribute (or with a non-True one), or one that moves samples itself stays synchronous;
     one rank never calls the policy (no worker is started)."""
-    from gemzoo.data.exchange import Lookahead
-    from gemzoo.interfaces.batching import DataParallelGroup, overlap_worker, overlaps
+    from gemzoo.api import DataParallelGroup, Lookahead, overlap_worker, overlaps
 
     assert BatchShuffleOptions().overlap is True and overlaps(BatchShuffle())
     assert not overlaps(BatchShuffle(BatchShuffleOptions(overlap=False)))
-    assert not overlaps(gemzoo.registry.get("batching", "none"))  # moves samples itself (nothing)
+    assert not overlaps(registry.get("batching", "none"))  # moves samples itself (nothing)
 
     class Unsure:
         overlap = "yes"
@@ -171,7 +167,7 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
         BatchShuffleOptions(overlap="true")
     with pytest.raises(ConfigError, match="worker must be one of thread, process, got 'gpu'"):
         BatchShuffleOptions(worker="gpu")
-    from gemzoo.interfaces.batching import overlap_depth
+    from gemzoo.api import overlap_depth
 
     assert overlap_depth(BatchShuffle()) == 1 and overlap_depth(Unsure()) == 1
     assert overlap_depth(BatchShuffle(BatchShuffleOptions(overlap_depth=2))) == 2
@@ -197,7 +193,7 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
 def test_partition_workers_give_the_synchronous_answer_and_its_errors():
     """A process worker (the policy pickled to a spawned interpreter, numpy both ways) and a thread give
     route_checked's route exactly; bad costs raise the same PluginError from result(); a bad kind is named."""
-    from gemzoo.data.exchange import PartitionWorker, route_checked
+    from gemzoo.api import PartitionWorker, route_checked
 
     costs = cases.gem_lognormal(8 * 64, seed=3).double() ** 2
     counts = [60, 70, 64, 64, 64, 64, 64, 62]
@@ -225,7 +221,7 @@ def test_a_process_worker_leaves_the_trainers_bound_core():
     """A spawned worker inherits the mask of the thread that starts it; when OpenMP has bound the trainer's main
     thread to one core, the worker moves to the others rather than take that core from the kernel launches.
     On a GPU run the trainer's intra-op team leaves it a core while it lives, and is whole again after shutdown."""
-    from gemzoo.data.exchange import PartitionWorker, available_cpus
+    from gemzoo.api import PartitionWorker, available_cpus
 
     before = os.sched_getaffinity(0)
     first = min(before)

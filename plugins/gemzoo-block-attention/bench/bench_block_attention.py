@@ -28,12 +28,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
-from bench_jfa import gem_lognormal, log, rel  # noqa: E402
-
-from gemzoo.jagged import lengths_to_offsets, positions, seq_ids  # noqa: E402
-from gemzoo.flops import attention_pairs  # noqa: E402
+from bench_jfa import log, rel  # noqa: E402
 from gemzoo_block_attention import block_attention_triton  # noqa: E402
 from gemzoo_block_attention.ops import rope_jagged  # noqa: E402
+
+from gemzoo.api import (  # noqa: E402
+    attention_pairs,  # noqa: E402
+    lengths_to_offsets,
+    positions,
+    seq_ids,
+)
 
 H, D, DTYPE, BLOCK, THETA = 4, 128, torch.bfloat16, 64, 10000.0
 RESULTS: dict = {"device": None, "rows": [], "skipped": []}

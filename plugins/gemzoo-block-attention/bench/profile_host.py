@@ -12,7 +12,6 @@ time is host-bound (launch overhead), not kernel-bound.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
 from bench_jfa import gem_lognormal  # noqa: E402
 
-from gemzoo.jagged import lengths_to_offsets  # noqa: E402
+from gemzoo.api import lengths_to_offsets  # noqa: E402
 
 H, D = 4, 128
 
@@ -56,9 +55,11 @@ def cases():
     cross = lambda: gdpa_triton(q2, k2, v2, q_off, k_off, causal=False, activation="silu", norm=norm)  # noqa: E731
     yield "gdpa_cross64", cross, (q2, k2, v2), g2
 
-    from gemzoo_jfa.ops import using
+    from gemzoo_jfa.family import KernelOptions
 
-    yield "gdpa_cross64_unsplit", cross, (q2, k2, v2), g2, lambda: using(split=0)  # forward and backward unsplit
+    unsplit = KernelOptions(split=0)  # forward and backward unsplit
+    yield "gdpa_cross64_unsplit", lambda: gdpa_triton(q2, k2, v2, q_off, k_off, causal=False, activation="silu",
+                                                      norm=norm, options=unsplit), (q2, k2, v2), g2
     yield "flex_cross64", flex_cross(q2, k2, v2, q_off, k_off), (q2, k2, v2), g2  # the bench's baseline
 
 
@@ -70,11 +71,10 @@ def main() -> int:
                     help="also the N Python functions with the most own time per call (cProfile), per case")
     args = ap.parse_args()
     report = {}
-    for name, fn, ls, grad, *around in cases():  # around: a context every call of the case runs in
-        with (around[0]() if around else contextlib.nullcontext()):
-            report[name] = profile_case(name, fn, ls, grad, args.iters)
-            if args.cprofile:
-                report[name]["python_top"] = python_top(fn, ls, grad, args.iters, args.cprofile)
+    for name, fn, ls, grad in cases():
+        report[name] = profile_case(name, fn, ls, grad, args.iters)
+        if args.cprofile:
+            report[name]["python_top"] = python_top(fn, ls, grad, args.iters, args.cprofile)
     if args.out:
         with open(os.path.join(args.out, "profile_host.json"), "w") as f:
             json.dump(report, f, indent=1)
@@ -126,7 +126,7 @@ def profile_case(name, fn, ls, grad, iters: int) -> dict:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    from gemzoo.profiling import kernel_ms
+    from gemzoo.testing import kernel_ms
 
     events = prof.key_averages()
     per_call = kernel_ms(events, iters)

@@ -24,7 +24,7 @@ def block_attention_triton(q, k, v, q_offsets, k_offsets=None, **options):
 
 def block_attention(q, k, v, q_offsets, k_offsets=None, **options):
     """The registered kernel: Triton on CUDA; on CPU the 'cpu' kernel (RoPE applied in torch) or 'reference'."""
-    from gemzoo_block_attention.plugin import KERNEL
+    from gemzoo_block_attention.ops import KERNEL
 
     return KERNEL(q, k, v, q_offsets, k_offsets, **options)
 

@@ -15,8 +15,11 @@ if __name__ == "__main__":  # a script run: switch the interpreter on before tri
 
 import torch  # noqa: E402
 
-from gemzoo.interfaces.attention import reference_attention  # noqa: E402
-from gemzoo.jagged import lengths_to_offsets  # noqa: E402
+from gemzoo.api import (  # noqa: E402
+    ACTIVATION_CODES,
+    lengths_to_offsets,  # noqa: E402
+    reference_attention,
+)
 
 Q4, K4 = [5, 0, 37, 16], [9, 4, 20, 40]
 PARTIAL = [37, 0, 20, 16]  # 37 and 20: last blocks partial for every block size below
@@ -58,22 +61,23 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-6))
 
 
-def run_poisoned(q, k, v, q_off, k_off, causal, window, block, rope, grad, code, scale, inv_norm):
+def run_poisoned(q, k, v, q_off, k_off, causal, window, block, rope, grad, code, scale, inv_norm, options):
     """Launch fwd and bwd (the ops' bodies) into NaN-filled buffers; return out, dq, dk, dv."""
-    from gemzoo_jfa.ops import _launch_bwd, _launch_fwd
+    from gemzoo_jfa.family import launch_bwd, launch_fwd
 
     win, blk, theta = -1 if window is None else window, -1 if block is None else block, rope or 0.0
     out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype)
     lse = torch.full((q.shape[1], q.shape[0]), float("nan")) if code == 0 else None
     if q.shape[0]:
-        _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse, code, inv_norm, blk, theta)
+        launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse, code, inv_norm, blk, theta, options)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    _launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv, code, inv_norm, blk, theta)
+    launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv, code, inv_norm, blk, theta,
+               options)
     return out, dq, dk, dv
 
 
 def run_case(act, q_lens, k_lens, causal, window, block, rope, norm, d, dv, dtype, fused_dq=False):
-    from gemzoo_jfa.ops import ACTIVATION_CODES, using
+    from gemzoo_jfa.family import KernelOptions
 
     gen = torch.Generator().manual_seed(abs(hash((act, tuple(q_lens), causal, window, block, d))) % 2**31)
     q_lens = torch.tensor(q_lens)
@@ -84,9 +88,8 @@ def run_case(act, q_lens, k_lens, causal, window, block, rope, norm, d, dv, dtyp
     q, k = torch.randn(tq, h, d, generator=gen).to(dt), torch.randn(tk, h, d, generator=gen).to(dt)
     v, grad = torch.randn(tk, h, dv, generator=gen).to(dt), torch.randn(tq, h, dv, generator=gen).to(dt)
     scale = d ** -0.5 * 2.0
-    with using(fused_dq=fused_dq):
-        got = run_poisoned(q, k, v, q_off, k_off, causal, window, block, rope, grad, ACTIVATION_CODES[act], scale,
-                           1.0 if norm is None else 1.0 / norm)
+    got = run_poisoned(q, k, v, q_off, k_off, causal, window, block, rope, grad, ACTIVATION_CODES[act], scale,
+                       1.0 if norm is None else 1.0 / norm, KernelOptions(fused_dq=fused_dq))
     refs = [t.double().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window, block_size=block,
                               rope_theta=rope, activation=act, scale=scale, norm=norm)
@@ -94,7 +97,7 @@ def run_case(act, q_lens, k_lens, causal, window, block, rope, norm, d, dv, dtyp
         ref.backward(grad.double())
     ref_grads = tuple(torch.zeros_like(r) if r.grad is None else r.grad for r in refs)
     res = {}
-    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + ref_grads):
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + ref_grads, strict=True):
         # an all-(near-)zero reference (e.g. dq with one key per row): absolute error instead
         res[name] = float((mine.double() - theirs).abs().max()) if theirs.norm() < 1e-3 else _rel(mine, theirs)
         res[name + "_finite"] = bool(torch.isfinite(mine).all())
@@ -128,18 +131,20 @@ def nan_stays_in_block():
 
 def conformance():
     """The shared gemzoo conformance suite, run on the Triton path itself (CPU tensors, interpreter)."""
-    from gemzoo.testing.interpreter import conformance_results
     from gemzoo_block_attention import block_attention_triton
-    from gemzoo_block_attention.plugin import KERNEL
+    from gemzoo_block_attention.ops import KERNEL
+
+    from gemzoo.testing.interpreter import conformance_results
 
     return conformance_results(block_attention_triton, KERNEL.capabilities, quick=True)
 
 
 def compile_check():
     """torch.compile(fullgraph=True) traces the custom op (fake impl + autograd), then runs it; opcheck."""
-    from gemzoo.testing.interpreter import compiled_matches_eager
     from gemzoo_block_attention import block_attention_triton
     from gemzoo_block_attention.ops import block_fwd
+
+    from gemzoo.testing.interpreter import compiled_matches_eager
 
     off = lengths_to_offsets(torch.tensor([7, 0, 19]))
     q, k, v = (torch.randn(26, 2, 16, requires_grad=True) for _ in range(3))
@@ -148,7 +153,8 @@ def compile_check():
         return block_attention_triton(q, k, v, off, block_size=4, rope_theta=100.0).square().sum()
 
     same = compiled_matches_eager(f, q, k, v)
-    for args in ((q, k, v, off, off, True, 0, 0.25, 1.0, -1, 4, 100.0), (q, k, v, off, off, False, 1, 0.25, 0.5, 3, 8, 0.0)):
+    for args in ((q, k, v, off, off, True, 0, 0.25, 1.0, -1, 4, 100.0),
+                 (q, k, v, off, off, False, 1, 0.25, 0.5, 3, 8, 0.0, 0)):
         torch.library.opcheck(block_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                            "test_autograd_registration"))
     return {"compile": same, "opcheck": True}

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemzoo.interfaces.attention import reference_attention
-from gemzoo.jagged import lengths_to_offsets
+from gemzoo.api import ACTIVATION_CODES, lengths_to_offsets, reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -21,8 +20,8 @@ def _rel(a, b):
 
 
 def run_poisoned(q, k, v, q_off, k_off, grad, *, causal, window, block, rope, act, norm):
-    from gemzoo_block_attention.ops import _tiles
-    from gemzoo_jfa.ops import ACTIVATION_CODES, _launch_bwd, _launch_fwd
+    from gemzoo_block_attention.ops import block_options
+    from gemzoo_jfa.family import launch_bwd, launch_fwd
 
     code, inv_norm = ACTIVATION_CODES[act], 1.0 if norm is None else 1.0 / norm
     win, blk, theta, scale = -1 if window is None else window, -1 if block is None else block, rope or 0.0, None
@@ -30,10 +29,10 @@ def run_poisoned(q, k, v, q_off, k_off, grad, *, causal, window, block, rope, ac
     out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), device=q.device, dtype=q.dtype)
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device) if code == 0 else None
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    with _tiles(q, blk):
-        _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse, code, inv_norm, blk, theta)
-        _launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv, code, inv_norm, blk,
-                    theta)
+    options = block_options(q, blk)
+    launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse, code, inv_norm, blk, theta, options)
+    launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv, code, inv_norm, blk, theta,
+               options)
     return out, dq, dk, dv
 
 
@@ -67,15 +66,17 @@ def test_poisoned_against_reference(name):
     ref = reference_attention(*refs, q_off.cpu(), k_off.cpu(), causal=causal, window=window, block_size=block,
                               rope_theta=rope, activation=act, norm=norm)
     ref.backward(grad.double().cpu())
-    for what, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + tuple(r.grad for r in refs)):
+    wants = (ref.detach(),) + tuple(r.grad for r in refs)
+    for what, mine, theirs in zip(("out", "dq", "dk", "dv"), got, wants, strict=True):
         assert torch.isfinite(mine).all(), f"{name}: {what} has NaN/Inf (unwritten elements stay NaN)"
         err = _rel(mine, theirs)
         assert err <= TOL[dtype], f"{name}: {what} relative error {err:.2e}"
 
 
 def test_conformance_on_cuda():
+    from gemzoo_block_attention.ops import KERNEL
+
     from gemzoo.testing import attention_cases, check_attention
-    from gemzoo_block_attention.plugin import KERNEL
 
     for case in attention_cases(KERNEL.capabilities, quick=True):
         check_attention(KERNEL, case, device="cuda", dtype=torch.bfloat16)
@@ -97,14 +98,15 @@ def test_fused_rope_equals_rope_in_torch():
     plain = block_attention_triton(qr, kr, v, off, block_size=64)
     plain.float().square().sum().backward()
     assert _rel(fused, plain) < 1e-2
-    for a, t in zip(g_fused, (q, k, v)):
+    for a, t in zip(g_fused, (q, k, v), strict=True):
         assert _rel(a, t.grad) < 2e-2
 
 
 def test_long_sequence_blocks_vs_per_block_reference():
     """One 20,000-token sequence (positions past 16K for RoPE) against the reference run block by block."""
     from gemzoo_block_attention import block_attention_triton
-    from gemzoo.interfaces.attention import apply_rope
+
+    from gemzoo.api import apply_rope
 
     n, bs = 20000, 64
     gen = torch.Generator().manual_seed(5)

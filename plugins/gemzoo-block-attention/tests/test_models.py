@@ -9,19 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemzoo.config import load_config
-from gemzoo.errors import ConfigError, PluginError
-from gemzoo.flops import attention_pairs
-from gemzoo.interfaces.attention import attention_sites
-from gemzoo.train.trainer import select_attention
+from gemzoo.api import ConfigError, PluginError, attention_pairs, attention_sites, load_config
+from gemzoo.testing import select_attention
 
 ROOT = Path(__file__).resolve().parents[3]
 OPTS = ["model.attention_block_size=8", "model.attention_window=5", "model.rope_theta=10000.0"]
 
 
 def _model(family, overrides):
-    import gemzoo
-    from gemzoo.data.synthetic import SyntheticGemConfig, SyntheticGemDataset
+    from gemzoo.api import registry
+    from gemzoo.testing import SyntheticGemConfig, SyntheticGemDataset
 
     cfg = load_config(ROOT / "configs" / "gem-tiny.toml", overrides=overrides)
     if family == "gem":
@@ -30,7 +27,7 @@ def _model(family, overrides):
         info = data.info
     else:
         data, info = None, {"num_items": 100, "max_len": 40, "task": "retrieval"}
-    spec = gemzoo.registry.get("model", family)
+    spec = registry.get("model", family)
     model_cfg = spec.config_cls(**{k: v for k, v in vars(cfg.model).items() if hasattr(spec.config_cls, k)}) \
         if family != "gem" else cfg.model
     if family == "hstu":
@@ -87,7 +84,7 @@ def test_gem_forward_backward_and_flops_on_allowed_pairs():
     dense = attention_pairs(batch.lengths, causal=True)
     sparse = attention_pairs(batch.lengths, causal=True, block_size=8, window=5)
     assert sparse < dense
-    from gemzoo.flops import attention_flops
+    from gemzoo.api import attention_flops
 
     _, plain, _ = _model("gem", [])
     c = plain.cfg

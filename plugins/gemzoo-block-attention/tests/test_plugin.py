@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemzoo_block_attention.ops import KERNEL
 
-import gemzoo
-from gemzoo.errors import JaggedShapeError, PluginError
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
-from gemzoo.jagged import lengths_to_offsets
+from gemzoo.api import ACTIVATIONS, AttentionRequest, JaggedShapeError, PluginError, lengths_to_offsets, registry
 from gemzoo.testing import attention_cases, check_attention
-from gemzoo_block_attention.plugin import KERNEL
 
 
 def test_entry_point_registers_block_attention():
-    assert "block-attention" in gemzoo.registry.names("attention")
-    entry = gemzoo.registry.entry("attention", "block-attention")
+    assert "block-attention" in registry.names("attention")
+    entry = registry.entry("attention", "block-attention")
     assert entry.obj is KERNEL
     assert entry.distribution == "gemzoo-block-attention"
 
@@ -31,7 +28,7 @@ def test_capabilities_are_honest():
 
 
 def test_block_requests_find_block_attention():
-    from gemzoo.interfaces.attention import kernels_that_serve
+    from gemzoo.api import kernels_that_serve
 
     able = kernels_that_serve(AttentionRequest(block=True, rotary=True, device="cuda"))
     assert "block-attention" in able and "jfa" not in able
@@ -86,13 +83,14 @@ def test_other_errors():
 def test_rotary_needs_a_rotary_kernel():
     q, off = _inputs()
     with pytest.raises(PluginError, match="rope_theta.*block-attention"):
-        gemzoo.registry.get("attention", "jfa")(q, q, q, off, rope_theta=10000.0)
+        registry.get("attention", "jfa")(q, q, q, off, rope_theta=10000.0)
 
 
 def test_rope_jagged_matches_reference_rule():
     """The torch rotation (CPU dispatch, bench baseline): reference(rope(q), rope(k)) == reference(q, k, rope)."""
-    from gemzoo.interfaces.attention import reference_attention
     from gemzoo_block_attention.ops import rope_jagged
+
+    from gemzoo.api import reference_attention
 
     gen = torch.Generator().manual_seed(0)
     qo, ko = lengths_to_offsets(torch.tensor([5, 0, 9])), lengths_to_offsets(torch.tensor([8, 3, 4]))

@@ -28,11 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
 from bench_jfa import Workload, gem_lognormal, log, rel, short_lengths, uniform_8k  # noqa: E402
-
-from gemzoo.interfaces.attention import ACTIVATIONS, apply_activation  # noqa: E402
-from gemzoo.jagged import jagged_to_padded, lengths_to_offsets, padded_to_jagged  # noqa: E402
 from gemzoo_gdpa import gdpa_triton  # noqa: E402
 from gemzoo_jfa import jfa_triton  # noqa: E402
+
+from gemzoo.api import ACTIVATIONS, apply_activation, jagged_to_padded, lengths_to_offsets, padded_to_jagged  # noqa: E402
 
 H, D, DTYPE = 4, 128, torch.bfloat16
 RESULTS: dict = {"device": None, "rows": [], "checks": {}}
@@ -150,7 +149,7 @@ def self_attention(name, lens, activations, baselines=True):
 
     if EAGER:
         res["eager"] = guarded(f"{name} eager", eager)
-    del w
+    w = None  # the workload's tensors go before the next one's
     torch.cuda.empty_cache()
     return res
 
@@ -159,7 +158,7 @@ def flex_cross(q, k, v, q_off, k_off):
     """The cross rows' baseline: compiled FlexAttention (softmax) with a per-user block mask, as a callable."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from gemzoo.jagged import seq_ids
+    from gemzoo.api import seq_ids
 
     tq, tk = q.shape[0], k.shape[0]
     qd, kd = seq_ids(q_off, tq), seq_ids(k_off, tk)
@@ -188,12 +187,13 @@ def cross_attention(n_cand=64):
     RESULTS["cross_workload"] = info
     log(f"{name}: {info}")
     res = {}
-    from gemzoo_jfa.ops import using
+    from gemzoo_jfa.family import KernelOptions
 
     for tag, split in (("gdpa silu", None), ("gdpa silu unsplit", 0)):
-        fn = lambda: gdpa_triton(q, k, v, q_off, k_off, causal=False, activation="silu", norm=norm)  # noqa: E731
-        with using(split=split):
-            res[tag] = row(name, tag, *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
+        options = KernelOptions(split=split)
+        fn = lambda options=options: gdpa_triton(  # noqa: E731
+            q, k, v, q_off, k_off, causal=False, activation="silu", norm=norm, options=options)
+        res[tag] = row(name, tag, *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
 
     def flex():
         fn = flex_cross(q, k, v, q_off, k_off)
@@ -213,8 +213,8 @@ def cross_attention(n_cand=64):
             t.grad = None
         e.fwd_bwd()
         theirs = [padded_to_jagged(g.transpose(1, 2), off) for g, off in zip((x.grad for x in e.leaves),
-                                                                              (q_off, k_off, k_off))]
-        for n, a, b in zip(("dq", "dk", "dv"), mine_g, theirs):
+                                                                              (q_off, k_off, k_off), strict=False)]
+        for n, a, b in zip(("dq", "dk", "dv"), mine_g, theirs, strict=True):
             RESULTS["checks"][f"{name} gdpa vs eager {n}"] = rel(a, b)
         for t in e.leaves:
             t.grad = None

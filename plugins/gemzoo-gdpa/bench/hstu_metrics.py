@@ -61,7 +61,7 @@ def write_synthetic_ml1m(folder: Path, users: int = 6040, items: int = 3706, gen
         seq = pool[walk[np.sort(first)[:n]]]
         t0 = 978_300_000 + int(rng.integers(0, 10_000_000))
         times = t0 + np.cumsum(rng.integers(1, 4000, size=len(seq)))
-        lines += [f"{u + 1}::{m + 1}::{int(rng.integers(1, 6))}::{t}" for m, t in zip(seq, times)]
+        lines += [f"{u + 1}::{m + 1}::{int(rng.integers(1, 6))}::{t}" for m, t in zip(seq, times, strict=False)]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "ratings.dat").write_text("\n".join(lines) + "\n")
     (folder / "movies.dat").write_text("".join(f"{m + 1}::Movie {m + 1} (2000)::Genre{genre_of[m]}\n"
@@ -73,8 +73,7 @@ def register_cpu_host() -> None:
     """Attention kernel ``cpu-host``: the registered ``cpu`` kernel run on host copies of CUDA tensors."""
     import dataclasses
 
-    from gemzoo import registry
-    from gemzoo.interfaces.attention import FunctionKernel
+    from gemzoo.api import FunctionKernel, registry
 
     if "cpu-host" in registry.names("attention"):
         return
@@ -94,9 +93,8 @@ def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, t
               seed: int = 0) -> dict:
     import torch
 
-    from gemzoo import ops
-    from gemzoo.config import load_config
-    from gemzoo.train.trainer import Trainer
+    from gemzoo.api import Trainer, load_config
+    from gemzoo.testing import extension_available
 
     register_cpu_host()
     if threads:
@@ -111,7 +109,7 @@ def train_one(ratings: Path, plugins: str, device: str, steps: int, out: Path, t
     wall = time.perf_counter() - t0
     metrics = {k: float(v) for k, v in result.eval.items()}
     return {"plugins": plugins, "device": device, "seed": seed, "steps": steps, "wall_s": wall,
-            "extension": ops.extension_available(),
+            "extension": extension_available(),
             "final_loss": result.final_loss, "metrics": metrics}
 
 

@@ -22,7 +22,7 @@ def gdpa_triton(q, k, v, q_offsets, k_offsets=None, **kw):
 
 def gdpa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
     """The registered kernel: Triton on CUDA, the CPU kernel (or reference) elsewhere."""
-    from gemzoo_gdpa.plugin import gdpa_attention as _impl
+    from gemzoo_gdpa.ops import gdpa_attention as _impl
 
     return _impl(q, k, v, q_offsets, k_offsets, **kw)
 

@@ -15,8 +15,12 @@ if __name__ == "__main__":  # a script run: switch the interpreter on before tri
 
 import torch  # noqa: E402
 
-from gemzoo.interfaces.attention import ACTIVATIONS, reference_attention  # noqa: E402
-from gemzoo.jagged import lengths_to_offsets  # noqa: E402
+from gemzoo.api import (  # noqa: E402
+    ACTIVATION_CODES,
+    ACTIVATIONS,
+    lengths_to_offsets,  # noqa: E402
+    reference_attention,
+)
 
 POINTWISE = [a for a in ACTIVATIONS if a != "softmax"]
 Q4, K4 = [5, 0, 37, 16], [9, 4, 20, 40]
@@ -50,21 +54,22 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-6))
 
 
-def run_poisoned(q, k, v, q_off, k_off, causal, window, grad, code, scale, inv_norm):
+def run_poisoned(q, k, v, q_off, k_off, causal, window, grad, code, scale, inv_norm, options):
     """Launch fwd and bwd into NaN-filled buffers; return out, dq, dk, dv."""
-    from gemzoo_jfa.ops import _launch_bwd, _launch_fwd
+    from gemzoo_jfa.family import launch_bwd, launch_fwd
 
     win = -1 if window is None else window
     out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype)
     if q.shape[0]:
-        _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, None, code, inv_norm)
+        launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, None, code, inv_norm, options=options)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    _launch_bwd(grad, q, k, v, None, None, q_off, k_off, causal, scale, win, dq, dk, dv, code, inv_norm)
+    launch_bwd(grad, q, k, v, None, None, q_off, k_off, causal, scale, win, dq, dk, dv, code, inv_norm,
+               options=options)
     return out, dq, dk, dv
 
 
 def run_case(act, q_lens, k_lens, causal, window, norm, d, dv, dtype, split, tma=False, fused_dq=False):
-    from gemzoo_jfa.ops import ACTIVATION_CODES, using
+    from gemzoo_jfa.family import KernelOptions
 
     gen = torch.Generator().manual_seed(abs(hash((act, tuple(q_lens), causal, window, d, split))) % 2**31)
     q_lens = torch.tensor(q_lens)
@@ -77,9 +82,8 @@ def run_case(act, q_lens, k_lens, causal, window, norm, d, dv, dtype, split, tma
     v = torch.randn(tk, h, dv, generator=gen).to(dt)
     grad = torch.randn(tq, h, dv, generator=gen).to(dt)
     scale = d ** -0.5 * 2.0  # larger scores: every activation's nonlinear part is exercised
-    with using(split=split, tma=tma, fused_dq=fused_dq):
-        got = run_poisoned(q, k, v, q_off, k_off, causal, window, grad, ACTIVATION_CODES[act], scale,
-                           1.0 if norm is None else 1.0 / norm)
+    got = run_poisoned(q, k, v, q_off, k_off, causal, window, grad, ACTIVATION_CODES[act], scale,
+                       1.0 if norm is None else 1.0 / norm, KernelOptions(split=split, tma=tma, fused_dq=fused_dq))
     refs = [t.double().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window, activation=act, scale=scale,
                               norm=norm)
@@ -87,7 +91,7 @@ def run_case(act, q_lens, k_lens, causal, window, norm, d, dv, dtype, split, tma
         ref.backward(grad.double())
     ref_grads = tuple(torch.zeros_like(r) if r.grad is None else r.grad for r in refs)  # no pair: zero grads
     res = {}
-    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + ref_grads):
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + ref_grads, strict=True):
         res[name] = float((mine.double() - theirs).abs().max()) if theirs.norm() == 0 else _rel(mine, theirs)
         res[name + "_finite"] = bool(torch.isfinite(mine).all())
     res["tol"] = TOL[dtype]
@@ -98,7 +102,7 @@ def nan_confined():
     """NaN in one sequence's q, k and v stays in that sequence (outputs and all gradients), for the plain,
     split-K and TMA paths."""
     from gemzoo_gdpa import gdpa_triton
-    from gemzoo_jfa.ops import using
+    from gemzoo_jfa.family import KernelOptions
 
     res = {}
     for tag, ctx, causal in (("plain", dict(split=0), True), ("split", dict(split=4), False),
@@ -109,9 +113,8 @@ def nan_confined():
         q, k, v = (torch.randn(int(n), 2, 16, generator=gen) for n in (q_lens.sum(), k_lens.sum(), k_lens.sum()))
         q[7, 0, 3] = k[20, 1, 0] = v[30, 0, 5] = float("nan")  # all inside sequence 1
         leaves = [t.requires_grad_() for t in (q, k, v)]
-        with using(**ctx):
-            out = gdpa_triton(*leaves, q_off, k_off, causal=causal, activation="silu")
-            out.backward(torch.ones_like(out))
+        out = gdpa_triton(*leaves, q_off, k_off, causal=causal, activation="silu", options=KernelOptions(**ctx))
+        out.backward(torch.ones_like(out))
         qs, ks = slice(5, 21), slice(16, 56)
         others_q = torch.cat([out[:5], out[21:]]), torch.cat([q.grad[:5], q.grad[21:]])
         others_k = torch.cat([k.grad[:16], k.grad[56:]]), torch.cat([v.grad[:16], v.grad[56:]])
@@ -141,18 +144,20 @@ def strided_offsets():
 
 def conformance():
     """The shared gemzoo conformance suite, run on the Triton path itself (CPU tensors, interpreter)."""
-    from gemzoo.testing.interpreter import conformance_results
     from gemzoo_gdpa import gdpa_triton
-    from gemzoo_gdpa.plugin import KERNEL
+    from gemzoo_gdpa.ops import KERNEL
+
+    from gemzoo.testing.interpreter import conformance_results
 
     return conformance_results(gdpa_triton, KERNEL.capabilities)
 
 
 def compile_check():
     """torch.compile(fullgraph=True) traces the custom op (fake impl + autograd), then runs it; opcheck."""
-    from gemzoo.testing.interpreter import compiled_matches_eager
     from gemzoo_gdpa import gdpa_triton
     from gemzoo_gdpa.ops import gdpa_fwd
+
+    from gemzoo.testing.interpreter import compiled_matches_eager
 
     off = lengths_to_offsets(torch.tensor([7, 0, 19]))
     q, k, v = (torch.randn(26, 2, 16, requires_grad=True) for _ in range(3))
@@ -161,7 +166,7 @@ def compile_check():
         return gdpa_triton(q, k, v, off, causal=True, activation="silu", norm=19.0).square().sum()
 
     same = compiled_matches_eager(f, q, k, v)
-    torch.library.opcheck(gdpa_fwd, (q, k, v, off, off, True, 1, 0.25, 0.5, -1),
+    torch.library.opcheck(gdpa_fwd, (q, k, v, off, off, True, 1, 0.25, 0.5, -1, 0),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     return {"compile": same, "opcheck": True}
 

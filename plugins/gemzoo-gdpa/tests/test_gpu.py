@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemzoo_jfa.family import DEFAULT_OPTIONS, KernelOptions, launch_bwd, launch_fwd
 
-from gemzoo.interfaces.attention import ACTIVATIONS, reference_attention
-from gemzoo.jagged import lengths_to_offsets
+from gemzoo.api import ACTIVATION_CODES, ACTIVATIONS, lengths_to_offsets, reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,21 +28,18 @@ def _lengths(gen, batch, max_len):
     return lens
 
 
-def run_poisoned(q, k, v, q_off, k_off, causal, window, grad, act, scale, norm):
-    from gemzoo_jfa.ops import ACTIVATION_CODES, _launch_bwd, _launch_fwd
-
+def run_poisoned(q, k, v, q_off, k_off, causal, window, grad, act, scale, norm, options=DEFAULT_OPTIONS):
     win = -1 if window is None else window
     code, inv_norm = ACTIVATION_CODES[act], 1.0 if norm is None else 1.0 / norm
     out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), device=q.device, dtype=q.dtype)
-    _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, None, code, inv_norm)
+    launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, None, code, inv_norm, options=options)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    _launch_bwd(grad, q, k, v, None, None, q_off, k_off, causal, scale, win, dq, dk, dv, code, inv_norm)
+    launch_bwd(grad, q, k, v, None, None, q_off, k_off, causal, scale, win, dq, dk, dv, code, inv_norm,
+               options=options)
     return out, dq, dk, dv
 
 
 def check(d, dv_dim, causal, k_mode, window, dtype, act, norm, split=None, batch=9, max_q=300):
-    from gemzoo_jfa.ops import using
-
     gen = torch.Generator().manual_seed(d * 7 + causal + (window or 0) + len(act))
     heads = 4  # as the bench: the same compiled variants
     q_lens = _lengths(gen, batch, max_q)
@@ -61,17 +58,16 @@ def check(d, dv_dim, causal, k_mode, window, dtype, act, norm, split=None, batch
     v = torch.randn(tk, heads, dv_dim, generator=gen).to("cuda", dtype)
     grad = torch.randn(tq, heads, dv_dim, generator=gen).to("cuda", dtype)
     scale = d ** -0.5
-    with using(split=split):
-        got = run_poisoned(q, k, v, q_off, k_off, causal, window, grad, act, scale, norm)
+    got = run_poisoned(q, k, v, q_off, k_off, causal, window, grad, act, scale, norm, KernelOptions(split=split))
     torch.cuda.synchronize()
-    for name, t in zip(("out", "dq", "dk", "dv"), got):
+    for name, t in zip(("out", "dq", "dk", "dv"), got, strict=True):
         assert torch.isfinite(t).all(), f"{name} has unwritten (NaN) or non-finite elements"
     refs = [t.double().cpu().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, q_off.cpu(), k_off.cpu(), causal=causal, window=window, activation=act,
                               scale=scale, norm=norm)
     ref.backward(grad.double().cpu())
     errs = {n: _rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(),) + tuple(
-        r.grad for r in refs))}
+        r.grad for r in refs), strict=False)}
     assert all(e < TOL[dtype] for e in errs.values()), errs
 
 
@@ -104,7 +100,7 @@ def test_cross_attention_short_q_long_k(act, causal, split):
 
 
 def test_split_plan_picks_the_cross_path():
-    from gemzoo_jfa.ops import split_plan
+    from gemzoo_jfa.family import split_plan
 
     q = torch.empty(64 * 64, 4, 128, device="cuda")
     k = torch.empty(64 * 1500, 4, 128, device="cuda")
@@ -115,8 +111,9 @@ def test_split_plan_picks_the_cross_path():
 
 
 def test_conformance_suite_on_cuda():
+    from gemzoo_gdpa.ops import KERNEL
+
     from gemzoo.testing import attention_cases, check_attention
-    from gemzoo_gdpa.plugin import KERNEL
 
     for case in attention_cases(KERNEL.capabilities):  # every declared activation and option in bf16
         check_attention(KERNEL, case, device="cuda", dtype=torch.bfloat16)
@@ -149,10 +146,11 @@ def test_nan_stays_in_its_sequence_cuda():
 
 
 def test_registered_kernel_autograd_and_compile_on_cuda():
-    import gemzoo
-    from gemzoo_gdpa.plugin import KERNEL
+    from gemzoo_gdpa.ops import KERNEL
 
-    kernel = gemzoo.registry.get("attention", "gdpa") if "gdpa" in gemzoo.registry.names("attention") else KERNEL
+    from gemzoo.api import registry
+
+    kernel = registry.get("attention", "gdpa") if "gdpa" in registry.names("attention") else KERNEL
     lens = torch.tensor([0, 129, 1, 0, 64, 300])
     off = lengths_to_offsets(lens).cuda()
     q, k, v = (torch.randn(int(lens.sum()), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -165,10 +163,10 @@ def test_registered_kernel_autograd_and_compile_on_cuda():
     grads = [t.grad.clone() for t in (q, k, v)]
     refs = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
     reference_attention(*refs, off.cpu(), activation="silu", norm=300.0).square().sum().backward()
-    for mine, theirs in zip(grads, refs):
+    for mine, theirs in zip(grads, refs, strict=True):
         assert _rel(mine, theirs.grad) < 2e-2
     for t in (q, k, v):
         t.grad = None
     torch.compile(f, fullgraph=True)(q, k, v).backward()
-    for g, t in zip(grads, (q, k, v)):
+    for g, t in zip(grads, (q, k, v), strict=True):
         assert _rel(t.grad, g) < 1e-2

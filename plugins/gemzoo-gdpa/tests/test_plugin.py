@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import gemzoo
-from gemzoo.errors import JaggedShapeError
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
-from gemzoo.jagged import lengths_to_offsets
-from gemzoo.testing import attention_cases, check_attention
-from gemzoo_gdpa.plugin import KERNEL
+from gemzoo_gdpa.ops import KERNEL
 from gemzoo_jfa.schedule import build_schedule, split_items
+
+from gemzoo.api import ACTIVATIONS, AttentionRequest, JaggedShapeError, lengths_to_offsets, registry
+from gemzoo.testing import attention_cases, check_attention
 
 
 def test_entry_point_registers_gdpa():
-    assert "gdpa" in gemzoo.registry.names("attention")
-    entry = gemzoo.registry.entry("attention", "gdpa")
+    assert "gdpa" in registry.names("attention")
+    entry = registry.entry("attention", "gdpa")
     assert entry.obj is KERNEL
     assert entry.distribution == "gemzoo-gdpa"
 
@@ -33,8 +30,8 @@ def test_capabilities_are_honest():
 
 
 def test_softmax_requests_go_to_other_kernels():
-    able = [n for n in gemzoo.registry.names("attention")
-            if not gemzoo.registry.get("attention", n).capabilities.missing(AttentionRequest(activation="softmax"))]
+    able = [n for n in registry.names("attention")
+            if not registry.get("attention", n).capabilities.missing(AttentionRequest(activation="softmax"))]
     assert "jfa" in able and "gdpa" not in able
 
 
@@ -52,7 +49,7 @@ def test_cpu_fallback_window_and_norm(window):
 
 def test_cpu_dispatch_goes_to_cpu_kernel_or_reference(monkeypatch):
     calls = []
-    fallback = gemzoo.registry.get("attention", "cpu" if "cpu" in gemzoo.registry.names("attention") else "reference")
+    fallback = registry.get("attention", "cpu" if "cpu" in registry.names("attention") else "reference")
     monkeypatch.setattr(fallback, "fn", lambda *a, **k: calls.append(k["activation"]) or a[0])
     q = torch.randn(6, 1, 8)
     KERNEL(q, q, q, lengths_to_offsets(torch.tensor([6])), activation="gelu")
@@ -65,8 +62,9 @@ def _inputs(lens=(3, 4)):
 
 
 def test_errors_name_the_problem_and_fix():
-    from gemzoo.errors import PluginError
     from gemzoo_gdpa.ops import gdpa_triton
+
+    from gemzoo.api import PluginError
 
     q, off = _inputs()
     with pytest.raises(PluginError, match="softmax.*jfa"):
@@ -109,5 +107,6 @@ def test_split_items_repeat_each_item_once_per_split(n_splits):
 def test_split_chunks_cover_the_keys(lk):
     """The kernel's rule: chunk = ceil(Lk / n) rounded up to BN; n chunks cover [0, Lk)."""
     for n in (1, 2, 8, 16):
-        chunk = -(-(-(-lk // n)) // 64) * 64
+        per_split = -(-lk // n)
+        chunk = -(-per_split // 64) * 64
         assert n * chunk >= lk and chunk % 64 == 0

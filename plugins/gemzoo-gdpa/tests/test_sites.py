@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemzoo.config import load_config
-from gemzoo.errors import ConfigError, PluginError
-from gemzoo.train.trainer import Trainer, train
+from gemzoo.api import ConfigError, PluginError, Trainer, load_config, train
 
 
 def _cfg(tmp_path, *overrides, plugins="jfa", steps=2):

@@ -14,7 +14,7 @@ on mixed small shapes (outputs poisoned with NaN), and against Flex on the full 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -22,15 +22,32 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from gemzoo.interfaces.attention import reference_attention
-from gemzoo.jagged import lengths_to_offsets
-from gemzoo_jfa import ops as jfa_ops
-from gemzoo_jfa.ops import Configs, KernelConfig, _launch_bwd, _launch_fwd, default_configs, jfa_triton, using
+from gemzoo_jfa import family
+from gemzoo_jfa.family import (
+    Bucket,
+    Configs,
+    KernelConfig,
+    KernelOptions,
+    default_configs,
+    launch_bwd,
+    launch_fwd,
+    length_buckets,
+    short_buckets,
+)
+from gemzoo_jfa.ops import jfa_triton
 from gemzoo_jfa.schedule import build_schedule
+
+from gemzoo.api import lengths_to_offsets, reference_attention
 
 H, D, DTYPE = 4, 128, torch.bfloat16
 RESULTS: dict = {"device": None, "checks": [], "workloads": {}, "sweep": {}}
+# The options every jfa call of this run starts from: pointer loads everywhere once the TMA check fails.
+BASE = KernelOptions()
+
+
+def opts(**changes) -> KernelOptions:
+    """BASE with the given fields changed (a None value keeps BASE's)."""
+    return dataclasses.replace(BASE, **{k: v for k, v in changes.items() if v is not None})
 
 
 def gem_lognormal(B=64, median=1024, sigma=1.0, lo=32, hi=16384, seed=1):
@@ -63,7 +80,7 @@ def save(out_dir):
 
 # -- correctness -----------------------------------------------------------------------------------
 
-def check_case(i, d, causal, asym, window):
+def check_case(i, d, causal, asym, window, options=None):
     """One mixed-length case with empty sequences, fp64 reference, every output element poisoned first."""
     gen = torch.Generator().manual_seed(100 + i)
     q_lens = torch.randint(1, 700, (11,), generator=gen)
@@ -76,9 +93,10 @@ def check_case(i, d, causal, asym, window):
     scale, win = d ** -0.5, -1 if window is None else window
     out = torch.full((tq, 3, d), float("nan"), device="cuda", dtype=DTYPE)
     lse = torch.full((3, tq), float("nan"), device="cuda")
-    _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse)
+    options = BASE if options is None else options
+    launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse, options=options)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    _launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv)
+    launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv, options=options)
     refs = [t.double().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window)
     ref.backward(grad.double())
@@ -86,30 +104,30 @@ def check_case(i, d, causal, asym, window):
             "dv": rel(dv, refs[2].grad)}
     finite = all(bool(torch.isfinite(t).all()) for t in (out, dq, dk, dv))
     passed = finite and all(e < 1e-2 for e in errs.values())
-    log(f"check d={d} causal={causal} asym={asym} window={window} tma={jfa_ops._tma is not False}: "
+    log(f"check d={d} causal={causal} asym={asym} window={window} tma={options.tma is not False}: "
         + " ".join(f"{k}={e:.1e}" for k, e in errs.items()) + f" finite={finite} {'OK' if passed else 'FAIL'}")
     return {"d": d, "causal": causal, "asym": asym, "window": window, "finite": finite, **errs, "ok": passed}
 
 
 def check_small(n_cases=4):
     """Mixed shapes with empty sequences against fp64, TMA and pointer paths."""
+    global BASE
     cases = [(128, True, False, None), (128, True, True, 200), (256, False, True, None), (64, False, False, 50)]
     ok = True
     for i, (d, causal, asym, window) in enumerate(cases[:n_cases]):
         for tma in (None, False):  # default (TMA descriptors on Hopper), then plain pointer loads
             try:
-                with using(tma=tma):
-                    entry = check_case(i, d, causal, asym, window)
+                entry = check_case(i, d, causal, asym, window, opts(tma=tma))
             except Exception as exc:
                 if tma is not None:
                     raise
                 entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
-            entry["tma"] = tma is None and jfa_ops._tma is not False
+            entry["tma"] = tma is None and BASE.tma is not False
             RESULTS["checks"].append(entry)
             if tma is None and not entry["ok"]:  # TMA path broken on this stack: time the pointer path only
                 RESULTS["tma_error"] = entry.get("error", "wrong results")
                 log(f"TMA path failed ({RESULTS['tma_error']}); using pointer loads from here on")
-                jfa_ops._tma = False
+                BASE = dataclasses.replace(BASE, tma=False)
             elif not entry["ok"]:
                 ok = False
     return ok
@@ -134,26 +152,25 @@ class Workload:
         return [self.q, self.k, self.v]
 
 
-def make_jfa(w):
-    return (lambda: jfa_triton(w.q, w.k, w.v, w.offsets, causal=True)), w.leaves(), w.grad
+def make_jfa(w, options=None):
+    options = BASE if options is None else options
+    return (lambda: jfa_triton(w.q, w.k, w.v, w.offsets, causal=True, options=options)), w.leaves(), w.grad
 
 
 def make_jfa_ptr(w):
     """jfa with plain pointer loads instead of TMA tensor descriptors."""
-    fn, leaves, grad = make_jfa(w)
-    return fn, leaves, grad, lambda: using(tma=False)
+    return make_jfa(w, opts(tma=False))
 
 
 def make_jfa_nobuckets(w):
     """jfa without length buckets (one launch per kernel on the main tiles), whatever BUCKETS_BY_DEFAULT says."""
-    fn, leaves, grad = make_jfa(w)
-    return fn, leaves, grad, lambda: using(buckets=())
+    return make_jfa(w, opts(buckets=()))
 
 
 def make_flex(w):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from gemzoo.jagged import positions, seq_ids
+    from gemzoo.api import positions, seq_ids
 
     doc = seq_ids(w.offsets, w.T)
     pos = positions(w.offsets, w.T)
@@ -210,7 +227,7 @@ def make_njt(w):
 
 def make_padded(w):
     """Pre-padded [B, H, Lmax, D] leaves, SDPA is_causal (flash): padding never reaches real rows."""
-    from gemzoo.jagged import jagged_to_padded
+    from gemzoo.api import jagged_to_padded
 
     pads = [jagged_to_padded(t.detach(), w.offsets, w.Lmax).transpose(1, 2).contiguous().requires_grad_()
             for t in w.leaves()]
@@ -228,7 +245,7 @@ METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "jfa_nobuckets": make_jfa_n
 SAME_LAYOUT = ("jfa", "jfa_ptr", "jfa_nobuckets", "flex", "fa_varlen", "njt_sdpa")
 
 
-def bench(fn, leaves, grad, warmup=25, rep=100, ctx=contextlib.nullcontext):
+def bench(fn, leaves, grad, warmup=25, rep=100):
     from triton.testing import do_bench
 
     def fwd():
@@ -238,16 +255,14 @@ def bench(fn, leaves, grad, warmup=25, rep=100, ctx=contextlib.nullcontext):
     def fwd_bwd():
         fn().backward(grad)
 
-    with ctx():
-        t_fwd = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
-        t_fb = do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
+    t_fwd = do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
+    t_fb = do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=leaves, return_mode="median")
     for t in leaves:
         t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    with ctx():
-        fwd_bwd()
+    fwd_bwd()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     for t in leaves:
@@ -259,23 +274,21 @@ def run_workload(w, methods):
     res = {"B": w.B, "T": w.T, "Lmax": w.Lmax, "sum_L2": w.sum_l2,
            "padding_waste": 1 - w.sum_l2 / (w.B * w.Lmax ** 2), "methods": {},
            "jfa_launches": [{"tiles": [c.block_m, c.block_n], "lengths": r}
-                            for c, r in jfa_ops.length_buckets(w.q, w.k, w.B, "fwd")]}
+                            for c, r in length_buckets(w.q, w.k, w.B, "fwd", options=BASE)]}
     RESULTS["workloads"][w.name] = res
     fl_fwd, fl_fb = 2 * H * D * w.sum_l2, 7 * H * D * w.sum_l2
     outs = {}
     for name in methods:
         t0 = time.time()
         try:
-            fn, leaves, grad, *rest = METHODS[name](w)
-            ctx = rest[0] if rest else contextlib.nullcontext
+            fn, leaves, grad = METHODS[name](w)
             if name in SAME_LAYOUT:  # cross-check outputs and grads
-                with ctx():
-                    out = fn()
-                    out.backward(grad)
+                out = fn()
+                out.backward(grad)
                 outs[name] = [out.detach().clone()] + [t.grad.clone() for t in leaves]
                 for t in leaves:
                     t.grad = None
-            t_fwd, t_fb, peak = bench(fn, leaves, grad, ctx=ctx)
+            t_fwd, t_fb, peak = bench(fn, leaves, grad)
         except Exception as exc:  # a baseline that fails is reported, not fatal
             res["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             log(f"{w.name} {name}: FAILED {exc}")
@@ -288,7 +301,8 @@ def run_workload(w, methods):
     if "jfa" in outs:
         for other in SAME_LAYOUT[1:]:
             if other in outs:
-                errs = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), outs["jfa"], outs[other])}
+                errs = {n: rel(a, b)
+                        for n, a, b in zip(("out", "dq", "dk", "dv"), outs["jfa"], outs[other], strict=True)}
                 res[f"jfa_vs_{other}"] = errs
                 log(f"{w.name} jfa vs {other}: " + " ".join(f"{k}={e:.1e}" for k, e in errs.items()))
     return res
@@ -296,11 +310,10 @@ def run_workload(w, methods):
 
 def breakdown(w, tma=None):
     """Per-kernel times of jfa's fwd+bwd (ms), schedules included."""
-    with using(tma=tma):
-        return _breakdown(w, "jfa_ptr" if tma is False else "jfa")
+    return _breakdown(w, "jfa_ptr" if tma is False else "jfa", opts(tma=tma))
 
 
-def _breakdown(w, tag):
+def _breakdown(w, tag, options):
     from triton.testing import do_bench
 
     off = w.offsets
@@ -308,15 +321,17 @@ def _breakdown(w, tag):
     scale = D ** -0.5
     out = torch.empty_like(q)
     lse = torch.empty(H, w.T, device="cuda")
-    _launch_fwd(q, k, v, off, off, True, scale, -1, out, lse)
-    delta = jfa_ops._launch_preprocess(out, w.grad)
+    launch_fwd(q, k, v, off, off, True, scale, -1, out, lse, options=options)
+    delta = family._launch_preprocess(out, w.grad)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     parts = {
         "schedule": lambda: build_schedule(off, off, w.T, 128, over="q", causal=True, window=None),
-        "fwd": lambda: _launch_fwd(q, k, v, off, off, True, scale, -1, out, lse),
-        "preprocess": lambda: jfa_ops._launch_preprocess(out, w.grad),
-        "dkdv": lambda: jfa_ops._launch_dkdv(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dk, dv),
-        "dq": lambda: jfa_ops._launch_dq(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dq),
+        "fwd": lambda: launch_fwd(q, k, v, off, off, True, scale, -1, out, lse, options=options),
+        "preprocess": lambda: family._launch_preprocess(out, w.grad),
+        "dkdv": lambda: family._launch_dkdv(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dk, dv, 0, 1.0,
+                                            -1, 0.0, options),
+        "dq": lambda: family._launch_dq(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dq, 0, 1.0, -1, 0.0,
+                                        options),
     }
     res = {name: do_bench(fn, warmup=10, rep=50, return_mode="median") for name, fn in parts.items()}
     fl = H * D * w.sum_l2
@@ -340,16 +355,15 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
                KernelConfig(128, 32, 8, 3)]
     out = RESULTS["sweep"]
 
-    def timed(w, cfgs, mode, order="lpt", buckets=None):
-        with using(cfgs, order=order, buckets=buckets):
-            fn, leaves, grad = make_jfa(w)
-            if mode == "fwd":
-                def run():
-                    with torch.no_grad():
-                        fn()
-                return do_bench(run, warmup=10, rep=50, return_mode="median")
-            return do_bench(lambda: fn().backward(grad), warmup=10, rep=50, grad_to_none=leaves,
-                            return_mode="median")
+    def timed(w, cfgs, mode, order="lpt", buckets=None, fused_dq=None):
+        fn, leaves, grad = make_jfa(w, opts(configs=cfgs, order=order, buckets=buckets, fused_dq=fused_dq))
+        if mode == "fwd":
+            def run():
+                with torch.no_grad():
+                    fn()
+            return do_bench(run, warmup=10, rep=50, return_mode="median")
+        return do_bench(lambda: fn().backward(grad), warmup=10, rep=50, grad_to_none=leaves,
+                        return_mode="median")
 
     if "configs" in parts:
         for kind, cfgs in (("fwd", fwd_cfgs), ("dkdv", dkdv_cfgs), ("dq", dq_cfgs)):
@@ -389,8 +403,7 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
                 return
             key = f"fused_dq {name}"
             try:
-                with using(fused_dq=cfgs is not None):
-                    out[key] = {w.name: timed(w, cfgs or base, "fwd_bwd") for w in workloads}
+                out[key] = {w.name: timed(w, cfgs or base, "fwd_bwd", fused_dq=cfgs is not None) for w in workloads}
             except Exception as exc:
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             log(f"sweep {key}: {out[key]}")
@@ -424,31 +437,29 @@ class ShortSweep:
         self.ref = self.outputs((), None)
 
     def outputs(self, buckets, tma):
-        with using(buckets=buckets, tma=tma):
-            fn, leaves, grad = make_jfa(self.w)
-            for t in leaves:
-                t.grad = None
-            o = fn()
-            o.backward(grad)
-            res = [o.detach().clone()] + [t.grad.clone() for t in leaves]
-            for t in leaves:
-                t.grad = None
-            return res
+        fn, leaves, grad = make_jfa(self.w, opts(buckets=buckets, tma=tma))
+        for t in leaves:
+            t.grad = None
+        o = fn()
+        o.backward(grad)
+        res = [o.detach().clone()] + [t.grad.clone() for t in leaves]
+        for t in leaves:
+            t.grad = None
+        return res
 
     def timed(self, buckets, mode, tma=None):
         from triton.testing import do_bench
 
-        with using(buckets=buckets, tma=tma):
-            fn, leaves, grad = make_jfa(self.w)
-            if mode == "fwd":
-                def run():
-                    with torch.no_grad():
-                        fn()
-                return do_bench(run, warmup=10, rep=40, return_mode="median")
-            ms = do_bench(lambda: fn().backward(grad), warmup=10, rep=40, grad_to_none=leaves, return_mode="median")
-            for t in leaves:
-                t.grad = None
-            return ms
+        fn, leaves, grad = make_jfa(self.w, opts(buckets=buckets, tma=tma))
+        if mode == "fwd":
+            def run():
+                with torch.no_grad():
+                    fn()
+            return do_bench(run, warmup=10, rep=40, return_mode="median")
+        ms = do_bench(lambda: fn().backward(grad), warmup=10, rep=40, grad_to_none=leaves, return_mode="median")
+        for t in leaves:
+            t.grad = None
+        return ms
 
     def measure(self, key, buckets, modes, tma=None):
         """{mode: ms, max_rel_vs_unbucketed, ok} of one variant, or None past the deadline."""
@@ -456,7 +467,7 @@ class ShortSweep:
             log("sweep short: out of time budget, stopping")
             return None
         try:
-            err = max(rel(a, b) for a, b in zip(self.outputs(buckets, tma), self.ref))
+            err = max(rel(a, b) for a, b in zip(self.outputs(buckets, tma), self.ref, strict=False))
             res = {m: self.timed(buckets, m, tma) for m in modes}
             res.update(max_rel_vs_unbucketed=err, ok=err < 1e-2)
         except Exception as exc:
@@ -475,7 +486,7 @@ class ShortSweep:
                     key = (f"{name} {kind} BM{c.block_m} BN{c.block_n} w{c.num_warps} s{c.num_stages}"
                            + (" ptr" if tma is False else ""))
                     mode = "fwd" if kind == "fwd" else "fwd_bwd"
-                    res = self.measure(key, (*below, jfa_ops.Bucket(max_len, Configs(**{**configs.__dict__, kind: c}))),
+                    res = self.measure(key, (*below, Bucket(max_len, Configs(**{**configs.__dict__, kind: c}))),
                                        (mode,))
                     if res is None:
                         return best
@@ -490,16 +501,16 @@ def sweep_short(w, deadline):
     default buckets, with the 128 bucket's winners, with TMA forced on everywhere, and with pointer loads in the
     main launch too (fwd and fwd+bwd, each checked against the unbucketed launch)."""
     sw = ShortSweep(w, deadline)
-    short = jfa_ops.short_buckets(D, "cuda")
+    short = short_buckets(D, "cuda")
     mid_base = Configs(*(KernelConfig(64, 64, 4, 1, tma=False),) * 3)
     best = sw.tiles("128", short, 128, mid_base, MID_TILES, (False,))
     combos = {"off": ((), None), "default": (short, None), "default, TMA everywhere": (short, True),
               "default, pointer loads everywhere": (short, False),
-              "default + 128 on 64x64 w4 s1": ((*short, jfa_ops.Bucket(128, mid_base)), None)}
+              "default + 128 on 64x64 w4 s1": ((*short, Bucket(128, mid_base)), None)}
     if len(best) == 3:
         mid = Configs(best["fwd"][1], best["dkdv"][1], best["dq"][1])
-        combos["default + 128 best"] = ((*short, jfa_ops.Bucket(128, mid)), None)
-        combos["default + 128 best, pointer loads everywhere"] = ((*short, jfa_ops.Bucket(128, mid)), False)
+        combos["default + 128 best"] = ((*short, Bucket(128, mid)), None)
+        combos["default + 128 best, pointer loads everywhere"] = ((*short, Bucket(128, mid)), False)
     for name, (buckets, tma) in combos.items():
         if sw.measure(f"combo {name}", buckets, ("fwd", "fwd_bwd"), tma) is None:
             return

@@ -24,10 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
+from gemzoo_jfa import kernels  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-
-from gemzoo_jfa import kernels  # noqa: E402
 
 FLOAT_ARGS = {"qk_scale", "inv_norm", "rope_c", "dk_scale", "dv_scale", "dq_scale"}
 FP32_PTRS = {"LSE", "DELTA", "DQACC"}
@@ -71,7 +70,6 @@ def _signature(fn, const: dict, dtype: str, boxes: dict) -> dict:
 def _ptxas(ptx: str) -> dict:
     """ptxas -v on the PTX: registers and spill bytes (or the error); Triton's metadata has the shared memory."""
     import os
-
     import tempfile
 
     ptxas = os.environ.get("TRITON_PTXAS_PATH") or str(Path(triton.__file__).parent / "backends/nvidia/bin/ptxas")
@@ -95,7 +93,7 @@ def variants() -> dict:
     out = {}
     for tma, warps in ((True, 4), (False, 4), (True, 8), (False, 8)):
         t = ("tma" if tma else "ptr") + f" w{warps}"
-        # the first short-sequence bucket tried (64 x 64 tiles, 3 stages, all three kernels; ops.short_buckets now
+        # the first short-sequence bucket tried (64 x 64 tiles, 3 stages, all three kernels; family.short_buckets now
         # takes the smaller tiles of the H200 sweep, README "Length buckets")
         out[f"bucket64 fwd {t}"] = (fwd, {**base, "BM": 64, "BN": 64, "USE_TMA": tma, "SPLIT": False}, warps, 3,
                                     {"KD": "64,1,128", "VD": "64,1,128"} if tma else {})

@@ -3,7 +3,9 @@
     from gemzoo_jfa import jfa_triton
     out = jfa_triton(q, k, v, q_offsets, k_offsets=None, causal=True, window=None, scale=None)
 
-Importing this package does not import Triton; the kernels load on first use.
+``gemzoo_jfa.family`` is the kernel family's public launch interface (``KernelOptions``, ``launch_fwd``,
+``backward``, ``run_attention``), which gemzoo-gdpa and gemzoo-block-attention build on. Importing this
+package does not import Triton; the kernels load on first use.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def jfa_triton(q, k, v, q_offsets, k_offsets=None, **kw):
 
 def jfa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
     """The registered kernel: Triton on CUDA, the CPU kernel (or reference) elsewhere."""
-    from gemzoo_jfa.plugin import jfa_attention as _impl
+    from gemzoo_jfa.ops import jfa_attention as _impl
 
     return _impl(q, k, v, q_offsets, k_offsets, **kw)
 

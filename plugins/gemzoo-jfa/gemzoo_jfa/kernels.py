@@ -16,7 +16,7 @@ ROPE (constexpr) rotates q and k tiles on load (half-split RoPE, pairs (d, d + D
 i + s, key j at j; ``rope_c`` = -2 log2(theta) / D) and un-rotates dq and dk before the store, so no
 rotated copy is written. A rotated tile holds its two halves at columns [0, D/2) and [BD/2, BD/2 + D/2).
 
-ACT (constexpr) picks the activation, see ``ACTIVATION_CODES`` in ops.py:
+ACT (constexpr) picks the activation, a code of gemzoo's one table (``gemzoo.api.ACTIVATION_CODES``):
   * 0, softmax: online max/rescale in base 2; the saved logsumexp is base 2 and +inf for rows with no
     allowed key, so their probabilities are 0 in the backward pass (which needs delta = rowsum(dO*O)).
   * otherwise pointwise: P = act(scale * S) on allowed pairs, 0 elsewhere, times ``inv_norm``; no max,
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 
 @triton.jit
 def _ceil_to(x, m):
@@ -85,21 +86,21 @@ def _erf_and_gauss(x, FAST: tl.constexpr):
 
 @triton.jit
 def _act(x, ACT: tl.constexpr, FAST: tl.constexpr):
-    """Pointwise activation (codes of ops.ACTIVATION_CODES, 1..8); FAST uses approximate MUFU forms (CUDA)."""
+    """Pointwise activation (gemzoo.api.ACTIVATION_CODES 1..8); FAST uses approximate MUFU forms (CUDA)."""
     if ACT == 1:  # silu
         y = x * _sigmoid(x, FAST)
     elif ACT == 2:  # gelu (erf): libdevice's erf here (the forward measured faster with it than with A&S)
         y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACT == 3:  # gelu_tanh
+    elif ACT == 5:  # gelu_tanh
         y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x), FAST))
-    elif ACT == 4:  # relu
+    elif ACT == 3:  # relu
         y = tl.where(x > 0, x, 0.0)
-    elif ACT == 5:  # relu2
+    elif ACT == 6:  # relu2
         r = tl.where(x > 0, x, 0.0)
         y = r * r
-    elif ACT == 6:  # leaky_relu(0.01)
+    elif ACT == 7:  # leaky_relu(0.01)
         y = tl.where(x > 0, x, 0.01 * x)
-    elif ACT == 7:  # hardswish
+    elif ACT == 8:  # hardswish
         y = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) * 0.16666666666666666
     else:  # identity
         y = x
@@ -118,22 +119,22 @@ def _act_fwd_grad(x, ACT: tl.constexpr, FAST: tl.constexpr):
         cdf = 0.5 * (1.0 + erf)
         y = x * cdf
         g = cdf + x * 0.3989422804014327 * gauss
-    elif ACT == 3:
+    elif ACT == 5:
         x2 = x * x
         t = _tanh(0.7978845608028654 * (x + 0.044715 * x2 * x), FAST)
         y = 0.5 * x * (1.0 + t)
         g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x2)
-    elif ACT == 4:
+    elif ACT == 3:
         y = tl.where(x > 0, x, 0.0)
         g = tl.where(x > 0, 1.0, 0.0)
-    elif ACT == 5:
+    elif ACT == 6:
         r = tl.where(x > 0, x, 0.0)
         y = r * r
         g = 2.0 * r
-    elif ACT == 6:
+    elif ACT == 7:
         y = tl.where(x > 0, x, 0.01 * x)
         g = tl.where(x > 0, 1.0, 0.01)
-    elif ACT == 7:
+    elif ACT == 8:
         y = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) * 0.16666666666666666
         g = tl.where(x < -3.0, 0.0, tl.where(x <= 3.0, x * 0.3333333333333333 + 0.5, 1.0))
     else:

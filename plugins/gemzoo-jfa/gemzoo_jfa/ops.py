@@ -1,527 +1,81 @@
-"""Torch custom ops around the Triton kernels (fake implementations included, so torch.compile traces them).
+"""jfa's torch custom ops over the family's launch functions (fake implementations included, so torch.compile
+traces them), its input check and its registered kernel.
 
-    gemzoo_jfa::fwd(q, k, v, q_offsets, k_offsets, causal, scale, window) -> (out, lse)
-    gemzoo_jfa::bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window) -> (dq, dk, dv)
+    gemzoo_jfa::fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, options) -> (out, lse)
+    gemzoo_jfa::bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, options) -> (dq, dk, dv)
 
 ``window`` is -1 for "no window". ``lse`` is [H, Tq] fp32, base 2, +inf on rows with no allowed key.
+``options`` is a ``gemzoo_jfa.family.options_index`` (0: the default KernelOptions).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-import weakref
-from dataclasses import dataclass, replace
-
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from gemzoo.errors import JaggedShapeError
-
-MAX_HEAD_DIM = 256
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    block_m: int  # queries per block
-    block_n: int  # keys per block
-    num_warps: int
-    num_stages: int
-    tma: bool | None = None  # False: pointer loads for this config's launches; None: where _tma_ok allows TMA
-
-
-@dataclass(frozen=True)
-class Configs:
-    fwd: KernelConfig
-    dkdv: KernelConfig
-    dq: KernelConfig
-    dkdv_fused: KernelConfig | None = None  # dk/dv with dQ fused in (using(fused_dq=True)); None: ``dkdv``
-
-    def of(self, kind: str) -> KernelConfig:
-        """The config of kernel ``kind``: fwd, dkdv, dq or dkdv_fused (``dkdv`` where that one is unset)."""
-        c = getattr(self, kind)
-        return self.dkdv if c is None else c
-
-
-def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Configs:
-    """Block shapes per head dim and element size. H100/H200 picks from the sweeps in bench/ (bf16, D=128);
-    fp32 tiles are halved so shared memory fits (checked with ptxas for sm_90); tiny ones for the interpreter."""
-    if device_type != "cuda":
-        c = KernelConfig(16, 16, 1, 1)
-        return Configs(c, c, c)
-    if elem_bytes >= 4:
-        if head_dim <= 128:
-            return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 4, 2))
-        return Configs(KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(32, 32, 4, 2))
-    if head_dim <= 64:
-        return Configs(KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 4, 3))
-    if head_dim <= 128:  # dkdv_fused: 32 x 128, the fused variant with the fewest spills offline (compile_sm90.py)
-        return Configs(KernelConfig(128, 128, 8, 3), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3),
-                       KernelConfig(32, 128, 8, 3))
-    return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """A length bucket: sequences whose longer side, max(Lq, Lk), is at most ``max_len`` (and above the
-    previous bucket's) run with ``configs``' tiles, in launches of their own."""
-    max_len: int
-    configs: Configs
-
-
-# Buckets apply (on by default) where the average sequence is at most this long, decided from shapes alone (no
-# host sync): gem_lognormal (average 1,529) and uniform_8k keep one launch per kernel, many short histories not.
-SHORT_AVERAGE = 256
-# On since 2026-12-02: on the H200 the family's GPU tests (jfa, gdpa, block attention, RoPE; 63) passed with the
-# buckets on for every short test batch (GEMZOO_JFA_BUCKETS=1), and the short workload went from fwd 1.26 /
-# fwd+bwd 4.31 ms to 0.68 / 2.67 (bench_jfa.py --sweep short). GEMZOO_JFA_BUCKETS=0 turns them off for a process.
-BUCKETS_BY_DEFAULT = os.environ.get("GEMZOO_JFA_BUCKETS", "1").strip().lower() in ("1", "true", "on", "yes")
-
-
-def short_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
-    """The short-sequence buckets for a head dim and element size (2-byte dtypes, D <= 128 on CUDA): sequences of
-    at most 64 tokens, and of 65 to 128, on small tiles with pointer loads instead of 128 x 128 (forward) or
-    64 x 128 (dk/dv) with TMA. From the H200 sweep on the short workload (bench_jfa.py --sweep short, 2026-12-02:
-    one kernel at a time, the others fixed, each candidate checked against the unbucketed launch). <= 64:
-    forward 64 x 32, 4 warps, 1 stage (0.77 ms against 1.09 on the earlier 64 x 64, 8 warps, 3 stages, TMA);
-    dk/dv 16 q x 32 k, 2 warps (fwd+bwd 3.27 against 4.09); dq 64 x 64, 4 warps. 65..128: the same forward and
-    dk/dv tiles won, and dq 64 x 32. Short programs are latency-bound: small tiles and one stage keep more of
-    them resident per SM, and pointer loads fetch only the rows a sequence has (a TMA box its full height)."""
-    if device_type != "cuda" or elem_bytes != 2 or head_dim > 128:
-        return ()
-    fwd, dkdv = KernelConfig(64, 32, 4, 1, tma=False), KernelConfig(16, 32, 2, 1, tma=False)
-    return (Bucket(64, Configs(fwd, dkdv, KernelConfig(64, 64, 4, 1, tma=False))),
-            Bucket(128, Configs(fwd, dkdv, KernelConfig(64, 32, 4, 1, tma=False))))
-
-
-def default_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tuple[Bucket, ...]:
-    """The buckets a short batch gets without ``using(buckets=...)``: ``short_buckets`` while BUCKETS_BY_DEFAULT."""
-    return short_buckets(head_dim, device_type, elem_bytes) if BUCKETS_BY_DEFAULT else ()
-
-
-# Activation codes of the shared kernel family (kernels.py's ACT constexpr). 0 is softmax (jfa); the
-# rest are GDPA's pointwise activations (gdpa).
-ACTIVATION_CODES = {"softmax": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4, "relu2": 5, "leaky_relu": 6,
-                    "hardswish": 7, "identity": 8}
-
-_override: Configs | None = None
-_order = "lpt"
-_tma: bool | None = None  # None: TMA where validated (see _tma_ok); True: wherever shapes allow; False: never
-_split: int | None = None  # pointwise key split: None = heuristic (split_plan), 0 = never, n = n splits per sequence
-_buckets: tuple[Bucket, ...] | None = None  # None: default_buckets on short batches; otherwise these, always
-_fused_dq = False  # dQ inside the dk/dv kernel (fp32 atomics) instead of its own kernel; see _launch_bwd
-
-
-@contextlib.contextmanager
-def using(configs: Configs | None = None, *, order: str | None = None, tma: bool | None = None,
-          split: int | None = None, buckets: tuple[Bucket, ...] | None = None, fused_dq: bool | None = None):
-    """Run with other block configs, schedule order, TMA setting, key split, length buckets or fused dQ (bench
-    sweeps and tests; ``buckets=()`` turns buckets off, a tuple of Bucket applies it to every batch)."""
-    global _override, _order, _tma, _split, _buckets, _fused_dq
-    saved = _override, _order, _tma, _split, _buckets, _fused_dq
-    _override = configs if configs is not None else _override
-    _order = order if order is not None else _order
-    _tma = tma if tma is not None else _tma
-    _split = split if split is not None else _split
-    _buckets = tuple(buckets) if buckets is not None else _buckets
-    _fused_dq = fused_dq if fused_dq is not None else _fused_dq
-    try:
-        yield
-    finally:
-        _override, _order, _tma, _split, _buckets, _fused_dq = saved
-
-
-def _tma_ok(*tensors, causal: bool = True, pointwise: bool = False) -> bool:
-    """Whether to load tiles through TMA tensor descriptors instead of pointers.
-
-    Needs Hopper+ (or the interpreter when asked), power-of-two head dims and 16-byte strides. By default
-    (``_tma is None``) only the GPU-validated set: causal (or any pointwise activation), 2-byte dtypes, head
-    dim 64 or 128. With triton 3.6 ptxas crashes on the softmax non-causal dk/dv and the D=256 variants, and
-    fp32 tiles do not fit. The pointer path spills heavily at 128-wide tiles (ptxas -v: 2-4 KB per thread),
-    so the pointwise non-causal kernels (GEM's cross attention) use TMA: they compile with ptxas 3.6.
-    """
-    if _tma is False:
-        return False
-    t0 = tensors[0]
-    if t0.device.type == "cuda":
-        if torch.cuda.get_device_capability(t0.device)[0] < 9:
-            return False
-        if _tma is None and not ((causal or pointwise) and t0.element_size() == 2 and t0.shape[-1] in (64, 128)):
-            return False
-    elif _tma is not True:  # interpreter: only when asked for
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    for t in tensors:
-        d = t.shape[-1]
-        if d != _pow2(d) or t.shape[0] == 0 or t.data_ptr() % 16 or any(
-                (st * t.element_size()) % 16 for st in t.stride()[:2]):
-            return False
-    return True
-
-
-def _desc(t: torch.Tensor, rows: int):
-    """[T, H, D] tensor descriptor with [rows, 1, D] boxes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), t.stride(1), 1], [rows, 1, t.shape[2]])
-
-
-def _configs(q: torch.Tensor) -> Configs:
-    return _override if _override is not None else default_configs(q.shape[-1], q.device.type, q.element_size())
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _offsets(off: torch.Tensor) -> torch.Tensor:
-    """The kernels index offsets with unit stride: a strided view (``t[::2]``) is copied first."""
-    return off if off.is_contiguous() else off.contiguous()
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, block_m: int,
-               block_n: int) -> tuple[int, int] | None:
-    """(key splits per sequence, query block) for the short-Q/long-K path, or None to run unsplit.
-
-    Pointwise only (softmax would need a logsumexp merge). Chosen from shapes alone (no host sync): on
-    average at most 256 queries per sequence and at least 4 keys per query, i.e. GEM's candidates-over-
-    history cross attention. The query block shrinks to 64 rows when the average sequence has at most 64
-    queries. Each sequence's keys are cut into the same number of splits (a power of two, about one per
-    256 keys of the average sequence, at most 16), so the longest history spreads over that many programs.
-    """
-    if activation == 0 or _split == 0 or batch == 0:
-        return None
-    tq, tk, h = q.shape[0], k.shape[0], q.shape[1]
-    if _split is None and not (tq <= 256 * batch and tk >= 4 * tq):
-        return None
-    bm = min(block_m, 64) if tq <= 64 * batch else block_m
-    if _split is not None:
-        return _split, bm
-    per_seq = -(-tk // (256 * batch))
-    return min(1 << (per_seq - 1).bit_length(), 16), bm
-
-
-def length_buckets(q: torch.Tensor, k: torch.Tensor, batch: int, kind: str, activation: int = 0,
-                   block: int = -1) -> list[tuple[KernelConfig, tuple[int, int | None] | None]]:
-    """The launches of kernel ``kind`` (fwd, dkdv, dq, dkdv_fused): (tile config, length range (lo, hi] of max(Lq, Lk),
-    or None for every sequence). One launch on the main tiles unless buckets apply (see default_buckets and
-    SHORT_AVERAGE); never with the pointwise split-K path, which has its own short-query tiles."""
-    main = _configs(q).of(kind)
-    buckets = _buckets if _buckets is not None else default_buckets(q.shape[-1], q.device.type, q.element_size())
-    if not buckets or batch == 0 or (_buckets is None and max(q.shape[0], k.shape[0]) > SHORT_AVERAGE * batch):
-        return [(main, None)]
-    if block <= 0 and split_plan(q, k, batch, activation, main.block_m, main.block_n):
-        return [(main, None)]
-    launches, lo = [], 0
-    for b in buckets:
-        launches.append((b.configs.of(kind), (lo, b.max_len)))
-        lo = b.max_len
-    if activation == 0 and block <= 0 and _buckets is None and main.tma is None:
-        # a short softmax batch's longer sequences load through pointers too: on the H200's short workload
-        # (2026-12-02, one run) 2.633 ms fwd+bwd against 2.694 with TMA there; long batches keep TMA (uniform_8k
-        # 15.52 against 14.95 with pointers). Pointwise activations keep TMA (their non-causal pointer path
-        # spills at 128-wide tiles), and so do block masks (that variant's main tiles untried on pointers).
-        main = replace(main, tma=False)
-    return launches + [(main, (lo, None))]
-
-
-def _act_scale(activation: int, scale: float) -> float:
-    return scale * LOG2E if activation == 0 else scale  # softmax runs in base 2
-
-
-def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest, block=-1,
-             lengths=None):
-    """Schedule of a query-block kernel (forward, dq): (items, block_m, key splits or 0, target). With a
-    split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32). ``lengths``
-    is a length bucket (see length_buckets), never split."""
-    from gemzoo_jfa.schedule import build_schedule, memo, split_items
-
-    win = None if window < 0 else window
-    plan = None if block > 0 or lengths is not None else split_plan(q, k, q_offsets.numel() - 1, activation,
-                                                                     c.block_m, c.block_n)
-    if plan is None:
-        items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal, window=win,
-                               order=_order, block_size=block if block > 0 else None, lengths=lengths)
-        return items, c.block_m, 0, dest
-    n_splits, bm = plan
-    items = memo(q_offsets, k_offsets, ("split", q.shape[0], bm, causal, win, _order, n_splits),
-                 lambda: split_items(build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal,
-                                                    window=win, order=_order), n_splits))
-    target = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device,
-                                                                  dtype=torch.float32)
-    return items, bm, n_splits, target.zero_()
-
-
-def _q_launches(q, k, v, q_offsets, k_offsets, kind, causal, window, activation, dest, block, tma):
-    """Per launch of a query-block kernel (``kind`` fwd or dq), one per length bucket with items: (config,
-    items, block_m, key splits or 0, target, K and V descriptors or tensors). See _q_items for ``target``."""
-    for cfg, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block):
-        items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, dest,
-                                              block, lengths)
-        if items.shape[1]:
-            use_tma = tma and cfg.tma is not False
-            kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if use_tma else (k, v)
-            yield cfg, items, bm, split_n, target, kd, vd, use_tma
-
-
-def _warps(c: KernelConfig, bm: int) -> int:
-    return c.num_warps  # also for the 64-row split blocks: 4 warps spill there (ptxas -v), 8 do not
-
-
-def _rope_c(rope_theta: float, head_dim: int) -> float:
-    """The kernels' RoPE constant -2 log2(theta) / D (0.0: no rotary)."""
-    return -2.0 * math.log2(rope_theta) / head_dim if rope_theta > 0 else 0.0
-
-
-def _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, activation=0, inv_norm=1.0,
-                block=-1, rope_theta=0.0):
-    """out (and, for softmax, the base-2 lse [H, Tq]) of the forward pass; ``activation`` is a code of
-    ACTIVATION_CODES. Pointwise short-Q/long-K batches take the split-K path (see split_plan). ``block``
-    > 0 is block_size, ``rope_theta`` > 0 fuses RoPE (-1 and 0: off)."""
-    from gemzoo_jfa import kernels
-
-    q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
-    tq, h, d = q.shape
-    dv = v.shape[2]
-    tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal, pointwise=activation != 0)
-    for cfg, items, bm, split_n, target, kd, vd, use_tma in _q_launches(q, k, v, q_offsets, k_offsets, "fwd", causal,
-                                                                        window, activation, out, block, tma):
-        cap = items.shape[1]
-        kernels.attn_fwd_kernel[(cap * h,)](
-            q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
-            _act_scale(activation, scale), inv_norm, max(window, 0), split_n,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            target.stride(0), target.stride(1),
-            H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
-            CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=use_tma,
-            ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
-            **_block_rope(block, rope_theta, d),
-        )
-        if target is not out:
-            out.copy_(target)
-
-
-def _block_rope(block, rope_theta, head_dim) -> dict:
-    """The kernels' block and rotary arguments (defaults when off, so those variants compile as before)."""
-    kw = {}
-    if block > 0:
-        kw.update(block=block, BLOCKED=True)
-    if rope_theta > 0:
-        kw.update(rope_c=_rope_c(rope_theta, head_dim), ROPE=True)
-    return kw
-
-
-def _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv_, activation=0,
-                inv_norm=1.0, block=-1, rope_theta=0.0):
-    """dq, dk, dv. Softmax needs out and lse (delta preprocess); pointwise ignores both.
-
-    With ``using(fused_dq=True)`` the dk/dv kernel also adds each (key block, query block) pair's share of dQ to
-    an fp32 buffer with atomics, FA2-style: 5 matmuls a pair instead of the 7 of a separate dq kernel (which
-    recomputes QK^T and dO V^T), for fp32 atomic traffic and one scaling pass. Off by default until measured on
-    the H200 (bench_jfa.py --sweep fused_dq)."""
-    q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
-    delta = _launch_preprocess(out, do) if activation == 0 else None
-    acc = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if _fused_dq else None
-    _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm,
-                 block, rope_theta, dq_acc=acc)
-    if acc is not None:
-        dq.copy_(acc.mul_(scale * (1.0 if activation == 0 else inv_norm)))
-        return
-    _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm, block,
-               rope_theta)
-
-
-def _launch_preprocess(out, do):
-    """delta [H, Tq] = rowsum(out * do) in fp32."""
-    from gemzoo_jfa import kernels
-
-    tq, h, dv = out.shape
-    upcast = out.device.type != "cuda"
-    delta = torch.empty(h, tq, device=out.device, dtype=torch.float32)
-    bt = 64 if upcast else 128
-    kernels.attn_bwd_preprocess[(_cdiv(tq, bt), h)](
-        out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
-        DV=dv, BDV=_pow2(dv), BT=bt, num_warps=1 if upcast else 4,
-    )
-    return delta
-
-
-def _common(q, v, causal, window, activation):
-    d, dv = q.shape[2], v.shape[2]
-    return dict(H=q.shape[1], D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), CAUSAL=causal, WINDOWED=window >= 0,
-                UPCAST=q.device.type != "cuda", ACT=activation)
-
-
-def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation=0,
-                 inv_norm=1.0, block=-1, rope_theta=0.0, dq_acc=None):
-    from gemzoo_jfa import kernels
-    from gemzoo_jfa.schedule import build_schedule
-
-    q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
-    tma = rope_theta <= 0 and _tma_ok(q, do, causal=causal, pointwise=activation != 0)
-    if activation != 0:  # no lse/delta: any fp32 tensor stands in (never read)
-        lse = delta = dk
-    kind = "dkdv" if dq_acc is None else "dkdv_fused"
-    for c, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block):
-        items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
-                               window=None if window < 0 else window, order=_order,
-                               block_size=block if block > 0 else None, lengths=lengths)
-        cap = items.shape[1]
-        if cap == 0:
-            continue
-        use_tma = tma and c.tma is not False
-        qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if use_tma else (q, do)
-        kernels.attn_bwd_dkdv_kernel[(cap * q.shape[1],)](
-            q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0],
-            _act_scale(activation, scale), scale * inv_norm, 1.0 if activation == 0 else inv_norm,
-            max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
-            BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=use_tma,
-            **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
-            **({} if dq_acc is None else dict(DQACC=dq_acc, stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1),
-                                              FUSED_DQ=True)),
-        )
-
-
-def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation=0,
-               inv_norm=1.0, block=-1, rope_theta=0.0):
-    from gemzoo_jfa import kernels
-
-    q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
-    tma = rope_theta <= 0 and _tma_ok(k, v, causal=causal, pointwise=activation != 0)
-    for c, items, bm, split_n, target, kd, vd, use_tma in _q_launches(q, k, v, q_offsets, k_offsets, "dq", causal,
-                                                                      window, activation, dq, block, tma):
-        cap = items.shape[1]
-        if activation != 0:
-            lse = delta = target
-        kernels.attn_bwd_dq_kernel[(cap * q.shape[1],)](
-            q, k, v, do, lse, delta, target, q_offsets, k_offsets, items, kd, vd, cap, q.shape[0],
-            _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm), max(window, 0), split_n,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), target.stride(0), target.stride(1),
-            BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=use_tma,
-            SPLIT=split_n > 0, **_common(q, v, causal, window, activation),
-            **_block_rope(block, rope_theta, q.shape[2]),
-        )
-        if target is not dq:
-            dq.copy_(target)
-
-
-def backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, activation=0, inv_norm=1.0,
-             block=-1, rope_theta=0.0):
-    """(dq, dk, dv) in fresh tensors, empty batches included (the body of jfa's, gdpa's and block-attention's
-    bwd ops)."""
-    do = do.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.shape[0] == 0 or q.shape[1] == 0:  # no queries: nothing reaches k or v
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    if k.shape[0] == 0:
-        return dq.zero_(), dk, dv
-    _launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv, activation, inv_norm,
-                block, rope_theta)
-    return dq, dk, dv
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-# -- eager autograd and the custom ops ---------------------------------------------------------------
-
-class _EagerAttention(torch.autograd.Function):
-    """Eager autograd for the family's ops (jfa, gdpa, block-attention): the same forward and backward bodies
-    as their custom ops, in one autograd.Function. A custom op's Python dispatch (schema parsing, autograd and
-    backend redispatch, twice a step) cost about 0.3 ms of host time per call on the H200's host, more than the
-    kernels of short sequences take (block 64 at L = 8K: 0.22 ms on the GPU, 1.7 ms of wall time)."""
-
-    @staticmethod
-    def forward(ctx, fwd, bwd, q, k, v, q_offsets, k_offsets, *args):
-        out, lse = fwd(q, k, v, q_offsets, k_offsets, *args)
-        ctx.bwd, ctx.args = bwd, args
-        ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, q_offsets, k_offsets = ctx.saved_tensors
-        dq, dk, dv = ctx.bwd(dout, q, k, v, out, lse, q_offsets, k_offsets, *ctx.args)
-        return (None, None, dq, dk, dv, None, None) + (None,) * len(ctx.args)
-
-
-def run_attention(op, fwd, bwd, q, k, v, q_offsets, k_offsets, *args) -> torch.Tensor:
-    """Attention output through a family member's bodies: ``fwd(q, k, v, q_offsets, k_offsets, *args) ->
-    (out, lse or None)`` and ``bwd(do, q, k, v, out, lse, q_offsets, k_offsets, *args) -> (dq, dk, dv)``.
-
-    Under torch.compile (and on fake or meta tensors) ``op(q, k, v, q_offsets, k_offsets, *args) -> out``, the
-    custom op, which has a fake implementation; in eager with gradients the bodies through _EagerAttention;
-    without gradients the forward body alone."""
-    if torch.compiler.is_compiling() or q.device.type == "meta" or is_fake(q):
-        return op(q, k, v, q_offsets, k_offsets, *args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(fwd, bwd, q, k, v, q_offsets, k_offsets, *args)
-    return fwd(q, k, v, q_offsets, k_offsets, *args)[0]
-
-
-def _fwd_body(q, k, v, q_offsets, k_offsets, causal, scale, window):
+from gemzoo.api import FunctionKernel
+from gemzoo_jfa.family import (
+    FAMILY_CAPABILITIES,
+    KernelOptions,
+    backward,
+    check_triton_inputs,
+    last_dim_contiguous,
+    launch_fwd,
+    options_at,
+    options_index,
+    run_attention,
+)
+
+
+def _fwd_body(q, k, v, q_offsets, k_offsets, causal, scale, window, options=0):
     tq, h, _ = q.shape
     out = torch.empty(tq, h, v.shape[2], device=q.device, dtype=q.dtype)
     lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
     if tq > 0 and h > 0:
-        _launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse)
+        launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, options=options_at(options))
     return out, lse
 
 
-def _bwd_body(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window):
-    return backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window)
+def _bwd_body(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, options=0):
+    return backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, options=options_at(options))
 
 
 @torch.library.custom_op("gemzoo_jfa::fwd", mutates_args=())
 def jfa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
-            causal: bool, scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd_body(q, k, v, q_offsets, k_offsets, causal, scale, window)
+            causal: bool, scale: float, window: int, options: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_body(q, k, v, q_offsets, k_offsets, causal, scale, window, options)
 
 
 @jfa_fwd.register_fake
-def _jfa_fwd_fake(q, k, v, q_offsets, k_offsets, causal, scale, window):
+def _jfa_fwd_fake(q, k, v, q_offsets, k_offsets, causal, scale, window, options=0):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("gemzoo_jfa::bwd", mutates_args=())
 def jfa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor, causal: bool, scale: float,
-            window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd_body(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window)
+            window: int, options: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_body(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, options)
 
 
 @jfa_bwd.register_fake
-def _jfa_bwd_fake(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window):
+def _jfa_bwd_fake(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, options=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q_offsets, k_offsets, causal, scale, window = inputs
+    q, k, v, q_offsets, k_offsets, causal, scale, window, *rest = inputs
+    options = rest[0] if rest else 0
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
-    ctx.causal, ctx.scale, ctx.window = causal, scale, window
+    ctx.causal, ctx.scale, ctx.window, ctx.options = causal, scale, window, options
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, q_offsets, k_offsets = ctx.saved_tensors
-    dq, dk, dv = jfa_bwd(dout, q, k, v, out, lse, q_offsets, k_offsets, ctx.causal, ctx.scale, ctx.window)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = jfa_bwd(dout, q, k, v, out, lse, q_offsets, k_offsets, ctx.causal, ctx.scale, ctx.window,
+                         ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 jfa_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -529,55 +83,38 @@ jfa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # -- public entry ------------------------------------------------------------------------------------
 
-def _validate_offsets_once(offsets: torch.Tensor, total: int, device, name: str) -> None:
-    """Full offsets validation (host sync) the first time a given offsets tensor is seen (the shared cache
-    of gemzoo.interfaces.attention.check_inputs)."""
-    from gemzoo.interfaces.attention import _offsets_cache
-
-    _offsets_cache.longest(offsets, total, device, name)
-
-
-def check_triton_inputs(kernel, name: str, q, k, v, q_offsets, k_offsets, **options):
-    """The input check of every Triton path on this kernel family (jfa, gdpa, block-attention): the shared
-    one (gemzoo.interfaces.attention.check_inputs) against ``kernel``'s declared capabilities, so an option it
-    does not declare fails the same way on every device, plus the kernels' own limit on Dv. Returns
-    contiguous (q_offsets, k_offsets)."""
-    from gemzoo.interfaces.attention import check_inputs
-
-    q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, capabilities=kernel.capabilities,
-                                        kernel=kernel, **options)
-    if v.shape[2] > MAX_HEAD_DIM:
-        raise JaggedShapeError(f"{name} supports head dims up to {MAX_HEAD_DIM}, got Dv={v.shape[2]}; "
-                               "split heads further or use attention='reference'")
-    return q_offsets, k_offsets
-
-
-def _check(q, k, v, q_offsets, k_offsets, **options):
-    from gemzoo_jfa.plugin import KERNEL
-
-    return check_triton_inputs(KERNEL, "jfa", q, k, v, q_offsets, k_offsets, **options)
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def jfa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None, norm=None,
-               max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
+               max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
+               options: KernelOptions | None = None):
     """Jagged flash attention through the Triton kernels on q's device (CPU needs TRITON_INTERPRET=1).
 
     Same signature and meaning as every gemzoo attention kernel (see docs/attention.md), checked by the
     shared check_inputs: an option jfa does not declare (pointwise activations, norm, block_size,
     rope_theta) is an error naming the kernels that serve it; hints smaller than a real length are errors.
+    ``options`` (a ``gemzoo_jfa.family.KernelOptions``) sets tiles, schedule order, TMA and buckets.
     """
-    q_offsets, k_offsets = _check(q, k, v, q_offsets, k_offsets, activation=activation, causal=causal,
-                                  scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len,
-                                  block_size=block_size, window=window, rope_theta=rope_theta)
+    q_offsets, k_offsets = check_triton_inputs(KERNEL, "jfa", q, k, v, q_offsets, k_offsets, activation=activation,
+                                               causal=causal, scale=scale, norm=norm, max_q_len=max_q_len,
+                                               max_k_len=max_k_len, block_size=block_size, window=window,
+                                               rope_theta=rope_theta)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     return run_attention(lambda *a: jfa_fwd(*a)[0], _fwd_body, _bwd_body, q, k, v, q_offsets, k_offsets,
-                         bool(causal), scale, -1 if window is None else int(window))
+                         bool(causal), scale, -1 if window is None else int(window), options_index(options))
 
 
-__all__ = ["jfa_triton", "jfa_fwd", "jfa_bwd", "KernelConfig", "Configs", "Bucket", "default_configs",
-           "default_buckets", "short_buckets", "length_buckets", "using"]
+def jfa_attention(q, k, v, q_offsets, k_offsets=None, **kw):
+    """Jagged flash attention; CUDA tensors run the Triton kernels, others the CPU kernel (after the same
+    capability check, so the fallback accepts nothing jfa does not declare)."""
+    return KERNEL(q, k, v, q_offsets, k_offsets, **kw)
+
+
+KERNEL = FunctionKernel(
+    jfa_triton,
+    FAMILY_CAPABILITIES,
+    "Jagged flash attention (Triton, fwd+bwd on jagged q/k/v, longest-first work schedule); CPU tensors "
+    "go to the 'cpu' kernel or 'reference'",
+    cpu_fallback="cpu",
+)
+
+__all__ = ["KERNEL", "jfa_attention", "jfa_triton", "jfa_fwd", "jfa_bwd"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from gemzoo.jagged import TensorCache
+from gemzoo.api import TensorCache
 
 ORDERS = ("lpt", "item", "natural")
 

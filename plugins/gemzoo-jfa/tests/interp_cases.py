@@ -12,10 +12,12 @@ if __name__ == "__main__":  # a script run: switch the interpreter on before tri
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+from gemzoo_jfa.family import Bucket, Configs, KernelConfig, KernelOptions  # noqa: E402
 
-from gemzoo.interfaces.attention import reference_attention  # noqa: E402
-from gemzoo.jagged import lengths_to_offsets  # noqa: E402
-from gemzoo_jfa.ops import Bucket, Configs, KernelConfig  # noqa: E402
+from gemzoo.api import (
+    lengths_to_offsets,  # noqa: E402
+    reference_attention,  # noqa: E402
+)
 
 # (name, q lengths, k lengths or None, causal, window, head dim, value head dim, dtype)
 CASES = [
@@ -40,7 +42,6 @@ BUCKETED = dict(configs=Configs(_BIG, _BIG, _BIG), buckets=(Bucket(16, Configs(_
 
 def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=False, buckets=False, fused_dq=False):
     from gemzoo_jfa import jfa_triton
-    from gemzoo_jfa.ops import using
 
     gen = torch.Generator().manual_seed(hash((tuple(q_lens), causal, window, d)) % 2**31)
     q_lens = torch.tensor(q_lens)
@@ -52,10 +53,10 @@ def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=Fals
     k = torch.randn(int(k_lens.sum()), h, d, generator=gen).to(dt).requires_grad_()
     v = torch.randn(int(k_lens.sum()), h, dv, generator=gen).to(dt).requires_grad_()
     kw = dict(causal=causal, window=window)
-    with using(order=order, tma=tma, fused_dq=fused_dq, **(BUCKETED if buckets else {})):
-        out = jfa_triton(q, k, v, q_off, k_off, **kw)
-        grad = torch.randn(out.shape, generator=gen).to(dt)
-        out.backward(grad)
+    options = KernelOptions(order=order, tma=tma, fused_dq=fused_dq, **(BUCKETED if buckets else {}))
+    out = jfa_triton(q, k, v, q_off, k_off, **kw, options=options)
+    grad = torch.randn(out.shape, generator=gen).to(dt)
+    out.backward(grad)
     refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, q_off, k_off, **kw)
     ref.backward(grad.double())
@@ -71,17 +72,19 @@ def run_case(q_lens, k_lens, causal, window, d, dv, dtype, order="lpt", tma=Fals
 
 def conformance():
     """The shared gemzoo conformance suite, run on the Triton path itself (CPU tensors, interpreter)."""
-    from gemzoo.testing.interpreter import conformance_results
     from gemzoo_jfa import jfa_triton
-    from gemzoo_jfa.plugin import KERNEL
+    from gemzoo_jfa.ops import KERNEL
+
+    from gemzoo.testing.interpreter import conformance_results
 
     return conformance_results(jfa_triton, KERNEL.capabilities)
 
 
 def compile_check():
     """torch.compile(fullgraph=True) traces the custom op (fake impl + autograd), then runs it."""
-    from gemzoo.testing.interpreter import compiled_matches_eager
     from gemzoo_jfa import jfa_triton
+
+    from gemzoo.testing.interpreter import compiled_matches_eager
 
     lens = torch.tensor([7, 0, 19])
     off = lengths_to_offsets(lens)
@@ -98,7 +101,7 @@ def opcheck():
 
     off = lengths_to_offsets(torch.tensor([5, 0, 11]))
     q, k, v = (torch.randn(16, 2, 16, requires_grad=True) for _ in range(3))
-    torch.library.opcheck(jfa_fwd, (q, k, v, off, off, True, 0.25, -1),
+    torch.library.opcheck(jfa_fwd, (q, k, v, off, off, True, 0.25, -1, 0),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     return {"ok": True}
 

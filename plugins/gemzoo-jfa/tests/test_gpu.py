@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemzoo_jfa.family import DEFAULT_OPTIONS, KernelOptions, launch_bwd, launch_fwd
 
-from gemzoo.interfaces.attention import reference_attention
-from gemzoo.jagged import lengths_to_offsets
+from gemzoo.api import lengths_to_offsets, reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -26,17 +26,15 @@ def _lengths(gen, batch, max_len):
     return lens
 
 
-def run_poisoned(q, k, v, q_off, k_off, causal, window, grad):
+def run_poisoned(q, k, v, q_off, k_off, causal, window, grad, options=DEFAULT_OPTIONS):
     """Launch fwd and bwd into NaN-filled buffers; return out, dq, dk, dv."""
-    from gemzoo_jfa.ops import _launch_bwd, _launch_fwd
-
     scale = q.shape[-1] ** -0.5
     win = -1 if window is None else window
     out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), device=q.device, dtype=q.dtype)
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device, dtype=torch.float32)
-    _launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse)
+    launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse, options=options)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    _launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv)
+    launch_bwd(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, dq, dk, dv, options=options)
     return out, dq, dk, dv
 
 
@@ -58,6 +56,10 @@ CASES = [
 
 @pytest.mark.parametrize("d,causal,asym,window,dtype", CASES)
 def test_against_fp64_reference_poisoned(d, causal, asym, window, dtype):
+    check_against_fp64_poisoned(d, causal, asym, window, dtype)
+
+
+def check_against_fp64_poisoned(d, causal, asym, window, dtype, options=DEFAULT_OPTIONS):
     gen = torch.Generator().manual_seed(d * 7 + causal + 2 * asym + (window or 0))
     heads, batch = 3, 9
     q_lens = _lengths(gen, batch, 300)
@@ -70,7 +72,7 @@ def test_against_fp64_reference_poisoned(d, causal, asym, window, dtype):
     k = torch.randn(tk, heads, d, generator=gen).to("cuda", dtype)
     v = torch.randn(tk, heads, d, generator=gen).to("cuda", dtype)
     grad = torch.randn(tq, heads, d, generator=gen).to("cuda", dtype)
-    out, dq, dk, dv = run_poisoned(q, k, v, q_off, k_off, causal, window, grad)
+    out, dq, dk, dv = run_poisoned(q, k, v, q_off, k_off, causal, window, grad, options)
     torch.cuda.synchronize()
     for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(t).all(), f"{name} has unwritten (NaN) or non-finite elements"
@@ -87,16 +89,16 @@ def test_against_fp64_reference_poisoned(d, causal, asym, window, dtype):
 def test_short_histories_take_the_length_buckets_and_match_reference(d, causal, window, dtype):
     """Many short histories (the bench's short workload, smaller) on the short-sequence buckets: sequences of
     at most 64 tokens run on their own tiles, and every output and gradient still matches fp64."""
-    from gemzoo_jfa.ops import length_buckets, short_buckets, using
+    from gemzoo_jfa.family import length_buckets, short_buckets
 
     gen = torch.Generator().manual_seed(d + causal)
     lens = (48 * torch.exp(0.7 * torch.randn(300, generator=gen))).round().clamp(1, 1024).long()
     lens[torch.rand(300, generator=gen) < 0.05] = 0
     off = lengths_to_offsets(lens).cuda()
     q, k, v, grad = (torch.randn(int(lens.sum()), 4, d, generator=gen).to("cuda", dtype) for _ in range(4))
-    with using(buckets=short_buckets(d, "cuda", q.element_size())):
-        assert [r for _, r in length_buckets(q, k, 300, "fwd")] == [(0, 64), (64, 128), (128, None)]
-        out, dq, dk, dv = run_poisoned(q, k, v, off, off, causal, window, grad)
+    options = KernelOptions(buckets=short_buckets(d, "cuda", q.element_size()))
+    assert [r for _, r in length_buckets(q, k, 300, "fwd", options=options)] == [(0, 64), (64, 128), (128, None)]
+    out, dq, dk, dv = run_poisoned(q, k, v, off, off, causal, window, grad, options)
     torch.cuda.synchronize()
     refs = [t.double().cpu().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*refs, off.cpu(), causal=causal, window=window)
@@ -108,11 +110,12 @@ def test_short_histories_take_the_length_buckets_and_match_reference(d, causal, 
 
 
 def test_autograd_and_registered_kernel_on_cuda():
-    import gemzoo
-    from gemzoo_jfa.plugin import KERNEL
+    from gemzoo_jfa.ops import KERNEL
+
+    from gemzoo.api import registry
 
     # the entry point exists only when the distribution is pip-installed; a source checkout uses the object
-    kernel = gemzoo.registry.get("attention", "jfa") if "jfa" in gemzoo.registry.names("attention") else KERNEL
+    kernel = registry.get("attention", "jfa") if "jfa" in registry.names("attention") else KERNEL
     lens = torch.tensor([0, 129, 1, 0, 64, 300])
     off = lengths_to_offsets(lens).cuda()
     q, k, v = (torch.randn(int(lens.sum()), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -123,14 +126,13 @@ def test_autograd_and_registered_kernel_on_cuda():
     ref = reference_attention(*refs, off.cpu())
     ref.square().sum().backward()
     assert _rel(out.detach(), ref.detach()) < 1e-2
-    for mine, theirs in zip((q, k, v), refs):
+    for mine, theirs in zip((q, k, v), refs, strict=True):
         assert _rel(mine.grad, theirs.grad) < 2e-2
 
 
 def test_long_sequence_64k_matches_sdpa():
     """A 65K-token sequence next to short and empty ones, against SDPA's flash kernel per sequence."""
     import torch.nn.functional as F
-
     from gemzoo_jfa import jfa_triton
 
     lens = torch.tensor([65_600, 0, 37, 1000])
@@ -150,7 +152,7 @@ def test_long_sequence_64k_matches_sdpa():
         ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         ref.backward(grad[s:e].transpose(0, 1).unsqueeze(0))
         assert _rel(out.detach()[s:e], ref.detach()[0].transpose(0, 1)) < 1e-2
-        for mine, theirs in zip((q, k, v), (qs, ks, vs)):
+        for mine, theirs in zip((q, k, v), (qs, ks, vs), strict=True):
             assert _rel(mine.grad[s:e], theirs.grad[0].transpose(0, 1)) < 2e-2
 
 
@@ -158,20 +160,14 @@ def test_long_sequence_64k_matches_sdpa():
 @pytest.mark.parametrize("d,causal,asym,window,dtype", [(128, True, False, None, torch.bfloat16),
                                                         (64, True, True, 77, torch.float16)])
 def test_tma_and_pointer_paths_agree_with_reference(tma, d, causal, asym, window, dtype):
-    from gemzoo_jfa.ops import using
-
-    with using(tma=tma):
-        test_against_fp64_reference_poisoned(d, causal, asym, window, dtype)
+    check_against_fp64_poisoned(d, causal, asym, window, dtype, KernelOptions(tma=tma))
 
 
 @pytest.mark.parametrize("d,causal,asym,window,dtype", [CASES[0], CASES[1], CASES[2], CASES[5], CASES[7]],
                          ids=["bf16-causal", "bf16-full", "bf16-asym", "bf16-window", "fp32"])
 def test_fused_dq_matches_reference(d, causal, asym, window, dtype):
     """dQ inside the dk/dv kernel (fp32 atomics), poisoned outputs, against fp64."""
-    from gemzoo_jfa.ops import using
-
-    with using(fused_dq=True):
-        test_against_fp64_reference_poisoned(d, causal, asym, window, dtype)
+    check_against_fp64_poisoned(d, causal, asym, window, dtype, KernelOptions(fused_dq=True))
 
 
 def test_strided_offsets_view_on_cuda():

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import gemzoo
-from gemzoo.errors import JaggedShapeError, PluginError
-from gemzoo.interfaces.attention import AttentionRequest
-from gemzoo.jagged import lengths_to_offsets
-from gemzoo.testing import attention_cases, check_attention
-from gemzoo_jfa.plugin import KERNEL
+from gemzoo_jfa.ops import KERNEL
 from gemzoo_jfa.schedule import build_schedule, capacity
+
+from gemzoo.api import AttentionRequest, JaggedShapeError, PluginError, lengths_to_offsets, registry
+from gemzoo.testing import attention_cases, check_attention
 
 
 def test_entry_point_registers_jfa():
-    assert "jfa" in gemzoo.registry.names("attention")
-    entry = gemzoo.registry.entry("attention", "jfa")
+    assert "jfa" in registry.names("attention")
+    entry = registry.entry("attention", "jfa")
     assert entry.obj is KERNEL
     assert entry.distribution == "gemzoo-jfa"
 
@@ -38,7 +35,7 @@ def test_conformance_cpu_dispatch(case):
 
 def test_cpu_dispatch_goes_to_cpu_kernel_or_reference(monkeypatch):
     calls = []
-    fallback = gemzoo.registry.get("attention", "cpu" if "cpu" in gemzoo.registry.names("attention") else "reference")
+    fallback = registry.get("attention", "cpu" if "cpu" in registry.names("attention") else "reference")
     monkeypatch.setattr(type(fallback), "__call__", lambda self, *a, **k: calls.append(1) or a[0])
     q = torch.randn(6, 1, 8)
     KERNEL(q, q, q, lengths_to_offsets(torch.tensor([6])))
@@ -62,7 +59,7 @@ def test_errors_name_the_problem_and_fix(entry):
     with pytest.raises(PluginError, match=r"'jfa' does not support activation='silu'.*can serve this call: ") as exc:
         fn(q, q, q, off, activation="silu")
     able = [n.strip(" .") for n in str(exc.value).split("can serve this call: ")[1].split(",")]
-    assert "reference" in able and set(able) <= set(gemzoo.registry.names("attention"))  # registered ones only
+    assert "reference" in able and set(able) <= set(registry.names("attention"))  # registered ones only
     with pytest.raises(PluginError, match=r"does not support block_size.*reference"):
         fn(q, q, q, off, block_size=4)
     with pytest.raises(ValueError, match="window must be an int >= 1"):
@@ -99,7 +96,7 @@ def test_schedule_covers_every_block_once_longest_first(over, causal, window):
     items = build_schedule(qo, ko, total, 64, over=over, causal=causal, window=window)
     assert items.dtype == torch.int32 and items.shape == (2, capacity(total, 37, 64))
     seq, blk = items.tolist()
-    real = [(s, b) for s, b in zip(seq, blk) if s >= 0]
+    real = [(s, b) for s, b in zip(seq, blk, strict=True) if s >= 0]
     assert len(real) == len(set(real)) and set(real) == _expected_items(lens, 64)
     assert all(s < 0 for s in seq[len(real):]), "empty slots must come last"
     # lpt: sequences longest first, each sequence's items contiguous
@@ -143,36 +140,38 @@ def test_length_buckets_split_the_schedule_without_overlap(over):
 
 
 def test_length_buckets_apply_to_short_batches_only():
-    from gemzoo_jfa import ops
+    from gemzoo_jfa import family
 
     def launches(lens, **kw):
         q = torch.empty(sum(lens), 4, 128, dtype=torch.bfloat16, device="meta")
-        with ops.using(**kw):
-            return [(c.block_m, c.block_n, r) for c, r in ops.length_buckets(q, q, len(lens), "fwd")]
+        options = family.KernelOptions(**kw)
+        return [(c.block_m, c.block_n, r) for c, r in family.length_buckets(q, q, len(lens), "fwd", options=options)]
 
     assert launches([16] * 10) == [(16, 16, None)]  # no default buckets off CUDA
-    small = ops.Configs(*(ops.KernelConfig(16, 16, 1, 1),) * 3)
-    buckets = (ops.Bucket(64, small),)
+    small = family.Configs(*(family.KernelConfig(16, 16, 1, 1),) * 3)
+    buckets = (family.Bucket(64, small),)
     assert launches([2000, 10], buckets=buckets) == [(16, 16, (0, 64)), (16, 16, (64, None))]  # asked for: always
     assert launches([2000, 10], buckets=()) == [(16, 16, None)]
-    assert ops.short_buckets(128, "cuda", 2) and not ops.short_buckets(256, "cuda", 2)
-    assert not ops.short_buckets(128, "cuda", 4)
-    assert ops.default_buckets(128, "cuda", 2) == (ops.short_buckets(128, "cuda", 2) if ops.BUCKETS_BY_DEFAULT else ())
+    assert family.short_buckets(128, "cuda", 2) and not family.short_buckets(256, "cuda", 2)
+    assert not family.short_buckets(128, "cuda", 4)
+    expected = family.short_buckets(128, "cuda", 2) if family.BUCKETS_BY_DEFAULT else ()
+    assert family.default_buckets(128, "cuda", 2) == expected
 
 
 def test_a_short_softmax_batch_loads_its_long_sequences_through_pointers(monkeypatch):
-    from gemzoo_jfa import ops
+    from gemzoo_jfa import family
 
-    monkeypatch.setattr(ops, "default_buckets", lambda *a: ops.short_buckets(128, "cuda", 2))
-    monkeypatch.setattr(ops, "default_configs", lambda *a: ops.Configs(*(ops.KernelConfig(128, 128, 8, 3),) * 3))
+    monkeypatch.setattr(family, "default_buckets", lambda *a: family.short_buckets(128, "cuda", 2))
+    big = family.KernelConfig(128, 128, 8, 3)
+    monkeypatch.setattr(family, "default_configs", lambda *a: family.Configs(big, big, big))
     q = torch.empty(300, 4, 128, dtype=torch.bfloat16, device="meta")
-    softmax = ops.length_buckets(q, q, 10, "fwd")
+    softmax = family.length_buckets(q, q, 10, "fwd")
     assert [c.tma for c, _ in softmax] == [False, False, False]  # both buckets and the main tiles
-    silu = ops.length_buckets(q, q, 10, "fwd", activation=ops.ACTIVATION_CODES["silu"])
+    silu = family.length_buckets(q, q, 10, "fwd", activation=family.ACTIVATION_CODES["silu"])
     assert [c.tma for c, _ in silu] == [False, False, None]  # pointwise: the main tiles keep TMA
-    assert [c.tma for c, _ in ops.length_buckets(q, q, 10, "fwd", block=64)] == [False, False, None]  # block masks
+    assert [c.tma for c, _ in family.length_buckets(q, q, 10, "fwd", block=64)] == [False, False, None]  # block masks
     long = torch.empty(10 * 2000, 4, 128, dtype=torch.bfloat16, device="meta")
-    assert [c.tma for c, _ in ops.length_buckets(long, long, 10, "fwd")] == [None]  # a long batch: one launch
+    assert [c.tma for c, _ in family.length_buckets(long, long, 10, "fwd")] == [None]  # a long batch: one launch
 
 
 def test_schedule_long_sequence_int64():
@@ -180,7 +179,7 @@ def test_schedule_long_sequence_int64():
     off = lengths_to_offsets(lens)
     items = build_schedule(off, off, 70_003, 128, over="q", causal=True, window=None)
     seq, blk = items.tolist()
-    real = [(s, b) for s, b in zip(seq, blk) if s >= 0]
+    real = [(s, b) for s, b in zip(seq, blk, strict=True) if s >= 0]
     assert len(real) == 547 + 1 and real[0] == (0, 546)  # last block of the 70K sequence costs most
     assert real[-1] == (2, 0)
     with pytest.raises(ValueError, match="order"):
@@ -253,21 +252,20 @@ class _NoLaunch:
 def test_a_config_may_turn_tma_off_for_its_own_launches(monkeypatch):
     """KernelConfig.tma=False: that config's launches load tiles through pointers, the others keep TMA (the short
     buckets' tiles use it)."""
-    from gemzoo_jfa import kernels
-    from gemzoo_jfa import ops as jops
+    from gemzoo_jfa import family, kernels
 
     calls = []
     for name in ("attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
         monkeypatch.setattr(kernels, name, _NoLaunch(name, calls))
-    monkeypatch.setattr(jops, "_tma_ok", lambda *a, **k: True)
-    monkeypatch.setattr(jops, "_desc", lambda t, rows: t)
+    monkeypatch.setattr(family, "_tma_ok", lambda *a, **k: True)
+    monkeypatch.setattr(family, "_desc", lambda t, rows: t)
     off = lengths_to_offsets(torch.tensor([5, 0, 130, 7])).to("meta")
     q = torch.empty(142, 2, 64, device="meta", dtype=torch.bfloat16)
-    ptr = jops.KernelConfig(16, 16, 1, 1, tma=False)
+    ptr = family.KernelConfig(16, 16, 1, 1, tma=False)
     lse = torch.empty(2, 142, device="meta", dtype=torch.float32)
-    with jops.using(buckets=(jops.Bucket(64, jops.Configs(ptr, ptr, ptr)),)):
-        jops._launch_fwd(q, q, q, off, off, True, 0.125, -1, torch.empty_like(q), lse)
-        jops.backward(torch.empty_like(q), q, q, q, q, lse, off, off, True, 0.125, -1)
+    options = family.KernelOptions(buckets=(family.Bucket(64, family.Configs(ptr, ptr, ptr)),))
+    family.launch_fwd(q, q, q, off, off, True, 0.125, -1, torch.empty_like(q), lse, options=options)
+    family.backward(torch.empty_like(q), q, q, q, q, lse, off, off, True, 0.125, -1, options=options)
     for name in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
         assert [tma for n, _, tma in calls if n == name] == [False, True], name  # the bucket, then the main tiles
 
@@ -277,8 +275,7 @@ def test_the_launch_path_reads_no_device_value(monkeypatch, variant):
     """Everything before a launch (schedules, length buckets, key splits, buffers) runs on the device without
     a host sync: on the meta device, where any read of a value raises, with the kernels themselves stubbed out.
     The launchers are the family's (jfa, gdpa and block-attention call them)."""
-    from gemzoo_jfa import kernels
-    from gemzoo_jfa import ops as jops
+    from gemzoo_jfa import family, kernels
 
     calls = []
     for name in ("attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
@@ -292,23 +289,46 @@ def test_the_launch_path_reads_no_device_value(monkeypatch, variant):
     if variant == "window":
         window = 16
     elif variant == "buckets":
-        options = {"buckets": jops.short_buckets(d, "cuda")}
+        options = {"buckets": family.short_buckets(d, "cuda")}
     elif variant == "fused_dq":
         options = {"fused_dq": True}
     elif variant == "pointwise_split":  # gdpa's cross attention: 3 candidates a user over the history
-        activation, causal = jops.ACTIVATION_CODES["silu"], False
+        activation, causal = family.ACTIVATION_CODES["silu"], False
         q_off = lengths_to_offsets(torch.full((len(lengths),), 3)).to("meta")
     elif variant == "block":  # block-attention
-        activation, block, causal = jops.ACTIVATION_CODES["silu"], 32, False
+        activation, block, causal = family.ACTIVATION_CODES["silu"], 32, False
     tq = int(q_off.numel() - 1) * 3 if variant == "pointwise_split" else t
     q = torch.empty(tq, h, d, device="meta", dtype=torch.bfloat16)
     k, v = (torch.empty(t, h, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
     out, lse = torch.empty_like(q), torch.empty(h, tq, device="meta", dtype=torch.float32)
-    with jops.using(**options):
-        jops._launch_fwd(q, k, v, q_off, k_off, causal, 0.125, window, out, lse, activation, 1.0, block)
-        dq, dk, dv = jops.backward(torch.empty_like(q), q, k, v, out, lse, q_off, k_off, causal, 0.125, window,
-                                   activation, 1.0, block)
+    opts = family.KernelOptions(**options)
+    family.launch_fwd(q, k, v, q_off, k_off, causal, 0.125, window, out, lse, activation, 1.0, block, options=opts)
+    dq, dk, dv = family.backward(torch.empty_like(q), q, k, v, out, lse, q_off, k_off, causal, 0.125, window,
+                                 activation, 1.0, block, options=opts)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     launched = {name for name, *_ in calls}
     assert "attn_fwd_kernel" in launched and "attn_bwd_dkdv_kernel" in launched
     assert ("attn_bwd_dq_kernel" in launched) == (variant != "fused_dq")
+
+
+def test_kernel_options_are_checked_and_cross_the_custom_op_as_an_index():
+    from gemzoo_jfa import family
+
+    from gemzoo.api import ACTIVATION_CODES
+
+    assert family.ACTIVATION_CODES is ACTIVATION_CODES  # the kernels take gemzoo's one numbering
+    assert family.options_index(None) == 0 and family.options_at(0) == family.KernelOptions()
+    small = family.Configs(*(family.KernelConfig(16, 16, 1, 1),) * 3)
+    options = family.KernelOptions(order="natural", tma=False, split=2, buckets=[family.Bucket(64, small)])
+    assert options.buckets == (family.Bucket(64, small),)  # a list becomes a tuple: the options stay hashable
+    index = family.options_index(options)
+    assert index > 0 and family.options_index(family.KernelOptions(**vars(options))) == index
+    assert family.options_at(index) is options
+    with pytest.raises(ValueError, match="order='fastest'"):
+        family.KernelOptions(order="fastest")
+    with pytest.raises(ValueError, match="split"):
+        family.KernelOptions(split=-1)
+    with pytest.raises(ValueError, match="increasing"):
+        family.KernelOptions(buckets=(family.Bucket(128, small), family.Bucket(64, small)))
+    with pytest.raises(TypeError, match="KernelOptions"):
+        family.options_index({"tma": False})

@@ -24,11 +24,12 @@ if not CUDA:
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-import gemzoo.mx as ref  # noqa: E402
 from gemzoo_mxfp8 import dequantize_mx, quantize_mx  # noqa: E402
 from gemzoo_mxfp8 import triton_kernels as tk  # noqa: E402
 from gemzoo_mxfp8.linear import MXLinear, MXLinearConfig  # noqa: E402
 from gemzoo_mxfp8.rowwise import FP8RowwiseLinear  # noqa: E402
+
+from gemzoo.api import dequantize_mx_torch, quantize_mx_torch  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 OUT = os.environ.get("OUT", os.path.join(os.getcwd(), "bench_out"))
@@ -126,13 +127,13 @@ def choose_cast_variant():
                         d, sc = o[name]
                         if name == "col":
                             d, sc = d[:, : x.shape[0]].t(), sc.t()
-                        wd, ws = ref.quantize_mx_torch(x, axis=axis, elem=elem)
+                        wd, ws = quantize_mx_torch(x, axis=axis, elem=elem)
                         nan = d.float().cpu().isnan() & wd.float().isnan()
                         bad[name] += int(((bits(d) != bits(wd)) & ~nan).sum())
                         bad[name + "_scale"] += int((bits(sc) != bits(ws)).sum())
                         dq = o[name + "_dq"]
                         dq = dq[:, : x.shape[0]].t() if name == "col" else dq
-                        want = ref.dequantize_mx_torch(wd, ws, axis=axis)
+                        want = dequantize_mx_torch(wd, ws, axis=axis)
                         bad[name + "_dq"] += int((dq.cpu().nan_to_num(5.0) != want.nan_to_num(5.0)).sum())
         table[str(variant)] = bad
         log(f"cast variant {variant}: mismatches {bad}")
@@ -160,19 +161,19 @@ def check_casts():
                     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
                 for axis in (-1, 0):
                     got = quantize_mx(x.to(DEV), axis=axis, elem=elem)
-                    want = ref.quantize_mx_torch(x, axis=axis, elem=elem)
+                    want = quantize_mx_torch(x, axis=axis, elem=elem)
                     bad += same_mx(got, want)
                     back = dequantize_mx(*got, axis=axis).cpu()
-                    bad += int((back.nan_to_num(9.0) != ref.dequantize_mx_torch(*want, axis=axis).nan_to_num(9.0)).sum())
+                    bad += int((back.nan_to_num(9.0) != dequantize_mx_torch(*want, axis=axis).nan_to_num(9.0)).sum())
                     n += 1
     # fused multi-output cast on a bf16 activation, against the reference on the same bytes
     x = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
     o = tk.mx_cast(x.to(DEV), row_q=True, col_q=True, row_dq=True, col_dq=True)
-    bad += same_mx((o["row"][0], o["row"][1].view(torch.float8_e8m0fnu)), ref.quantize_mx_torch(x, -1))
-    wd, ws = ref.quantize_mx_torch(x, 0)
+    bad += same_mx((o["row"][0], o["row"][1].view(torch.float8_e8m0fnu)), quantize_mx_torch(x, -1))
+    wd, ws = quantize_mx_torch(x, 0)
     bad += same_mx((o["col"][0].t(), o["col"][1].t().view(torch.float8_e8m0fnu)), (wd, ws))
-    bad += int((o["row_dq"].cpu() != ref.dequantize_mx_torch(*ref.quantize_mx_torch(x, -1)).bfloat16()).sum())
-    bad += int((o["col_dq"].t().cpu() != ref.dequantize_mx_torch(wd, ws, axis=0).bfloat16()).sum())
+    bad += int((o["row_dq"].cpu() != dequantize_mx_torch(*quantize_mx_torch(x, -1)).bfloat16()).sum())
+    bad += int((o["col_dq"].t().cpu() != dequantize_mx_torch(wd, ws, axis=0).bfloat16()).sum())
     # RHT columnwise vs the CPU transform: same scales, data within one e4m3 step (summation order)
     from gemzoo_mxfp8.rht import hadamard_transform_torch, rht_signs
 
@@ -180,7 +181,7 @@ def check_casts():
     for blk in (16, 32):
         signs = rht_signs(blk, 1)
         o = tk.mx_cast(x.to(DEV), col_q=True, rht=tk.hadamard_sign_matrix(signs, blk, DEV))
-        d, s = ref.quantize_mx_torch(hadamard_transform_torch(x.float().t().contiguous(), blk, signs))
+        d, s = quantize_mx_torch(hadamard_transform_torch(x.float().t().contiguous(), blk, signs))
         same_scale = int((bits(o["col"][1]) != bits(s)).sum())
         rht_diff[blk] = {"scale_mismatches": same_scale,
                          "elem_diff_frac": float((o["col"][0].float().cpu() != d.float()).float().mean())}
@@ -194,8 +195,8 @@ def check_gemm_configs():
     gen = torch.Generator().manual_seed(3)
     m, n, k = (512, 384, 1024) if CUDA else (64, 32, 96)
     a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-    (ad, as_), (bd, bs) = ref.quantize_mx_torch(a), ref.quantize_mx_torch(b)
-    want = ref.dequantize_mx_torch(ad, as_).double() @ ref.dequantize_mx_torch(bd, bs).double().t()
+    (ad, as_), (bd, bs) = quantize_mx_torch(a), quantize_mx_torch(b)
+    want = dequantize_mx_torch(ad, as_).double() @ dequantize_mx_torch(bd, bs).double().t()
     out = {"compile_errors": errs, "configs": {}}
     good = []
     cfgs = tk._mx_gemm_autotuned.configs if CUDA else [tk._gemm_configs()[0]]
@@ -203,7 +204,7 @@ def check_gemm_configs():
         meta = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         c = tk.mx_gemm(ad.to(DEV), as_.view(torch.uint8).to(DEV), bd.to(DEV), bs.view(torch.uint8).to(DEV),
                        out_dtype=torch.float32, config=meta)
-        b16 = ref.dequantize_mx_torch(bd, bs).bfloat16().to(DEV)  # the weight path: B as exact bf16
+        b16 = dequantize_mx_torch(bd, bs).bfloat16().to(DEV)  # the weight path: B as exact bf16
         c2 = tk.mx_gemm(ad.to(DEV), as_.view(torch.uint8).to(DEV), b16, None, out_dtype=torch.float32, config=meta)
         e = max(rel(c, want), rel(c2, want))
         out["configs"][str(meta)] = e
@@ -239,15 +240,18 @@ def check_linears():
     fp32 = run(None, "cpu", torch.float32)
     out = {}
     for rht in (False, True):
-        cpu_path = run(lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=rht)), "cpu", torch.float32)
+        cpu_path = run(lambda lin, rht=rht: MXLinear.from_linear(lin, MXLinearConfig(rht=rht)), "cpu", torch.float32)
         for backend in ((("triton", "cublas", "hybrid") if not rht else ("cublas",)) if CUDA else ()):
-            got = run(lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=rht, backend=backend)), DEV, torch.bfloat16)
+            def mx(lin, rht=rht, backend=backend):
+                return MXLinear.from_linear(lin, MXLinearConfig(rht=rht, backend=backend))
+
+            got = run(mx, DEV, torch.bfloat16)
             out[f"mx-{backend}{'-rht' if rht else ''}"] = {
-                "vs_cpu_mx_path": [rel(a, b) for a, b in zip(got, cpu_path)],
-                "vs_fp32": [rel(a, b) for a, b in zip(got, fp32)]}
-        out[f"mx-cpu{'-rht' if rht else ''}"] = {"vs_fp32": [rel(a, b) for a, b in zip(cpu_path, fp32)]}
+                "vs_cpu_mx_path": [rel(a, b) for a, b in zip(got, cpu_path, strict=True)],
+                "vs_fp32": [rel(a, b) for a, b in zip(got, fp32, strict=True)]}
+        out[f"mx-cpu{'-rht' if rht else ''}"] = {"vs_fp32": [rel(a, b) for a, b in zip(cpu_path, fp32, strict=True)]}
     got = run(FP8RowwiseLinear.from_linear, DEV, torch.bfloat16)
-    out["fp8-rowwise"] = {"vs_fp32": [rel(a, b) for a, b in zip(got, fp32)]}
+    out["fp8-rowwise"] = {"vs_fp32": [rel(a, b) for a, b in zip(got, fp32, strict=True)]}
     RESULTS["checks"]["linear"] = out
     for name, v in out.items():
         log(f"linear {name} (y, dx, dw): " + ", ".join(f"{kk}={[round(e, 5) for e in vv]}" for kk, vv in v.items()))
@@ -276,7 +280,7 @@ def bench_casts():
                 if CUDA else [tk.CAST_CONFIG]):
         configs[str(cfg)] = dict(cfg)
         try:
-            ms = bench(lambda: tk.mx_cast(x, row_q=True, col_q=True, config=cfg))
+            ms = bench(lambda cfg=cfg: tk.mx_cast(x, row_q=True, col_q=True, config=cfg))
             sweep[str(cfg)] = (read + 2 * one) / ms / 1e9
         except Exception as exc:
             sweep[str(cfg)] = f"{type(exc).__name__}: {str(exc)[:100]}"
@@ -312,9 +316,9 @@ def bench_casts():
             for xe in xs + [xe.float() for xe in xs]:
                 d, sc = tk.mx_cast(xe, col_q=True, variant=v, col_layout=lay)["col"]
                 d, sc = (d[:, : xe.shape[0]].t(), sc.t()) if lay == "t" else (d[: xe.shape[0]], sc)
-                exact &= same_mx((d, sc.view(torch.float8_e8m0fnu)), ref.quantize_mx_torch(xe.cpu(), axis=0)) == 0
-            ms = bench(lambda: tk.mx_cast(x, col_q=True, variant=v, col_layout=lay))
-            ms32 = bench(lambda: tk.mx_cast(x32, col_q=True, variant=v, col_layout=lay))
+                exact &= same_mx((d, sc.view(torch.float8_e8m0fnu)), quantize_mx_torch(xe.cpu(), axis=0)) == 0
+            ms = bench(lambda v=v, lay=lay: tk.mx_cast(x, col_q=True, variant=v, col_layout=lay))
+            ms32 = bench(lambda v=v, lay=lay: tk.mx_cast(x32, col_q=True, variant=v, col_layout=lay))
         except Exception as exc:  # one variant failing to compile must not hide the others
             res[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             log(f"{name} failed: {res[name]['error']}")
@@ -327,10 +331,10 @@ def bench_casts():
         tk.CAST_VARIANT.update(col_best[1])
         res["columnwise variant in use"] = col_best[1]
     for name, (kw, nbytes) in cases.items():
-        ms = bench(lambda: tk.mx_cast(x, **kw))
+        ms = bench(lambda kw=kw: tk.mx_cast(x, **kw))
         res[name] = {"ms": ms, "TBs": nbytes / ms / 1e9}
     for name, axis in (("eager torch rowwise", -1), ("eager torch columnwise", 0)):
-        ms = bench(lambda: ref.quantize_mx_torch(x, axis=axis))
+        ms = bench(lambda axis=axis: quantize_mx_torch(x, axis=axis))
         res[name] = {"ms": ms, "TBs": (read + one) / ms / 1e9}
     RESULTS["cast"] = res
     log("cast: " + json.dumps(res, default=str))
@@ -346,12 +350,12 @@ def bench_gemms():
             a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
             flops = 2 * m * n * k
-            ms_bf16 = bench(lambda: a @ b.t())
+            ms_bf16 = bench(lambda a=a, b=b: a @ b.t())
             qa, qb = tk.mx_cast(a, row_q=True)["row"], tk.mx_cast(b, row_q=True)["row"]
-            ms_mx = bench(lambda: tk.mx_gemm(*qa, *qb))
+            ms_mx = bench(lambda qa=qa, qb=qb: tk.mx_gemm(*qa, *qb))
             best = str(getattr(tk._mx_gemm_autotuned, "best_config", None))
             bdq = tk.mx_cast(b, row_dq=True)["row_dq"]
-            ms_mxb = bench(lambda: tk.mx_gemm(*qa, bdq, None))
+            ms_mxb = bench(lambda qa=qa, bdq=bdq: tk.mx_gemm(*qa, bdq, None))
             best_b = str(getattr(tk._mx_gemm_autotuned, "best_config", None))
             RESULTS["gemm"][f"{m}x{n}x{k}"] = {"bf16_cublas_tflops": flops / ms_bf16 / 1e9,
                                                 "mx_triton_tflops": flops / ms_mx / 1e9, "mx_config": best,
@@ -393,10 +397,10 @@ def bench_mlp(d, h, kinds):
             fn = torch.compile(mlp) if compiled else mlp
             params = list(mlp.parameters())
 
-            def step():
+            def step(fn=fn):
                 fn(x).backward(g)
 
-            def fwd():
+            def fwd(fn=fn):
                 with torch.no_grad():
                     fn(x)
 
@@ -424,7 +428,7 @@ def bench_mlp(d, h, kinds):
         if CUDA:
             torch.cuda.empty_cache()
     base = res.get("bf16", {}).get("ms")
-    for kind, v in res.items():
+    for v in res.values():
         if base and "ms" in v:
             v["speedup_vs_bf16"] = base / v["ms"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gemzoo.jagged import jagged_to_padded, max_length, padded_to_jagged
+from gemzoo.api import jagged_to_padded, max_length, padded_to_jagged
 from gemzoo_mxfp8.cast import dequantize_mx, quantize_mx
 
 

@@ -1,6 +1,6 @@
 """MX casts: ``quantize_mx`` / ``dequantize_mx`` (public) and ``cast2d`` (the fused multi-output cast the
-linear uses). CUDA tensors go to the Triton kernels, CPU tensors to ``gemzoo.ops`` (C++ when built) or the
-plain-torch rule in ``gemzoo.mx``. Both are bit-identical to ``gemzoo.mx.quantize_mx_torch``.
+linear uses). CUDA tensors go to the Triton kernels, CPU tensors to ``gemzoo.api.quantize_mx`` (C++ when
+built) or the plain-torch rule ``gemzoo.api.quantize_mx_torch``; both are bit-identical to it.
 """
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import gemzoo.mx as mx_ref
-from gemzoo import ops
+from gemzoo import api
 
 ELEMS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -39,8 +38,8 @@ def quantize_mx(x: torch.Tensor, axis: int = -1, block: int = 32, elem: torch.dt
         raise ValueError("quantize_mx needs at least one dimension")
     axis = axis % x.dim()
     if not _use_triton(x, block):
-        return ops.quantize_mx(x, axis, block, elem) if not x.is_cuda else \
-            mx_ref.quantize_mx_torch(x, axis=axis, block=block, elem=elem)
+        return api.quantize_mx(x, axis, block, elem) if not x.is_cuda else \
+            api.quantize_mx_torch(x, axis=axis, block=block, elem=elem)
     from gemzoo_mxfp8.ops import cast_op
 
     n = x.shape[axis]
@@ -63,8 +62,8 @@ def dequantize_mx(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, block
     axis = axis % data.dim()
     if not _use_triton(data, block):
         if data.is_cuda:
-            return mx_ref.dequantize_mx_torch(data, scale, axis=axis, block=block, dtype=dtype)
-        return ops.dequantize_mx(data, scale, axis, block, dtype)
+            return api.dequantize_mx_torch(data, scale, axis=axis, block=block, dtype=dtype)
+        return api.dequantize_mx(data, scale, axis, block, dtype)
     from gemzoo_mxfp8.ops import dequant_op
 
     last = axis == data.dim() - 1
@@ -95,22 +94,22 @@ def cast2d(x: torch.Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=Fa
     out = {}
     R, C = x.shape
     if row_q or row_dq:
-        d, s = ops.quantize_mx(x, 1, 32, elem)
+        d, s = api.quantize_mx(x, 1, 32, elem)
         if row_q:
             out["row"] = (d, s.view(torch.uint8))
         if row_dq:
-            out["row_dq"] = ops.dequantize_mx(d, s, 1, 32, dq_dtype)
+            out["row_dq"] = api.dequantize_mx(d, s, 1, 32, dq_dtype)
     if col_q or col_dq:
         rp = -(-R // 32) * 32
         xt = F.pad(x.float(), (0, 0, 0, rp - R)).t()  # [C, RP]
         if rht is not None:
-            xt = ops.hadamard_transform(xt.contiguous(), block=rht[1], signs=rht[0])
-        d, s = ops.quantize_mx(xt, 1, 32, elem)
+            xt = api.hadamard_transform(xt.contiguous(), block=rht[1], signs=rht[0])
+        d, s = api.quantize_mx(xt, 1, 32, elem)
         nat = (lambda t: t.t().contiguous()) if col_layout == "n" else (lambda t: t)
         if col_q:
             out["col"] = (nat(d), nat(s.view(torch.uint8)))
         if col_dq:
-            out["col_dq"] = nat(ops.dequantize_mx(d, s, 1, 32, dq_dtype))
+            out["col_dq"] = nat(api.dequantize_mx(d, s, 1, 32, dq_dtype))
     return out
 
 
@@ -120,4 +119,4 @@ def dequant2d(data: torch.Tensor, scale_u8: torch.Tensor, dtype=torch.bfloat16, 
         from gemzoo_mxfp8.ops import dequant_op
 
         return dequant_op(data, scale_u8, dtype, axis=axis)
-    return ops.dequantize_mx(data, scale_u8.view(torch.float8_e8m0fnu), axis % 2, 32, dtype)
+    return api.dequantize_mx(data, scale_u8.view(torch.float8_e8m0fnu), axis % 2, 32, dtype)

@@ -49,7 +49,7 @@ class MXLinearConfig:
         return AUTO_BACKEND if self.backend == "auto" else self.backend
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rht(cfg: MXLinearConfig):
     return cfg.rht_args()
 
@@ -150,7 +150,7 @@ class MXLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, cfg: MXLinearConfig = MXLinearConfig()) -> "MXLinear":
+    def from_linear(cls, linear: nn.Linear, cfg: MXLinearConfig = MXLinearConfig()) -> MXLinear:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features, new.cfg = linear.in_features, linear.out_features, cfg

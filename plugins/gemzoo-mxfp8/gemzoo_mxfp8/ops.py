@@ -15,6 +15,7 @@ from torch import Tensor
 
 from gemzoo_mxfp8 import triton_kernels as tk
 
+
 @torch.library.custom_op("gemzoo_mxfp8::mx_cast", mutates_args=())
 def _mx_cast(x: Tensor, row_q: bool, row_dq: bool, col_q: bool, col_dq: bool, elem: torch.dtype,
              h: Tensor | None, h_mult: float, dq_dtype: torch.dtype, col_layout: str) -> list[Tensor]:

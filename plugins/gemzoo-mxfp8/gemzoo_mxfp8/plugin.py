@@ -21,14 +21,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import attention_sites
-from gemzoo.interfaces.options import TakesOptions
-from gemzoo.interfaces.precision import BF16Linear, PrecisionCapabilities, PrecisionConfig, swap_linears
-from gemzoo.plugins import hookimpl
+from gemzoo.api import (
+    BF16Linear,
+    ConfigError,
+    PrecisionCapabilities,
+    PrecisionConfig,
+    TakesOptions,
+    attention_sites,
+    hookimpl,
+    swap_linears,
+)
 from gemzoo_mxfp8.linear import BACKENDS, MXLinear, MXLinearConfig
 from gemzoo_mxfp8.rht import RHT_BLOCKS
 from gemzoo_mxfp8.rowwise import FP8RowwiseLinear
+
+GEMZOO_API = ">=1,<2"
 
 # Modules kept in bf16 by default. "{first_block}" / "{last_block}" expand to the names of the first and
 # last modules that set ``is_transformer_block = True``.

@@ -1,6 +1,6 @@
 """Random Hadamard transform (RHT) helpers: H diag(signs) per block of 16 or 32 along the last dim.
 
-The CPU path is ``gemzoo.ops.hadamard_transform`` (C++ when built); the GPU path fuses the transform into the
+The CPU path is ``gemzoo.api.hadamard_transform`` (C++ when built); the GPU path fuses the transform into the
 Triton columnwise cast. ``hadamard_transform_torch`` below is the plain-torch form the GPU tests and the bench
 compare that cast against.
 """
@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from gemzoo.errors import ConfigError
+from gemzoo.api import ConfigError
 
 RHT_BLOCKS = (16, 32)
 

@@ -138,7 +138,7 @@ class FP8RowwiseLinear(nn.Module):
     out_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> "FP8RowwiseLinear":
+    def from_linear(cls, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> FP8RowwiseLinear:
         """``out_dtype`` None returns x's dtype; the policy asks for bf16, as BF16Linear does."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from gemzoo_mxfp8 import dequantize_mx, quantize_mx
 from mxfp8_cases import ELEMS, edge_tensor
 
-import gemzoo.mx as ref
-from gemzoo_mxfp8 import dequantize_mx, quantize_mx
+from gemzoo.api import dequantize_mx_torch, quantize_mx_torch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -33,15 +33,15 @@ def test_cpu_cast_bit_exact(elem, axis, dtype, shape):
     if axis == 0:
         x = x.t().contiguous()
     got = quantize_mx(x, axis=axis, elem=elem)
-    want = ref.quantize_mx_torch(x, axis=axis, elem=elem)
+    want = quantize_mx_torch(x, axis=axis, elem=elem)
     assert_same_mx(got, want)
     back = dequantize_mx(*got, axis=axis)
-    assert torch.equal(back.nan_to_num(7.0), ref.dequantize_mx_torch(*want, axis=axis).nan_to_num(7.0))
+    assert torch.equal(back.nan_to_num(7.0), dequantize_mx_torch(*want, axis=axis).nan_to_num(7.0))
 
 
 def test_cpu_cast_3d_middle_axis():
     x = torch.randn(3, 50, 8)
-    assert_same_mx(quantize_mx(x, axis=1), ref.quantize_mx_torch(x, axis=1))
+    assert_same_mx(quantize_mx(x, axis=1), quantize_mx_torch(x, axis=1))
 
 
 def test_rejects_bad_element_type():
@@ -71,15 +71,15 @@ def test_triton_cast_bit_exact(elem, dtype, shape, variant):
     out = mx_cast(x.to(_dev()), row_q=True, col_q=True, row_dq=True, col_dq=True, elem=elem, dq_dtype=torch.float32,
                   variant=variant)
     rd, rs = out["row"]
-    assert_same_mx((rd.cpu(), rs.cpu().view(torch.float8_e8m0fnu)), ref.quantize_mx_torch(x, axis=-1, elem=elem))
+    assert_same_mx((rd.cpu(), rs.cpu().view(torch.float8_e8m0fnu)), quantize_mx_torch(x, axis=-1, elem=elem))
     cd, cs = out["col"]  # transposed: [C, R padded to 32]
     r = shape[0]
-    want_d, want_s = ref.quantize_mx_torch(x, axis=0, elem=elem)
+    want_d, want_s = quantize_mx_torch(x, axis=0, elem=elem)
     assert_same_mx((cd[:, :r].t().cpu(), cs.t().cpu().view(torch.float8_e8m0fnu)), (want_d, want_s))
     assert torch.all(cd[:, r:].float() == 0), "padded rows must quantize to zero"
-    rdq = ref.dequantize_mx_torch(*ref.quantize_mx_torch(x, axis=-1, elem=elem))
+    rdq = dequantize_mx_torch(*quantize_mx_torch(x, axis=-1, elem=elem))
     assert torch.equal(out["row_dq"].cpu().nan_to_num(3.0), rdq.nan_to_num(3.0))
-    cdq = ref.dequantize_mx_torch(want_d, want_s, axis=0)
+    cdq = dequantize_mx_torch(want_d, want_s, axis=0)
     assert torch.equal(out["col_dq"][:, :r].t().cpu().nan_to_num(3.0), cdq.nan_to_num(3.0))
     # the same columnwise outputs written in x's own layout
     nat = mx_cast(x.to(_dev()), col_q=True, col_dq=True, elem=elem, dq_dtype=torch.float32, col_layout="n",
@@ -95,7 +95,6 @@ def test_triton_cast_bit_exact(elem, dtype, shape, variant):
 @pytest.mark.parametrize("block", [16, 32])
 def test_triton_rht_cast_matches_cpu(block):
     import torch.nn.functional as F
-
     from gemzoo_mxfp8.rht import hadamard_transform_torch, rht_signs
     from gemzoo_mxfp8.triton_kernels import hadamard_sign_matrix, mx_cast
 
@@ -103,7 +102,7 @@ def test_triton_rht_cast_matches_cpu(block):
     signs = rht_signs(block, seed=11)
     out = mx_cast(x.to(_dev()), col_q=True, rht=hadamard_sign_matrix(signs, block, _dev()))
     xt = hadamard_transform_torch(F.pad(x, (0, 0, 0, 19)).t().contiguous(), block, signs)  # [C, 64]
-    want_d, want_s = ref.quantize_mx_torch(xt)
+    want_d, want_s = quantize_mx_torch(xt)
     got_d, got_s = out["col"]
     assert torch.equal(bits(got_s.cpu()), bits(want_s))
     # the GPU sums in another order: allow a rare 1-ulp difference, never more
@@ -117,9 +116,9 @@ def test_triton_dequant():
     from gemzoo_mxfp8.triton_kernels import mx_dequant
 
     x = edge_tensor(16, 80, seed=3)
-    d, s = ref.quantize_mx_torch(x)
+    d, s = quantize_mx_torch(x)
     got = mx_dequant(d.to(_dev()), s.view(torch.uint8).to(_dev()), torch.float32).cpu()
-    assert torch.equal(got.nan_to_num(1.0), ref.dequantize_mx_torch(d, s).nan_to_num(1.0))
+    assert torch.equal(got.nan_to_num(1.0), dequantize_mx_torch(d, s).nan_to_num(1.0))
 
 
 @pytest.mark.parametrize("sub", [0, 1])
@@ -130,18 +129,18 @@ def test_triton_gemm_exact_mx(m, n, k, bias, sub):
     gen = torch.Generator().manual_seed(m)
     a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 1e-3
     bvec = torch.randn(n, generator=gen) if bias else None
-    (ad, as_), (bd, bs) = ref.quantize_mx_torch(a), ref.quantize_mx_torch(b)
+    (ad, as_), (bd, bs) = quantize_mx_torch(a), quantize_mx_torch(b)
     dev = _dev()
     c = mx_gemm(ad.to(dev), as_.view(torch.uint8).to(dev), bd.to(dev), bs.view(torch.uint8).to(dev),
                 bias=None if bvec is None else bvec.to(dev), out_dtype=torch.float32,
                 config=dict(BM=32, BN=32, BK=64, GROUP_M=2, SUB=sub, num_warps=4, num_stages=2)).cpu()
-    want = ref.dequantize_mx_torch(ad, as_).double() @ ref.dequantize_mx_torch(bd, bs).double().t()
+    want = dequantize_mx_torch(ad, as_).double() @ dequantize_mx_torch(bd, bs).double().t()
     if bias:
         want = want + bvec.double()
     assert torch.isfinite(c).all()
     assert ((c.double() - want).norm() / want.norm()).item() < 1e-6  # only the fp32 summation order differs
     # B given as its exact bf16 dequantization (how the linear passes weights): the same product
-    b16 = ref.dequantize_mx_torch(bd, bs).bfloat16()
+    b16 = dequantize_mx_torch(bd, bs).bfloat16()
     c2 = mx_gemm(ad.to(dev), as_.view(torch.uint8).to(dev), b16.to(dev), None,
                  bias=None if bvec is None else bvec.to(dev), out_dtype=torch.float32,
                  config=dict(BM=32, BN=32, BK=64, GROUP_M=2, SUB=sub, num_warps=4, num_stages=2)).cpu()
@@ -155,10 +154,10 @@ def test_triton_gemm_exact_mx(m, n, k, bias, sub):
 def test_cuda_quantize_mx_bit_exact(elem, axis):
     x = edge_tensor(96, 160, seed=5, elem=elem).view(96, 4, 40).bfloat16()
     got = quantize_mx(x.cuda(), axis=axis, elem=elem)
-    want = ref.quantize_mx_torch(x, axis=axis, elem=elem)
+    want = quantize_mx_torch(x, axis=axis, elem=elem)
     assert_same_mx((got[0].cpu(), got[1].cpu()), want)
     back = dequantize_mx(*got, axis=axis).cpu()
-    assert torch.equal(back.nan_to_num(2.0), ref.dequantize_mx_torch(*want, axis=axis).nan_to_num(2.0))
+    assert torch.equal(back.nan_to_num(2.0), dequantize_mx_torch(*want, axis=axis).nan_to_num(2.0))
 
 
 def test_triton_rowwise_casts():
@@ -186,9 +185,8 @@ def test_rowwise_transposed_cast_pads_after_its_scales(rows, pad_to):
     only the real tokens: a reduction over the padded count beside the row cast's made torch 2.11's Inductor
     assert in its mix-order reduction fusion (compiled gem-bench jfa,fp8-rowwise)."""
     import torch.nn.functional as F
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from gemzoo_mxfp8.rowwise import quantize_rowwise, quantize_rowwise_t
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     x = torch.randn(rows, 24, generator=torch.Generator().manual_seed(rows)).bfloat16() * 30
     pad = (-rows) % pad_to if rows else pad_to

@@ -4,13 +4,13 @@ import functools
 
 import pytest
 import torch
-from torch import nn
-
-import gemzoo.mx as ref
-from gemzoo.testing import check_precision_linear
 from gemzoo_mxfp8.linear import MXLinear, MXLinearConfig
 from gemzoo_mxfp8.plugin import FP8RowwisePolicy, MXFP8Options, MXFP8Policy
 from gemzoo_mxfp8.rowwise import FP8RowwiseLinear
+from torch import nn
+
+from gemzoo.api import dequantize_mx_torch, quantize_mx_torch
+from gemzoo.testing import check_precision_linear
 
 TOL = MXFP8Policy.capabilities.linear_rtol
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -46,7 +46,7 @@ def test_mx_linear_matches_fp32(cfg, bias):
     g = torch.randn(3, 37, 48)
     want, got = run(fp32, x, g), run(mx, x, g)
     tol = TOL * (2 if cfg.grad_elem == torch.float8_e5m2 else 1)  # e5m2 has one mantissa bit less
-    for name, a, b in zip(("y", "dx", "dw"), got, want):
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=False):  # got and want also hold db
         assert rel(a, b) < tol, f"{name}: {rel(a, b):.4f} >= {tol}"
     if bias:
         assert torch.allclose(got[3], want[3], rtol=1e-5, atol=1e-5)
@@ -57,8 +57,8 @@ def test_mx_linear_is_exactly_mx():
     torch.manual_seed(1)
     lin = MXLinear.from_linear(nn.Linear(96, 40, bias=False))
     x = torch.randn(50, 96)
-    xd = ref.dequantize_mx_torch(*ref.quantize_mx_torch(x))
-    wd = ref.dequantize_mx_torch(*ref.quantize_mx_torch(lin.weight.detach()))
+    xd = dequantize_mx_torch(*quantize_mx_torch(x))
+    wd = dequantize_mx_torch(*quantize_mx_torch(lin.weight.detach()))
     want = xd.double() @ wd.double().t()
     assert rel(lin(x), want) < 1e-6
     assert rel(lin(x), x.double() @ lin.weight.detach().double().t()) > 1e-3  # and it does quantize
@@ -66,8 +66,9 @@ def test_mx_linear_is_exactly_mx():
 
 def test_wgrad_rht_cancels_exactly_without_quantization():
     """(H D dY)^T (H D X) == dY^T X: checked on the transform itself, which the wgrad operands use."""
-    from gemzoo.ops import hadamard_transform
     from gemzoo_mxfp8.rht import rht_signs
+
+    from gemzoo.api import hadamard_transform
 
     s = rht_signs(32, 5)
     dy, x = torch.randn(64, 24, dtype=torch.float64), torch.randn(64, 40, dtype=torch.float64)
@@ -85,7 +86,8 @@ def test_rht_helps_outliers():
     g = torch.randn(256, 32) * torch.where(torch.rand(256, 1) < 0.05, 50.0, 1.0)
     errs = {}
     for rht in (False, True):
-        fp32, mx = pair(lambda lin: MXLinear.from_linear(lin, MXLinearConfig(rht=rht)), n=32, bias=False, seed=3)
+        config = MXLinearConfig(rht=rht)
+        fp32, mx = pair(lambda lin, config=config: MXLinear.from_linear(lin, config), n=32, bias=False, seed=3)
         errs[rht] = rel(run(mx, x, g)[2], run(fp32, x, g)[2])
     assert errs[True] < errs[False], errs
 
@@ -112,7 +114,7 @@ def test_bf16_inputs_and_weights():
     got = run(mx, x.bfloat16(), g)
     assert mx(x.bfloat16()).dtype == torch.bfloat16 and mx.weight.grad.dtype == torch.bfloat16
     want = run(fp32, x, g)
-    for a, b in zip(got[:3], want[:3]):
+    for a, b in zip(got[:3], want[:3], strict=False):
         assert rel(a, b) < TOL + 0.01  # + bf16 rounding of the output and the weights
 
 
@@ -122,7 +124,7 @@ def test_fp8_rowwise_matches_fp32(device):
     fp8 = fp8.to(device)
     x, g = torch.randn(2, 37, 64), torch.randn(2, 37, 48)  # 74 tokens: wgrad pads them to 80 for _scaled_mm
     got = [t.cpu() for t in run(fp8, x.to(device), g.to(device))]
-    for name, a, b in zip(("y", "dx", "dw", "db"), got, run(fp32, x, g)):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, run(fp32, x, g), strict=True):
         assert rel(a, b) < FP8RowwisePolicy.capabilities.linear_rtol, name
 
 
@@ -153,7 +155,7 @@ def test_cuda_backends_match_cpu_path(backend, rht):
     # The GPU RHT sums in another order than the CPU transform: a few elements per million land one e4m3
     # step apart (measured 1.3e-4 on dW), hence the looser bound with RHT.
     tol = 1e-4 if backend == "triton" and not rht else 5e-3
-    for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, want, strict=True):
         assert rel(a.cpu(), b) < tol, name
 
 
@@ -174,7 +176,7 @@ def test_gpu_code_paths_in_interpreter(backend, monkeypatch):
     monkeypatch.setattr(cast, "FORCE_TRITON", True)
     got = run(MXLinear.from_linear(lin, cfg), x, g)
     tol = 1e-5 if backend == "triton" else 5e-3  # cuBLAS paths round their outputs to bf16
-    for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, want, strict=True):
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
@@ -226,7 +228,7 @@ def test_mx_linear_compiles_without_graph_breaks(backend, rht, monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(lin, backend="aot_eager" if dev == "cpu" else "inductor", fullgraph=not rht)
     got = run(compiled, x, g)
-    for name, a, b in zip(("y", "dx", "dw", "db"), got, want):
+    for name, a, b in zip(("y", "dx", "dw", "db"), got, want, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), name
 
 

@@ -2,15 +2,20 @@
 
 import pytest
 import torch
-from torch import nn
-
-import gemzoo
-from gemzoo.errors import ConfigError
-from gemzoo.interfaces.attention import AttentionRequest, JaggedAttention
-from gemzoo.interfaces.precision import BF16Linear, PrecisionConfig, precision_report
 from gemzoo_mxfp8.attention import MXAttention, fake_quant_mx_sequence
 from gemzoo_mxfp8.linear import MXLinear
 from gemzoo_mxfp8.plugin import MXFP8Options, MXFP8Policy
+from torch import nn
+
+from gemzoo.api import (
+    AttentionRequest,
+    BF16Linear,
+    ConfigError,
+    JaggedAttention,
+    PrecisionConfig,
+    precision_report,
+    registry,
+)
 
 
 class Block(nn.Module):
@@ -48,8 +53,8 @@ class Toy(nn.Module):
 
 
 def test_registered_through_entry_point():
-    assert {"mxfp8", "fp8-rowwise"} <= set(gemzoo.registry.names("precision"))
-    assert isinstance(gemzoo.registry.get("precision", "mxfp8"), MXFP8Policy)
+    assert {"mxfp8", "fp8-rowwise"} <= set(registry.names("precision"))
+    assert isinstance(registry.get("precision", "mxfp8"), MXFP8Policy)
 
 
 def test_default_keep_list():
@@ -105,7 +110,7 @@ def test_trains_any_module(dtype):
 def test_policy_linears_compute_in_bf16(name):
     """Like BF16Linear: fp32 activations in, bf16 out (so attention and activations downstream run in bf16),
     and the input gradient comes back in the input's dtype."""
-    policy = gemzoo.registry.get("precision", name)
+    policy = registry.get("precision", name)
     lin = policy.make_linear(nn.Linear(64, 32))
     x = torch.randn(8, 64, requires_grad=True)
     y = lin(x)
@@ -136,7 +141,7 @@ def test_mx_attention_per_layer():
 
 
 def test_mx_attention_numerics():
-    ref_kernel = gemzoo.registry.get("attention", "reference")
+    ref_kernel = registry.get("attention", "reference")
     mx = MXAttention(ref_kernel, "reference")
     torch.manual_seed(0)
     offsets = torch.tensor([0, 5, 45, 45, 90])
@@ -162,10 +167,10 @@ def test_v_quantized_per_sequence():
 
 def test_mx_attention_through_jfa():
     """The MX path wraps whatever kernel a site uses: through jfa it matches the MX reference."""
-    if "jfa" not in gemzoo.registry.names("attention"):
+    if "jfa" not in registry.names("attention"):
         pytest.skip("gemzoo-jfa is not installed")
-    ref_kernel = gemzoo.registry.get("attention", "reference")
-    jfa = gemzoo.registry.get("attention", "jfa")
+    ref_kernel = registry.get("attention", "reference")
+    jfa = registry.get("attention", "jfa")
     torch.manual_seed(1)
     offsets = torch.tensor([0, 33, 40, 100])
     q, k, v = (torch.randn(100, 2, 32) for _ in range(3))

@@ -209,7 +209,7 @@ def calibrate(modes: Modes, size: int, targets: dict[str, float], max_grid: int)
     for ref, target in targets.items():
         pts = sorted(table.items())
         g = pts[-1][0] * target / pts[-1][1]  # beyond the table: linear in CTAs
-        for (g0, r0), (g1, r1) in zip(pts, pts[1:]):
+        for (g0, r0), (g1, r1) in zip(pts, pts[1:], strict=False):
             if r0 <= target <= r1 and r1 > r0:
                 g = g0 + (target - r0) * (g1 - g0) / (r1 - r0)
                 break
@@ -411,7 +411,7 @@ def reduce_sweep(args, device, ext) -> list[dict]:
         run = lambda b=blocks: ext.reduce(out.data_ptr(), [p.data_ptr() for p in parts], n, S.DTYPE_CODE[torch.bfloat16],  # noqa: E731
                                           S.REDUCE_CODES["SUM"], 8, b, stream.cuda_stream)
         run()
-        t = timed(lambda: [run() for _ in range(5)], False, stream) / 5
+        t = timed(lambda run=run: [run() for _ in range(5)], False, stream) / 5
         rows.append({"blocks": blocks, "ms": round(t * 1e3, 3), "GBps": round(9 * n * 2 / t / 1e9, 1),
                      "bit_identical_to_cpu_order": bool(torch.equal(out.view(torch.int16), want.view(torch.int16)))})
     return rows
@@ -423,7 +423,6 @@ def smoke_rank(rank: int, world: int, port: int, device_kind: str, out_dir: str,
     import warnings
 
     import torch.distributed as dist
-
     from gemzoo_ncclx import NcclxComms
 
     with warnings.catch_warnings(record=True) as said:

@@ -84,7 +84,7 @@ def _publish_and_read(pg, key: str, value: dict) -> list[dict]:
 def make_cuda_transport(pg, device: torch.device):
     """A CudaTransport for ``pg`` on ``device``, or False when the group must use NCCL (said once)."""
     from gemzoo_ncclx._ext import load
-    from gemzoo_ncclx.process_group import say_once
+    from gemzoo_ncclx.notices import say_once
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     ext, why = load()
@@ -100,7 +100,7 @@ def make_cuda_transport(pg, device: torch.device):
         return False
     local = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
     mine = []
-    for r, info in enumerate(infos):
+    for info in infos:
         peer = local.get(info["uuid"]) if info["host"] == infos[pg._rank]["host"] else None
         try:
             mine.append(bool(peer is not None and ext.can_access_peer(index, peer)))

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gemzoo.config import bounded
-from gemzoo.errors import ConfigError
-from gemzoo.interfaces.comms import CommsCapabilities
-from gemzoo.interfaces.options import TakesOptions
-from gemzoo.plugins import hookimpl
+from gemzoo.api import CommsCapabilities, ConfigError, TakesOptions, bounded, hookimpl
+
+GEMZOO_API = ">=1,<2"
 
 BACKEND = "ncclx"
 IMPLEMENTS = frozenset({"all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",

@@ -20,22 +20,13 @@ schedule of ``gemzoo_ncclx.schedule`` through a transport:
 
 from __future__ import annotations
 
-import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from gemzoo_ncclx import schedule as S
-
-_SAID = set()
-
-
-def say_once(key: str, message: str) -> None:
-    """One RuntimeWarning per process for ``key``."""
-    if key not in _SAID:
-        _SAID.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+from gemzoo_ncclx.notices import say_once
 
 
 class DoneWork(dist._Work):

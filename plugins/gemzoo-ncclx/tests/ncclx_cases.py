@@ -185,7 +185,6 @@ def semantics_rank(rank: int, world: int, port: int, out_dir: str, conformance: 
 
     rank_env(rank, world, port)
     import torch.distributed as dist
-
     from gemzoo_ncclx import NcclxComms, NcclxError, NcclxOptions
     from gemzoo_ncclx.process_group import NcclxProcessGroup
 
@@ -311,12 +310,10 @@ def semantics_rank(rank: int, world: int, port: int, out_dir: str, conformance: 
 def train_rank(rank: int, world: int, port: int, tmp: str, runs: list) -> None:
     """gem-tiny (tiny widths) on each comms backend of ``runs`` in turn, a fresh process group each (the next
     on port + i); writes each run's losses, the start row's comms entry and what ncclx ran itself."""
-    from gemzoo.testing.comms import rank_env
-
     import torch.distributed as dist
 
-    from gemzoo.config import load_config
-    from gemzoo.train.trainer import train
+    from gemzoo.api import load_config, train
+    from gemzoo.testing.comms import rank_env
 
     out = {}
     for i, (label, plugins, steps) in enumerate(runs):

@@ -10,25 +10,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ncclx_cases as cases
 import pytest
 import torch
-
-import gemzoo
-from gemzoo.errors import ConfigError
-from gemzoo.interfaces.comms import COLLECTIVES
-from gemzoo.testing.comms import BASE_COLLECTIVES, spawn
 from gemzoo_ncclx import IMPLEMENTS, NcclxComms, NcclxOptions
-from gemzoo_ncclx import schedule as S
 from gemzoo_ncclx import cuda as C
+from gemzoo_ncclx import schedule as S
 from gemzoo_ncclx.cuda import no_p2p_message
 
-import ncclx_cases as cases
+from gemzoo.api import COLLECTIVES, ConfigError, registry
+from gemzoo.testing.comms import BASE_COLLECTIVES, spawn
 
 HERE = Path(__file__).resolve().parents[1]
 
 
 def test_entry_point_registers_an_sm_free_backend():
-    entry = gemzoo.registry.entry("comms", "ncclx")
+    entry = registry.entry("comms", "ncclx")
     assert isinstance(entry.obj, NcclxComms) and entry.distribution == "gemzoo-ncclx"
     caps = entry.obj.capabilities
     assert caps.sm_free and caps.implements == IMPLEMENTS <= COLLECTIVES
@@ -38,7 +35,7 @@ def test_entry_point_registers_an_sm_free_backend():
 
 
 def test_gemzoo_plugins_shows_sm_free_and_what_it_runs(capsys, monkeypatch):
-    from gemzoo.cli import main
+    from gemzoo.testing import cli_main as main
 
     assert main(["plugins", "--json"]) == 0
     rows = [r for r in json.loads(capsys.readouterr().out) if r["distribution"] == "gemzoo-ncclx"]
@@ -189,7 +186,7 @@ def test_gem_tiny_two_ranks_losses_equal_the_default_backend(tmp_path):
     torch_run, ncclx_run = ranks[0]["torch"], ranks[0]["ncclx"]
     assert len(ncclx_run["losses"]) == 3 and ncclx_run["losses"] == torch_run["losses"]
     assert ranks[1]["ncclx"]["losses"] == ncclx_run["losses"]
-    from gemzoo.embedding import torchrec_available
+    from gemzoo.api import torchrec_available
 
     # FSDP2's gathers and reduce-scatters; torchrec's all-to-alls where the tables are torchrec's (without
     # torchrec, as on the GPU image, the plain-torch tables are replicated and need none)

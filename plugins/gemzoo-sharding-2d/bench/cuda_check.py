@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "gem-tiny.toml"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # sharding_2d_measure
 
 
 def overrides(out: str, planner: str, options: dict | None = None) -> list[str]:
@@ -31,9 +33,9 @@ def overrides(out: str, planner: str, options: dict | None = None) -> list[str]:
 
 def main() -> None:
     import torch
+    from sharding_2d_measure import train_and_record
 
-    from gemzoo.config import load_config
-    from gemzoo_sharding_2d.measure import train_and_record
+    from gemzoo.api import load_config
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--multi", action="store_true", help="under torchrun: G = W/2 x R = 2 over NCCL")
@@ -44,7 +46,7 @@ def main() -> None:
     if not args.multi:
         base = train_and_record(load_config(str(CONFIG), overrides=overrides(f"{tmp}/base", "torchrec")))
         ours = train_and_record(load_config(str(CONFIG), overrides=overrides(f"{tmp}/s2d", "sharding-2d")))
-        rel = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], base["losses"]))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], base["losses"], strict=False))
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "builtin": base["losses"],
                   "sharding-2d": ours["losses"], "max_rel_diff": rel, "ok": rel <= 1e-5}
         (out / "cuda_single.json").write_text(json.dumps(result, indent=1))
@@ -56,7 +58,7 @@ def main() -> None:
     for strategy in ("replicated", "fully_sharded"):
         r = train_and_record(load_config(str(CONFIG), overrides=overrides(
             f"{tmp}/{strategy}", "sharding-2d", {"group_size": world // 2, "strategy": strategy})))
-        r["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], single))
+        r["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], single, strict=False))
         r["bytes"] = r["bytes"][-1] if r["bytes"] else None
         result[strategy] = r
     if int(os.environ.get("RANK", "0")) == 0:

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # sharding_2d_measure: the tests' measurement
 CONFIG = HERE.parents[2] / "configs" / "gem-tiny.toml"
 ROWS, DIM, STEPS, WORLD = 4096, 16, 4, 4
 LAYOUTS = {
@@ -45,9 +46,9 @@ def rank_main(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port)
     import torch
     import torch.distributed as dist
+    from sharding_2d_measure import train_and_record
 
-    from gemzoo.config import load_config
-    from gemzoo_sharding_2d.measure import train_and_record
+    from gemzoo.api import load_config
 
     torch.set_num_threads(1)
     out = {name: train_and_record(load_config(str(CONFIG), overrides=overrides(f"{tmp}/{i}", o)))
@@ -58,13 +59,12 @@ def rank_main(rank: int, world: int, port: int, tmp: str) -> None:
 
 
 def main() -> None:
-    from gemzoo import registry
-    from gemzoo.config import load_config
-    from gemzoo.embedding import TableConfig
-    from gemzoo.testing.comms import spawn
     from gemzoo_sharding_2d.layout import plan_layout
-    from gemzoo_sharding_2d.measure import per_step, sample_ids
     from gemzoo_sharding_2d.scale import embedding_traffic
+    from sharding_2d_measure import per_step, sample_ids
+
+    from gemzoo.api import TableConfig, load_config, registry
+    from gemzoo.testing.comms import spawn
 
     tmp = tempfile.mkdtemp(prefix="s2d-bench-")
     spawn(rank_main, WORLD, tmp, timeout=600)

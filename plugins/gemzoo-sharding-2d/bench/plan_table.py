@@ -17,8 +17,9 @@ CASES = [(8, 8), (64, 8), (1024, 8), (1024, 64), (4096, 8), (4096, 64)]
 
 
 def main() -> None:
-    from gemzoo.config import load_config
     from gemzoo_sharding_2d.scale import Links, describe_config, parse_bytes, plan_report
+
+    from gemzoo.api import load_config
 
     cfg = load_config(str(HERE.parents[2] / "configs" / "gem-bench.toml"))
     desc = describe_config(cfg)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gemzoo.errors import CheckpointError, JaggedShapeError
+from gemzoo.api import CheckpointError, JaggedShapeError
 from gemzoo_sharding_2d.layout import Block, Layout
 
 EPS = 1e-10  # torch.optim.Adagrad's default eps
@@ -119,7 +119,7 @@ class TableView:
             self.tensor = tensor
             self.metadata = TableView._Meta(offsets, tensor.shape)
 
-    def __init__(self, shape, dtype, pieces, owner: "ShardedTables"):
+    def __init__(self, shape, dtype, pieces, owner: ShardedTables):
         self.shape, self.dtype = torch.Size(shape), dtype
         self._shards = [TableView._Shard(t, off) for t, off in pieces]
         self._owner = owner
@@ -160,7 +160,7 @@ class ShardedTables(nn.Module):
         self.state_sum = torch.zeros(off, dtype=torch.float32, device=device)  # Adagrad accumulators (not a buffer:
         # the state-dict names stay the engines'); the planner's state_dict gives them as whole tables
         with torch.no_grad():
-            for (b, (o, chunk)), (view, rows) in zip(zip(self.blocks, self.seg), self._pieces(self.flat.data)):
+            for b, (view, rows) in zip(self.blocks, self._pieces(self.flat.data), strict=True):
                 view.copy_(weights[b.table][rows, b.col_off:b.col_off + b.cols])
         self.embedding_bags = nn.ModuleDict()
         for name in layout.data_parallel():
@@ -181,7 +181,7 @@ class ShardedTables(nn.Module):
     def _pieces(self, flat: torch.Tensor):
         """(view, slice of the block's table rows) of this rank's stored piece of every local block."""
         out = []
-        for b, (o, chunk) in zip(self.blocks, self.seg):
+        for b, (o, chunk) in zip(self.blocks, self.seg, strict=True):
             start = b.row_off + self.groups.r * chunk if self.factor > 1 else b.row_off
             n = max(0, min(b.row_off + b.rows - start, chunk))
             view = flat[o:o + chunk * b.cols].view(chunk, b.cols)[:n]
@@ -191,7 +191,7 @@ class ShardedTables(nn.Module):
     def views(self, flat: torch.Tensor) -> dict[str, TableView]:
         """{table: TableView} of ``flat`` (the weights or the Adagrad state) for the sharded tables."""
         by_table = defaultdict(list)
-        for b, (view, rows) in zip(self.blocks, self._pieces(flat)):
+        for b, (view, rows) in zip(self.blocks, self._pieces(flat), strict=True):
             by_table[b.table].append((view, (rows.start, b.col_off)))
         return {t: TableView((s.num_embeddings, s.embedding_dim), flat.dtype, by_table.get(t, []), self)
                 for t, s in self.layout.tables.items() if self.layout.blocks[t]}
@@ -327,7 +327,7 @@ class ShardedTables(nn.Module):
             recv = [mine * bs + n for bs, n in got]
             flat_in = _a2a(torch.cat(send_int), [x.numel() for x in send_int], recv, self.groups.shard,
                            self.counter, me, "a2a_ids")
-            incoming = list(zip([bs for bs, _ in got], torch.split(flat_in, recv)))
+            incoming = list(zip([bs for bs, _ in got], torch.split(flat_in, recv), strict=False))
         else:
             incoming = [(B, send_int[0])]
         # owner side: pool this rank's rows for every source and pair
@@ -337,7 +337,7 @@ class ShardedTables(nn.Module):
             cnt, rest = buf[:npair * bs].view(npair, bs), buf[npair * bs:]
             pos = 0
             parts = []
-            for k, (i, b) in enumerate(self.pairs[me]):
+            for k, (_, b) in enumerate(self.pairs[me]):
                 n = int(cnt[k].sum())
                 local = rest[pos:pos + n]
                 pos += n

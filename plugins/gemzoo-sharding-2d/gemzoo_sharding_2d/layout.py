@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gemzoo.errors import ConfigError
+from gemzoo.api import ConfigError
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 
@@ -120,7 +120,7 @@ def _torchrec_blocks(specs: dict[str, TableSpec], group_size: int, allowed: list
                                                constraints=constraints)
             plan = planner.plan(meta, [AnyTypeSharder()])
     finally:
-        for q, level in zip(quiet, levels):
+        for q, level in zip(quiet, levels, strict=False):
             q.setLevel(level)
     blocks, types = {}, {}
     for module_plan in plan.plan.values():
@@ -174,7 +174,7 @@ def plan_layout(tables, group_size: int, replicas: int, strategy: str = "replica
     specs = table_specs(tables)
     allowed = check_sharding_types(sharding_types, "plugins.options.sharding-2d.sharding_types")
     if use_torchrec is None:
-        from gemzoo.embedding import torchrec_available
+        from gemzoo.api import torchrec_available
 
         use_torchrec = torchrec_available()
     if group_size == 1:

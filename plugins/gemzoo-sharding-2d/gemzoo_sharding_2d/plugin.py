@@ -34,13 +34,20 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gemzoo.config import bounded
-from gemzoo.errors import CheckpointError, ConfigError, PluginError
-from gemzoo.interfaces.options import TakesOptions
-from gemzoo.interfaces.planner import SparseOptimizer, Topology
-from gemzoo.plugins import hookimpl
+from gemzoo.api import (
+    CheckpointError,
+    ConfigError,
+    PluginError,
+    SparseOptimizer,
+    TakesOptions,
+    Topology,
+    bounded,
+    hookimpl,
+)
 from gemzoo_sharding_2d.engine import Groups, ShardedTables
 from gemzoo_sharding_2d.layout import Layout, check_sharding_types, plan_layout
+
+GEMZOO_API = ">=1,<2"
 
 WHERE = "plugins.options.sharding-2d"
 STRATEGIES = ("replicated", "fully_sharded")
@@ -140,7 +147,7 @@ class Sharding2D(TakesOptions):
             raise PluginError("planner 'sharding-2d': call attach_optimizer(model, plan, SparseOptimizer(lr=...)) "
                               "before shard")
         if mesh is not None:
-            dims = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+            dims = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=False))
             if dims.get("shard") != plan.group_size or dims.get("replica") != plan.replicas:
                 raise ConfigError(f"planner 'sharding-2d' planned groups of {plan.group_size} x {plan.replicas} "
                                   f"replicas but the mesh is {dims}; build it from mesh_dims()")
@@ -156,7 +163,7 @@ class Sharding2D(TakesOptions):
         return model
 
     def replicated_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        from gemzoo.distributed import whole_parameters
+        from gemzoo.api import whole_parameters
 
         own = {id(m.flat) for m in sharded_tables(model)}
         return [p for p in whole_parameters(model) if id(p) not in own]

@@ -25,7 +25,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from gemzoo.errors import ConfigError
+from gemzoo.api import ConfigError
 from gemzoo_sharding_2d.layout import Layout, plan_layout
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -109,13 +109,12 @@ def describe_config(cfg, batch_per_rank: float | None = None) -> dict:
     """What the calculation needs from a config: tables, features, mean tokens and ids per sample, dense sizes."""
     import torch
 
-    from gemzoo import registry
-    from gemzoo.interfaces.models import transformer_blocks
+    from gemzoo.api import configured, transformer_blocks
 
-    ds = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
+    ds = configured("dataset", cfg.data.source, cfg).build(cfg.data, cfg.run.seed)
     batch = ds.train_batch(0)
     with torch.device("meta"):
-        model = registry.get("model", cfg.model.family).build(cfg.model, ds.info)
+        model = configured("model", cfg.model.family, cfg).build(cfg.model, ds.info)
     sparse = {id(p) for p in model.sparse_arch.parameters()} if getattr(model, "sparse_arch", None) else set()
     blocks = {id(p) for b in transformer_blocks(model) for p in b.parameters()}
     dense = [p for p in model.parameters() if id(p) not in sparse]
@@ -233,7 +232,7 @@ def render(report: dict, console=None) -> None:
 
 
 def cmd_plan(args) -> int:
-    from gemzoo.config import load_config
+    from gemzoo.api import load_config
 
     cfg = load_config(args.config, overrides=list(args.set or []), plugins=args.plugins)
     links = Links(args.nvlink, args.ib, args.gpus_per_node)

@@ -27,9 +27,10 @@ def overrides(out: str, steps: int, planner: str = "sharding-2d", options: dict 
 
 def run(out: str, steps: int, *, planner: str = "sharding-2d", options: dict | None = None, resume=False,
         every: int = 1):
-    """Train the test config; {"losses", "steps", "memory", "bytes"} (measure.train_and_record)."""
-    from gemzoo.config import load_config
-    from gemzoo_sharding_2d.measure import train_and_record
+    """Train the test config; {"losses", "steps", "memory", "bytes"} (sharding_2d_measure.train_and_record)."""
+    from sharding_2d_measure import train_and_record
+
+    from gemzoo.api import load_config
 
     return train_and_record(load_config(CONFIG, overrides=overrides(out, steps, planner, options, every)), resume=resume)
 

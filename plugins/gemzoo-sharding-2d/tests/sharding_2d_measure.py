@@ -1,4 +1,5 @@
-"""Train a config and record what sharding-2d stored and sent: the tests' and the bench's measurement."""
+"""Train a config and record what sharding-2d stored and sent: the tests' and the bench's measurement (a
+package-unique module name, imported as ``sharding_2d_measure``; the bench scripts put this folder on sys.path)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,15 @@ def train_and_record(cfg, *, resume=False) -> dict:
     """Train ``cfg``; returns ``losses`` and ``steps`` (every logged step), and with planner sharding-2d this
     rank's table ``memory`` (bytes, ``ShardedTables.memory``) and ``bytes``: its cumulative ``CommCounter``
     snapshot after each step."""
-    import gemzoo
-    from gemzoo import registry
-    from gemzoo.train.trainer import train
     from gemzoo_sharding_2d.plugin import Sharding2D
+
+    from gemzoo.api import hookimpl, registry, train
 
     seen = {"memory": None, "bytes": []}
     ours = cfg.plugins.planner == "sharding-2d"
 
     class Record:
-        @gemzoo.hookimpl
+        @hookimpl
         def gemzoo_step_end(self, trainer, step, metrics):
             if ours:
                 seen["memory"] = Sharding2D.memory(trainer.model)
@@ -44,7 +44,7 @@ def per_step(snapshots: list[dict]) -> list[dict[str, int]]:
 
 def sample_ids(ds, step: int, rank: int, world: int) -> tuple[dict[str, float], int]:
     """(mean ids a sample of each sparse feature, samples) of the part of ``step``'s batch ``rank`` loads."""
-    from gemzoo.data.exchange import load_shard
+    from gemzoo.api import load_shard
 
     b = load_shard(ds, step, rank, world)
     n = b.num_samples
