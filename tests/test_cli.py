@@ -6,6 +6,7 @@ import pytest
 
 from gemzoo.cli import main
 from toy_plugin import install
+from gemzoo.testing.timeouts import hang_guard
 
 
 def test_plugins_json_lists_every_builtin(capsys, fresh_registry):
@@ -50,9 +51,10 @@ def test_config_validate_and_bad_key(tmp_path, capsys, fresh_registry):
     assert "model.width" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "gemzoo.cli", "list", "precision"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=hang_guard(300))
     assert out.returncode == 0, out.stderr
     assert "bf16" in out.stdout
 

@@ -24,6 +24,7 @@ import pytest
 
 from gemzoo.scaffold import KINDS as TEMPLATE_KINDS
 from gemzoo.scaffold import render
+from gemzoo.testing.timeouts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,9 +118,11 @@ def test_the_scanner_sees_every_import_form(tmp_path):
     assert {"gemzoo.builtin.memory", "gemzoo.builtin", "gemzoo.builtin.x", "gemzoo.train"} <= mods
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("module", ["gemzoo.jagged", "gemzoo.interfaces", "gemzoo.kinds", "gemzoo.registry",
                                     "gemzoo.config"])
 def test_import_loads_no_builtin(module):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('gemzoo.builtin')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=hang_guard(300)).stdout.strip()
     assert out == "[]", f"import {module} loaded {out}"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from gemzoo.testing.timeouts import hang_guard
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,11 +47,12 @@ def _install(root: Path, log: Path) -> list[str]:
     log.write_text("")
     env = {k: v for k, v in os.environ.items() if k not in _stamp_module().BUILD_ENV}
     done = subprocess.run(["bash", "scripts/install.sh"], cwd=root, env={**env, "INSTALL_LOG": str(log)},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=hang_guard(300))
     assert done.returncode == 0, done.stderr
     return [line for line in log.read_text().splitlines() if "-e ." in line]
 
 
+@pytest.mark.multiprocess
 def test_install_builds_once_then_skips_until_sources_change(tmp_path):
     root, log = _tree(tmp_path), tmp_path / "calls.log"
     assert _install(root, log)[0].startswith("NO_EXTENSION= ")  # first run: builds, writes the stamp
@@ -87,6 +90,7 @@ def test_bench_scripts_do_not_eval_or_exec(path):
     assert not calls, f"{path.relative_to(ROOT)} calls eval/exec at lines {calls}"
 
 
+@pytest.mark.multiprocess
 def test_gpu_cache_round_trips_the_triton_cache_in_parts(tmp_path):
     """bench/gpu_cache.py: Triton's cache packed into parts of at most --part-mib and unpacked elsewhere, file
     for file (how the H200 suite's compiled kernels travel to the next session)."""
@@ -97,7 +101,7 @@ def test_gpu_cache_round_trips_the_triton_cache_in_parts(tmp_path):
     (src / "abc" / "__grp__k.json").write_text('{"child_paths": {}}')
     script = str(ROOT / "bench" / "gpu_cache.py")
     run = lambda cache, *args: subprocess.run(  # noqa: E731
-        [sys.executable, script, *args], capture_output=True, text=True, timeout=120,
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=hang_guard(300),
         env=dict(os.environ, TRITON_CACHE_DIR=str(cache)), check=True).stdout
     assert "triton:" in run(src, "pack", str(out), "--part-mib", "1")
     parts = sorted(p.name for p in out.iterdir())
@@ -130,6 +134,7 @@ def test_multigpu_plans_every_row_for_the_gpus_it_has():
     assert [r.row for r in mg.plan_runs(mg.ROWS, [1], 64, "jfa,bf16")] == ["scaling"]  # one GPU: the rest skip
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_multigpu_dry_run_on_gloo_compares_dense_layouts(tmp_path):
     """bench/multigpu.py end to end on CPU: torchrun of gemzoo train on 2 gloo processes, three dense layouts on
@@ -137,7 +142,7 @@ def test_multigpu_dry_run_on_gloo_compares_dense_layouts(tmp_path):
     import json
 
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multigpu.py"), "--dry-run", "--rows", "dense",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=hang_guard(1800), cwd=ROOT)
     record = json.loads((tmp_path / "multigpu.json").read_text())
     errors = {r["name"]: r["result"].get("error", "")[-1500:] for r in record["runs"] if "error" in r["result"]}
     assert proc.returncode == 0 and not errors, f"{proc.stderr[-1000:]}\n{errors}"
