@@ -73,6 +73,7 @@ def test_opcheck():
             torch.library.opcheck(torch.ops.gemzoo.hadamard_transform.default, (x, 32, signs, inverse))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_cpu(dtype):

@@ -483,6 +483,7 @@ def test_self_attention_pairs_match_the_flops_helper():
     assert self_attention_pairs(lengths, causal=False) == attention_pairs(lengths, causal=False)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_bf16_sdpa_padded_step(family, gem_dataset, ml_dataset):

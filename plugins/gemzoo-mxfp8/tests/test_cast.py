@@ -149,6 +149,7 @@ def test_triton_gemm_exact_mx(m, n, k, bias, sub):
 
 
 # ------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("axis", [-1, 0, 1])

@@ -116,7 +116,7 @@ def test_bf16_inputs_and_weights():
         assert rel(a, b) < TOL + 0.01  # + bf16 rounding of the output and the weights
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
 def test_fp8_rowwise_matches_fp32(device):
     fp32, fp8 = pair(FP8RowwiseLinear.from_linear, k=64, n=48)
     fp8 = fp8.to(device)
@@ -137,6 +137,7 @@ def test_shape_error_is_clear():
         MXLinear.from_linear(nn.Linear(64, 8))(torch.randn(4, 32))
 
 
+@pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("backend", ["triton", "cublas", "hybrid"])
 @pytest.mark.parametrize("rht", [False, True])
