@@ -8,6 +8,8 @@ test file needs no marker line of its own for these cases:
   on a 2-core CPU before any work);
 - every test of a module that names Triton interpreter groups (``INTERPRETER_GROUPS``, see
   ``gemzoo.testing.interpreter``) is ``multiprocess`` and so ``slow``: it waits for a subprocess group;
+- the cases of registry-parametrised tests listed in ``SLOW_CASES`` are ``slow`` (their parameters come from the
+  registry, so no decorator can name them);
 - ``gpu`` tests are skipped, with the reason, on a machine without CUDA;
 - ``GEMZOO_TEST_TIMEOUT_SCALE`` (``gemzoo.testing.timeouts``) scales the per-test hang guard of pytest-timeout.
 
@@ -40,6 +42,13 @@ if not CUDA:
 
     fix_interpreter()  # Triton 3.6 with numpy >= 2.4 (triton-lang/triton#9171)
 
+# Cases of tests parametrised over the registry (``<kind>_name``, gemzoo.testing.pytest_plugin) that take more
+# than about 2 s on a 2-core CPU; the other cases of the same tests stay in the quick tier.
+SLOW_CASES = frozenset({
+    "tests/test_conformance_memory.py::test_memory_policy_keeps_loss_and_gradients[auto-ac]",
+    "tests/test_conformance_memory.py::test_memory_policy_keeps_loss_and_gradients[full-ac]",
+})
+
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m "not slow"` sees the markers added here
 def pytest_collection_modifyitems(config, items):
@@ -53,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if getattr(getattr(item, "module", None), "INTERPRETER_GROUPS", None):
             item.add_marker(pytest.mark.multiprocess)
-        if item.get_closest_marker("multiprocess") and not item.get_closest_marker("slow"):
+        if item.nodeid in SLOW_CASES or (item.get_closest_marker("multiprocess") and not item.get_closest_marker("slow")):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") and not CUDA:
             item.add_marker(no_cuda)

@@ -65,6 +65,7 @@ def test_bad_arguments_are_named():
         ops.hadamard_transform(torch.randn(2, 32), 16, torch.ones(32))
 
 
+@pytest.mark.slow
 @needs_ext
 def test_opcheck():
     x = torch.randn(3, 64, requires_grad=True)

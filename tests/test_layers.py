@@ -73,6 +73,7 @@ def test_models_do_not_import_train():
     assert not found, f"model families import gemzoo.train: {found}; use gemzoo.flops"
 
 
+@pytest.mark.slow
 def test_plugins_use_public_api_only():
     paths = [p for pkg in ROOT.glob("plugins/gemzoo-*")
              for sub in [*pkg.glob("gemzoo_*"), pkg / "tests", pkg / "bench"]

@@ -399,6 +399,7 @@ def _evaluate(model, ds, n: int) -> dict[str, float]:
     return ev.compute()
 
 
+@pytest.mark.slow
 def test_gem_learns_the_planted_labels():
     ds = SyntheticGemDataset(SyntheticGemConfig(batch_size=64, max_len=32, median_len=8, max_candidates=16,
                                                 num_items=200, num_clusters=6, num_sparse_tables=2,

@@ -497,6 +497,7 @@ def test_the_sort_keys_give_the_stable_orders():
         assert np.array_equal(part._group_by_rank(owner, w), np.argsort(owner, kind="stable"))
 
 
+@pytest.mark.slow
 def test_8192_ranks_balance_and_counts():
     """The issue's size: 8192 ranks x 64 samples (+ 5) of gem-lognormal costs, free and equal counts: every
     sample once, max/mean <= 1.001, equal counts floor/ceil(N/W), no rank empty."""

@@ -189,6 +189,7 @@ def _dev_and_force(monkeypatch):
     return "cpu"
 
 
+@pytest.mark.slow
 def test_custom_ops_pass_opcheck(monkeypatch):
     """The Triton kernels as torch custom ops: schema, fake implementations and dynamic shapes."""
     from gemzoo_mxfp8 import ops  # noqa: F401  (registers torch.ops.gemzoo_mxfp8)
@@ -213,6 +214,7 @@ def test_custom_ops_pass_opcheck(monkeypatch):
     check(torch.ops.gemzoo_mxfp8.mx_gemm.default, (data, scale, wd, ws, 64, None, torch.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,rht", [("cublas", False), ("triton", False), ("cublas", True)])
 def test_mx_linear_compiles_without_graph_breaks(backend, rht, monkeypatch):
     """torch.compile(fullgraph=True) traces the MX linear's Triton path, forward and backward, through the
