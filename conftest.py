@@ -8,8 +8,8 @@ test file needs no marker line of its own for these cases:
   on a 2-core CPU before any work);
 - every test of a module that names Triton interpreter groups (``INTERPRETER_GROUPS``, see
   ``gemzoo.testing.interpreter``) is ``multiprocess`` and so ``slow``: it waits for a subprocess group;
-- the cases of registry-parametrised tests listed in ``SLOW_CASES`` are ``slow`` (their parameters come from the
-  registry, so no decorator can name them);
+- the cases listed in ``SLOW_CASES`` are ``slow`` (their parameters come from the registry or from shipped
+  files, so no decorator can name them);
 - ``gpu`` tests are skipped, with the reason, on a machine without CUDA;
 - ``GEMZOO_TEST_TIMEOUT_SCALE`` (``gemzoo.testing.timeouts``) scales the per-test hang guard of pytest-timeout.
 
@@ -42,11 +42,13 @@ if not CUDA:
 
     fix_interpreter()  # Triton 3.6 with numpy >= 2.4 (triton-lang/triton#9171)
 
-# Cases of tests parametrised over the registry (``<kind>_name``, gemzoo.testing.pytest_plugin) that take more
-# than about 2 s on a 2-core CPU; the other cases of the same tests stay in the quick tier.
+# Cases that take more than about 2 s on a 2-core CPU, of tests parametrised over the registry (``<kind>_name``,
+# gemzoo.testing.pytest_plugin) or over shipped files: no decorator names them. The other cases of the same
+# tests stay in the quick tier.
 SLOW_CASES = frozenset({
     "tests/test_conformance_memory.py::test_memory_policy_keeps_loss_and_gradients[auto-ac]",
     "tests/test_conformance_memory.py::test_memory_policy_keeps_loss_and_gradients[full-ac]",
+    "tests/test_ablation.py::test_shipped_ablations_validate[gem-bench]",
 })
 
 

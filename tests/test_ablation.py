@@ -175,6 +175,7 @@ def _fake_ablation(out: Path) -> dict:
     return data
 
 
+@pytest.mark.slow
 def test_report_without_matplotlib_then_redrawn_elsewhere(tmp_path, monkeypatch, capsys, fresh_registry):
     from gemzoo import ablate, plotting
     from gemzoo.cli import main
@@ -219,6 +220,7 @@ def test_runs_may_change_options_for_themselves(tmp_path):
             load_ablation(f)
 
 
+@pytest.mark.multiprocess
 def test_a_run_with_its_own_overrides_trains_them(tmp_path):
     from gemzoo.ablate import make_plan, run_ablation
 
