@@ -60,13 +60,18 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 
 
 # A case script whose group writes its pid and then sleeps: it stands for a long interpreter group.
-SLEEPER = "import os, sys, time\nopen(sys.argv[2], 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+SLEEPER = "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
 PARENT = textwrap.dedent("""
     import os, sys, time
     from gemzoo.testing.interpreter import live_pids, start_groups, stop_all
+    from gemzoo.testing.timeouts import hang_guard
     script, pid_file, mode = sys.argv[1:]
     start_groups(script, [pid_file])
+    deadline, seen = time.monotonic() + hang_guard(300), False
     while not os.path.exists(pid_file) or not open(pid_file).read():
+        seen = seen or bool(live_pids())
+        if time.monotonic() > deadline or (seen and not live_pids()):
+            sys.exit("the group did not start, or ended early")
         time.sleep(0.05)
     print("STARTED", flush=True)
     if mode == "stop":
