@@ -75,11 +75,12 @@ def check_assignment(policy, case: BatchingCase) -> list[torch.Tensor]:
         f"{name}: indices outside [0, {case.samples})"
     missing, twice = (counts == 0).nonzero().flatten().tolist(), (counts > 1).nonzero().flatten().tolist()
     assert not missing and not twice, f"{name}: samples {missing[:5]} unassigned, {twice[:5]} assigned twice"
-    again = policy.assign(costs.clone(), case.world_size)
-    assert all(torch.equal(a.long(), b.long()) for a, b in zip(groups, again)), f"{name}.assign is not deterministic"
+    def same(xs, ys) -> bool:
+        return len(xs) == len(ys) and all(torch.equal(a.long(), b.long()) for a, b in zip(xs, ys, strict=True))
+
+    assert same(groups, policy.assign(costs.clone(), case.world_size)), f"{name}.assign is not deterministic"
     fresh = copy.deepcopy(policy).assign(costs.clone(), case.world_size)
-    assert all(torch.equal(a.long(), b.long()) for a, b in zip(groups, fresh)), \
-        f"{name}.assign depends on state left by an earlier call"
+    assert same(groups, fresh), f"{name}.assign depends on state left by an earlier call"
     return groups
 
 
@@ -266,7 +267,7 @@ def rebalance_rank(rank: int, world: int, port: int, policies: dict, out_dir: st
                     total = part.detach().clone()
                     dist.all_reduce(total)
                     torch.testing.assert_close(total, whole, rtol=1e-9, atol=0,
-                                               msg=lambda m: f"batching {name!r}: global loss changed: {m}")
+                                               msg=lambda m, name=name: f"batching {name!r}: global loss changed: {m}")
         summary[name] = seen
     Path(out_dir, f"batching{rank}.json").write_text(json.dumps(summary))
     dist.barrier()

@@ -85,7 +85,9 @@ def check_dataset(name: str, tmp_path, *, data_cfg: dict | None = None) -> None:
     assert _fields_equal(b0.to("cpu"), b0)
     evals = ds.eval_batches(2)
     assert len(evals) == 2 and all(isinstance(b, Batch) for b in evals)
-    assert all(_fields_equal(a, b) for a, b in zip(evals, ds.eval_batches(2))), f"dataset {name!r}: eval batches change"
+    again = ds.eval_batches(2)
+    assert len(again) == 2 and all(_fields_equal(a, b) for a, b in zip(evals, again, strict=True)), \
+        f"dataset {name!r}: eval batches change"
 
 
 def partner_dataset(family: str, tmp_path) -> tuple[str, object]:
