@@ -44,16 +44,17 @@ _stopping = threading.Event()
 _slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
 GROUP_TIMEOUT_S = 1200  # one group takes 1-4 minutes on a loaded 2-core CPU
 
-# The subprocess: a watcher that ends its process group once the parent is gone, the interpreter fix below,
-# then the case script as __main__ (its folder on sys.path, as for ``python script.py``).
+# The subprocess (argv: the parent's pid, the script, the group): a watcher that ends its process group once the
+# parent is gone, the interpreter fix below, then the case script as __main__ (its folder on sys.path, as for
+# ``python script.py``).
 _BOOT = ("import os, runpy, signal, sys, threading, time\n"
-         "def _watch(parent=int(os.environ['GEMZOO_INTERPRETER_PARENT'])):\n"
+         "def _watch(parent=int(sys.argv[1])):\n"
          "    while os.getppid() == parent:\n"
          "        time.sleep(0.5)\n"
          "    os.killpg(0, signal.SIGKILL)\n"
          "threading.Thread(target=_watch, daemon=True).start()\n"
          "from gemzoo.testing.interpreter import fix_interpreter; fix_interpreter()\n"
-         "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))\n"
+         "sys.argv = sys.argv[2:]; sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))\n"
          "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
@@ -73,13 +74,12 @@ class _GroupRun:
                 if _stopping.is_set():
                     raise RuntimeError("the test session ended before this group started")
                 # one intra-op thread: the groups run side by side, one per spare core, beside the other tests
-                env = {"OMP_NUM_THREADS": "1", **os.environ, "TRITON_INTERPRET": "1",
-                       "GEMZOO_INTERPRETER_PARENT": str(os.getpid())}
+                env = {"OMP_NUM_THREADS": "1", **os.environ, "TRITON_INTERPRET": "1"}
                 with _lock:  # no start after stop_all() took the set of live processes
                     if _stopping.is_set():
                         raise RuntimeError("the test session ended before this group started")
-                    proc = subprocess.Popen([sys.executable, "-c", _BOOT, self.script, self.group], env=env,
-                                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(os.getpid()), self.script, self.group],
+                                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             start_new_session=True)
                     _live.add(proc)
                 try:
