@@ -413,6 +413,7 @@ def test_gem_learns_the_planted_labels():
     assert after["auc_click"] > 0.62 and after["auc_click"] > before + 0.08, (before, after)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["hstu", "sasrec"])
 def test_retrieval_families_learn(family, ml_dataset):
     model = build(family, ml_dataset.info)
