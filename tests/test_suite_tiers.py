@@ -146,19 +146,26 @@ PROBE = textwrap.dedent("""
 """)
 
 
+def _root_conftest(config):
+    return next(m for m in config.pluginmanager.get_plugins() if getattr(m, "__file__", None) == str(ROOT / "conftest.py"))
+
+
 @pytest.mark.multiprocess
-def test_collect_only_starts_no_subprocess(tmp_path):
-    """Collecting the interpreter modules and spawning modules (``--collect-only``) starts no Python process."""
+def test_collect_only_starts_no_subprocess(tmp_path, request):
+    """Collecting the interpreter modules and spawning modules (``--collect-only``) starts no Python process;
+    every case the root conftest marks slow by name is collected (a renamed test would silently be quick)."""
     (tmp_path / "gemzoo_subprocess_probe.py").write_text(PROBE)
     log = tmp_path / "started.txt"
     env = {**os.environ, "GEMZOO_PROBE_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    files = [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("plugins/*/tests/test_interpreter.py"))]
+    slow_cases = _root_conftest(request.config).SLOW_CASES
+    files = sorted({str(p.relative_to(ROOT)) for p in ROOT.glob("plugins/*/tests/test_interpreter.py")}
+                   | {"tests/test_distributed.py", "tests/test_ablation.py"} | {c.split("::")[0] for c in slow_cases})
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "gemzoo_subprocess_probe",
-                           "tests/test_distributed.py", "tests/test_ablation.py", *files],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard(600))
+                           *files], cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard(600))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "tests collected" in proc.stdout
+    assert not slow_cases - set(proc.stdout.splitlines()), "SLOW_CASES names tests that no longer exist"
     started = log.read_text().splitlines() if log.exists() else []
     python = [line for line in started if "python" in line or "multiprocessing" in line]
     assert not python, f"collection started Python processes: {python}"
