@@ -31,7 +31,7 @@ def test_hang_guards_scale_with_the_environment(monkeypatch):
 
 def test_markers_follow_the_tier_rules(request):
     """multiprocess implies slow, interpreter modules are multiprocess, and gpu tests skip without CUDA (the root
-    conftest's rules), seen on the items of this session."""
+    conftest's rules), seen on the items of this run."""
     import torch
 
     for item in request.session.items:
@@ -114,7 +114,7 @@ def test_an_interpreter_group_dies_with_the_process_that_started_it(tmp_path, ho
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 def test_stop_all_kills_the_running_groups(tmp_path):
-    """What the session finalizer (and atexit) call: every running group is killed and none is left live."""
+    """What the run's finalizer (and atexit) call: every running group is killed and none is left live."""
     parent, child = _start_parent(tmp_path, "stop")
     try:
         out, err = parent.communicate(timeout=hang_guard(120))

@@ -11,12 +11,12 @@ applied first)::
     _results = lambda group: interpreter_results(SCRIPT, group)
 
 Groups run concurrently (up to one subprocess per spare core): gemzoo's pytest plugin starts every group that a
-selected test module names in ``INTERPRETER_GROUPS`` when the first test of the session starts (never while
+selected test module names in ``INTERPRETER_GROUPS`` when the first test of the run starts (never while
 collecting: ``--collect-only`` starts no subprocess), so they run while other tests do, and
 :func:`interpreter_results` waits for the one asked for.
 
 Lifecycle: each subprocess leads a process group of its own; :func:`stop_all` kills those groups (the pytest
-plugin calls it when the session ends, Ctrl-C included, and ``atexit`` does for any other exit), and a watcher
+plugin calls it when the pytest run ends, Ctrl-C included, and ``atexit`` does for any other exit), and a watcher
 thread in each subprocess kills its group when the parent process is gone (pytest killed by SIGTERM or SIGKILL).
 Each run has a hang guard (:func:`gemzoo.testing.timeouts.hang_guard`).
 
@@ -72,12 +72,12 @@ class _GroupRun:
         try:
             with _slots:
                 if _stopping.is_set():
-                    raise RuntimeError("the test session ended before this group started")
+                    raise RuntimeError("the pytest run ended before this group started")
                 # one intra-op thread: the groups run side by side, one per spare core, beside the other tests
                 env = {"OMP_NUM_THREADS": "1", **os.environ, "TRITON_INTERPRET": "1"}
                 with _lock:  # no start after stop_all() took the set of live processes
                     if _stopping.is_set():
-                        raise RuntimeError("the test session ended before this group started")
+                        raise RuntimeError("the pytest run ended before this group started")
                     proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(os.getpid()), self.script, self.group],
                                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             start_new_session=True)

@@ -71,8 +71,8 @@ def _already_parametrized(metafunc, arg: str) -> bool:
 @pytest.fixture(scope="session", autouse=True)
 def _interpreter_groups(request):
     """Start the Triton interpreter groups of every selected test module that names them (``INTERPRETER_GROUPS``
-    beside ``SCRIPT``) when the session's first test starts, so they run in the background while other tests
-    do; kill whatever still runs when the session ends (normally, on a failure with ``-x``, or on Ctrl-C). Never
+    beside ``SCRIPT``) when the run's first test starts, so they run in the background while other tests
+    do; kill whatever still runs when the run ends (normally, on a failure with ``-x``, or on Ctrl-C). Never
     during collection: ``--collect-only`` starts no subprocess, and deselected modules (``-m "not slow"``)
     start none."""
     from gemzoo.testing.interpreter import start_groups, stop_all
