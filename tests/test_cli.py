@@ -6,6 +6,7 @@ import pytest
 
 from gemzoo.cli import main
 from toy_plugin import install
+from gemzoo.testing.timeouts import hang_guard
 
 
 def test_plugins_json_lists_every_builtin(capsys, fresh_registry):
@@ -50,9 +51,10 @@ def test_config_validate_and_bad_key(tmp_path, capsys, fresh_registry):
     assert "model.width" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "gemzoo.cli", "list", "precision"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=hang_guard(300))
     assert out.returncode == 0, out.stderr
     assert "bf16" in out.stdout
 
@@ -78,6 +80,7 @@ def toy_toml(tmp_path, fresh_registry):
     return path
 
 
+@pytest.mark.slow
 def test_train_twice_into_one_folder_is_refused_then_overwrite_and_resume_work(toy_toml, tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(["train", "--config", str(toy_toml), "--out", out, "--quiet"]) == 0
@@ -93,6 +96,7 @@ def test_train_twice_into_one_folder_is_refused_then_overwrite_and_resume_work(t
     assert _strict_json(stdout.strip().splitlines()[-1])["final_loss"] == first["final_loss"]
 
 
+@pytest.mark.slow
 def test_resume_names_a_run_folder_or_says_it_does_not_exist(toy_toml, tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--config", str(toy_toml), "--out", str(run), "--quiet", "--steps", "5"]) == 0
@@ -104,6 +108,7 @@ def test_resume_names_a_run_folder_or_says_it_does_not_exist(toy_toml, tmp_path,
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_with_another_model_shape_is_a_clear_error(toy_toml, tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(["train", "--config", str(toy_toml), "--out", out, "--quiet", "--steps", "5"]) == 0

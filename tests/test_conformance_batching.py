@@ -32,7 +32,7 @@ def test_global_loss_does_not_depend_on_the_split(batching_name, world_size, reg
                       weight=lambda b: b.num_candidates)  # gem's loss is a mean over candidates
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_every_policy_rebalances_per_rank_parts_on_gloo(tmp_path):
     """2 gloo ranks, each loading only its part: every registered policy, the toy third-party one and a policy
     that moves nearly every sample give each rank exactly the global batch's select of the partition; the
@@ -170,7 +170,7 @@ def _train_rank(rank: int, world: int, port: int, tmp: str, batching: str) -> No
                       {"losses": [h["loss"] for h in result.history], "samples": seen})
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_the_trainer_trains_what_a_moving_policy_gives(tmp_path):
     """gem on 2 gloo ranks with toy-lpt: each rank loads its part, samples move to balance the cost model's
     work, every step trains all 9 samples once, both ranks log the same finite loss."""
@@ -230,7 +230,7 @@ def _host_path_rank(rank: int, world: int, port: int, tmp: str) -> None:
     _report_and_leave(os.path.join(tmp, f"host{rank}.json"), placed)
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_a_host_group_moves_samples_on_the_host_and_reads_no_device_value(tmp_path):
     """2 gloo ranks, the trainer's device on ``meta`` (any read of a device value raises there): with the data-
     parallel group's ``host`` group, Lookahead loads, prices, partitions (ahead, in a thread) and moves the samples
@@ -271,7 +271,7 @@ def _dp_host_rank(rank: int, world: int, port: int, tmp: str) -> None:
     _report_and_leave(os.path.join(tmp, f"dp{rank}.json"), out)
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_the_dp_host_group_has_the_dp_ranks_in_the_dp_order(tmp_path):
     """4 gloo ranks: the dp ranks' CPU group (World.dp_host, and the groups dp_host_group builds when the dp group
     cannot run CPU tensors: forced here) gathers from exactly dp_mesh's ranks in its order, with tensor

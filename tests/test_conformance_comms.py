@@ -25,6 +25,7 @@ def _say_cuda_env(rank, world, port, out):
     Path(out, f"env{rank}.json").write_text(json.dumps(os.environ.get("CUDA_VISIBLE_DEVICES")))
 
 
+@pytest.mark.multiprocess
 def test_spawn_can_hide_cuda_from_the_ranks(tmp_path, monkeypatch):
     """The comms suite's ranks are CPU ranks on a GPU machine too: spawned with CUDA_VISIBLE_DEVICES="" (with a
     GPU visible, ncclx's ranks would share one GPU's NCCL group); the caller's environment is left as it was."""
@@ -37,7 +38,7 @@ def test_spawn_can_hide_cuda_from_the_ranks(tmp_path, monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_every_backend_gives_c10d_answers(tmp_path):
     from toy_kinds import ToyGlooComms
 
@@ -79,7 +80,7 @@ def _train_rank(rank: int, world: int, port: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_the_trainer_runs_on_a_backend_it_knows_only_by_its_groups(tmp_path):
     """2 ranks train, checkpoint and log through 'toygloo', a c10d name nothing in gemzoo spells: the default
     group and the mesh's run it, and the start row logs the backend's sm_free, claims and groups."""

@@ -16,7 +16,7 @@ def test_plan_shard_step_round_trip(planner_name, registry_entry):
     check_planner_local(registry_entry("planner", planner_name))
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sharding", ["table_wise", "data_parallel"])
 def test_torchrec_planner_protocol_on_gloo(tmp_path, sharding):
     """table-wise tables carry fused Adagrad (the planner's state); data-parallel ones are replicated parameters."""
@@ -28,20 +28,20 @@ def test_torchrec_planner_protocol_on_gloo(tmp_path, sharding):
     assert all(r["sharded"] and (r["planner_keys"] > 0) == (sharding == "table_wise") for r in reports)
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_torchrec_planner_without_torchrec_keeps_tables_whole_on_gloo(tmp_path):
     reports = check_planner_protocol_on_gloo(registry.get("planner", "torchrec"), tmp_path,
                                              env={"GEMZOO_NO_TORCHREC": "1"})
     assert not any(r["sharded"] or r["planner_keys"] for r in reports)
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_torchrec_planner_on_gloo_resumes_bit_exact(tmp_path):
     skip_unless_torchrec()
     check_planner_on_gloo("torchrec", tmp_path)
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_a_third_party_planner_with_replica_groups_on_gloo(tmp_path):
     """tests/support/toy_kinds.py's planner: a 2-D mesh (replica x shard), its own table optimizer and sync."""
     reports = check_planner_protocol_on_gloo(ReplicatePlanner(), tmp_path)

@@ -8,6 +8,7 @@ import gemzoo
 from gemzoo import ops
 from gemzoo.jagged import lengths_to_offsets
 from gemzoo.testing.attention import AttentionCase, check_attention
+from gemzoo.testing.timeouts import hang_guard
 
 needs_ext = pytest.mark.skipif(not ops.extension_available(), reason="gemzoo._C is not built")
 KERNEL = gemzoo.registry.get("attention", "cpu")
@@ -87,6 +88,7 @@ def test_bad_arguments_are_named():
         KERNEL(q, q, q, torch.tensor([0, 4]), activation="tanh")
 
 
+@pytest.mark.multiprocess
 @needs_ext
 def test_portable_gemm_fallback():
     """GEMZOO_NO_BLAS=1: the plain-loop tile GEMMs (used where libtorch exports no sgemm) give the same results."""
@@ -103,5 +105,5 @@ def test_portable_gemm_fallback():
         "    check_attention(k, c)\n"
     )
     env = dict(os.environ, GEMZOO_NO_BLAS="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=hang_guard(300))
     assert res.returncode == 0, res.stderr[-2000:]

@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 
 from gemzoo.testing import skip_unless_torchrec
 from gemzoo.testing.comms import rank_env
+from gemzoo.testing.timeouts import hang_guard
 
-pytestmark = pytest.mark.distributed
 SUPPORT = os.path.join(os.path.dirname(__file__), "support")
 
 
@@ -52,6 +52,7 @@ def _train_rank(rank: int, world: int, port: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2])
 def test_data_parallel_replicas_stay_identical(tmp_path, world):
     ctx = mp.get_context("spawn")
@@ -60,7 +61,7 @@ def test_data_parallel_replicas_stay_identical(tmp_path, world):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=240)
+        p.join(timeout=hang_guard(900))
         assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
     params = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert torch.isfinite(params[0]).all()
@@ -111,10 +112,11 @@ def _spawn(target, world, *args):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=hang_guard(900))
         assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise"])
 def test_gem_with_sharded_tables_trains_checkpoints_and_resumes(tmp_path, sharding):
     """gem-tiny on 2 gloo ranks, tables sharded by the torchrec planner (fused Adagrad)."""
@@ -143,6 +145,7 @@ def test_gem_with_sharded_tables_trains_checkpoints_and_resumes(tmp_path, shardi
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][4:]), rtol=0, atol=0)
 
 
+@pytest.mark.multiprocess
 def test_fsdp_and_replicated_dense_parts_train_alike(tmp_path):
     """FSDP2 on the transformer blocks computes the same steps as plain data parallelism."""
     skip_unless_torchrec()
@@ -188,6 +191,7 @@ def _logging_rank(rank: int, world: int, port: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_log_the_global_loss_and_throughput(tmp_path):
     """Several ranks log global numbers: one loss for the step (the mean over ranks), every rank's samples."""
     import json
@@ -249,6 +253,7 @@ def test_the_cpu_backend_of_a_default_group():
     assert gd.cpu_backend("cpu:gloo,cuda:nccl") == "gloo" and gd.cpu_backend("cuda:nccl") == "cuda:nccl"
 
 
+@pytest.mark.multiprocess
 def test_host_numbers_reduce_over_a_gloo_group_of_their_own(tmp_path):
     import json
 
@@ -283,6 +288,7 @@ def _mesh_rank(rank: int, world: int, port: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_planner_mesh_dims_build_one_nd_mesh_with_dp_across_them(tmp_path):
     """4 gloo ranks, a planner's {"replica": 2, "shard": 2}: one 2-D mesh; dense dp flattened over both dims."""
     import json

@@ -7,7 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+from gemzoo.testing.timeouts import hang_guard
+
+
+@pytest.mark.multiprocess
 def test_each_outcome_and_failure_is_written_as_it_happens(tmp_path):
     (tmp_path / "test_two.py").write_text("def test_ok():\n    assert True\n\n"
                                           "def test_bad():\n    import os\n"
@@ -16,7 +21,7 @@ def test_each_outcome_and_failure_is_written_as_it_happens(tmp_path):
     log = tmp_path / "log"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "gemzoo.testing.eager_log", "-p",
                            "no:cacheprovider", "test_two.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, GEMZOO_TEST_LOG=str(log)))
+                          timeout=hang_guard(600), env=dict(os.environ, GEMZOO_TEST_LOG=str(log)))
     assert proc.returncode == 1, proc.stdout[-2000:]
     lines = (log / "progress.txt").read_text().splitlines()
     assert [ln.split()[1] for ln in lines] == ["passed", "failed"] and lines[1].endswith("test_two.py::test_bad")

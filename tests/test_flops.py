@@ -20,6 +20,7 @@ from gemzoo.data.movielens import MovieLensConfig, MovieLensDataset
 from gemzoo.data.synthetic import SyntheticGemConfig, SyntheticGemDataset
 from gemzoo.flops import attention_flops, linear_flops
 from gemzoo.interfaces.attention import AttentionCapabilities
+from gemzoo.testing.timeouts import hang_guard
 
 SMALL = {
     "gem": dict(d_model=16, num_layers=2, num_heads=2, embedding_dim=8, mlp_dims=[16, 8]),
@@ -105,6 +106,7 @@ def test_attention_flops_follow_palm():
     assert linear_flops(5, 3, 7) == 3 * 2 * 5 * 3 * 7
 
 
+@pytest.mark.multiprocess
 def test_models_count_flops_without_the_trainer():
     """Layers: the model families import ``gemzoo.flops``, never ``gemzoo.train``."""
     import subprocess
@@ -112,5 +114,6 @@ def test_models_count_flops_without_the_trainer():
 
     code = ("import sys, gemzoo.models.gem, gemzoo.models.hstu, gemzoo.models.retrieval, gemzoo.flops; "
             "print(sorted(m for m in sys.modules if m.startswith('gemzoo.train')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=hang_guard(300)).stdout.strip()
     assert out == "[]", f"importing the models pulled in {out}"

@@ -65,6 +65,7 @@ def test_bad_arguments_are_named():
         ops.hadamard_transform(torch.randn(2, 32), 16, torch.ones(32))
 
 
+@pytest.mark.slow
 @needs_ext
 def test_opcheck():
     x = torch.randn(3, 64, requires_grad=True)
@@ -73,6 +74,7 @@ def test_opcheck():
             torch.library.opcheck(torch.ops.gemzoo.hadamard_transform.default, (x, 32, signs, inverse))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_cpu(dtype):

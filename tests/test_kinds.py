@@ -18,6 +18,7 @@ import pytest
 from gemzoo import hookspecs, kinds, registry
 from gemzoo.errors import PluginError
 from gemzoo.kinds import KINDS
+from gemzoo.testing.timeouts import hang_guard
 
 
 def test_registry_kinds_are_the_table():
@@ -151,12 +152,13 @@ NEW_KIND = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.multiprocess
 def test_a_new_kind_needs_only_its_hookspec_and_table_row():
     import json
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-c", NEW_KIND], capture_output=True, text=True, cwd=root, timeout=120)
+    run = subprocess.run([sys.executable, "-c", NEW_KIND], capture_output=True, text=True, cwd=root, timeout=hang_guard(300))
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["names"] == ["ball", "kite"] and out["play"] == "bounce"

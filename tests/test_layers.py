@@ -26,6 +26,7 @@ import pytest
 
 from gemzoo.cli.new_plugin import KINDS as TEMPLATE_KINDS
 from gemzoo.cli.new_plugin import render
+from gemzoo.testing.timeouts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,6 +75,7 @@ def test_models_do_not_import_train():
     assert not found, f"model families import gemzoo.train: {found}; use gemzoo.flops"
 
 
+@pytest.mark.slow
 def test_plugins_use_public_api_only():
     paths = [p for pkg in ROOT.glob("plugins/gemzoo-*")
              for sub in [*pkg.glob("gemzoo_*"), pkg / "tests", pkg / "bench"]
@@ -119,11 +121,13 @@ def test_the_scanner_sees_every_import_form(tmp_path):
     assert {"gemzoo.builtin.memory", "gemzoo.builtin", "gemzoo.builtin.x", "gemzoo.train"} <= mods
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("module", ["gemzoo.jagged", "gemzoo.interfaces", "gemzoo.kinds", "gemzoo.registry",
                                     "gemzoo.config", "gemzoo.attention", "gemzoo.api"])
 def test_import_loads_no_builtin(module):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('gemzoo.builtin')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=hang_guard(300)).stdout.strip()
     assert out == "[]", f"import {module} loaded {out}"
 
 

@@ -400,6 +400,7 @@ def _evaluate(model, ds, n: int) -> dict[str, float]:
     return ev.compute()
 
 
+@pytest.mark.slow
 def test_gem_learns_the_planted_labels():
     ds = SyntheticGemDataset(SyntheticGemConfig(batch_size=64, max_len=32, median_len=8, max_candidates=16,
                                                 num_items=200, num_clusters=6, num_sparse_tables=2,
@@ -413,6 +414,7 @@ def test_gem_learns_the_planted_labels():
     assert after["auc_click"] > 0.62 and after["auc_click"] > before + 0.08, (before, after)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["hstu", "sasrec"])
 def test_retrieval_families_learn(family, ml_dataset):
     model = build(family, ml_dataset.info)
@@ -484,6 +486,7 @@ def test_self_attention_pairs_match_the_flops_helper():
     assert self_attention_pairs(lengths, causal=False) == attention_pairs(lengths, causal=False)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_bf16_sdpa_padded_step(family, gem_dataset, ml_dataset):

@@ -13,6 +13,7 @@ import torch
 from gemzoo import mx, ops
 from gemzoo.errors import JaggedShapeError
 from gemzoo.jagged import lengths_to_offsets
+from gemzoo.testing.timeouts import hang_guard
 
 needs_ext = pytest.mark.skipif(not ops.extension_available(), reason="gemzoo._C is not built")
 
@@ -39,6 +40,7 @@ def test_extension_info_is_json_and_lists_every_op():
         assert all("cpu" in op["extension"] for op in info["ops"].values())
 
 
+@pytest.mark.multiprocess
 def test_fallback_without_extension_runs_every_op():
     """GEMZOO_NO_EXTENSION=1: every op still works, in torch, and info says so."""
     code = (
@@ -51,7 +53,7 @@ def test_fallback_without_extension_runs_every_op():
         "print(json.dumps(o.extension_info()))\n"
     )
     env = dict(os.environ, GEMZOO_NO_EXTENSION="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=hang_guard(300))
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert info["loaded"] is False and all(not op["extension"] for op in info["ops"].values())

@@ -9,8 +9,9 @@ import torch.multiprocessing as mp
 
 from gemzoo.testing import skip_unless_torchrec
 from gemzoo.testing.comms import rank_env
+from gemzoo.testing.timeouts import hang_guard
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.multiprocess
 
 
 def _free_port() -> int:
@@ -83,7 +84,7 @@ def test_torchrec_planner_shards_on_gloo(tmp_path, sharding):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=240)
+        p.join(timeout=hang_guard(900))
         assert p.exitcode == 0, f"a rank exited with {p.exitcode}"
     kinds = torch.load(tmp_path / "kinds0.pt")
     assert kinds == [sharding]

@@ -43,6 +43,7 @@ def test_a_line_cut_short_at_the_end_is_ignored_elsewhere_an_error(tmp_path):
         read_metrics(tmp_path / "nothing")
 
 
+@pytest.mark.slow
 def test_plot_runs_and_cli(tmp_path, capsys):
     a = write_run(tmp_path / "a", steps(1, 30) + [{"step": 30, "loss": 0.1, "eval/auc": 0.7}])
     b = write_run(tmp_path / "b", steps(1, 20, loss=2.0))

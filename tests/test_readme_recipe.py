@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from gemzoo.testing.timeouts import hang_guard
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -32,6 +36,7 @@ def recipe_files(text: str) -> dict[str, str]:
     return {f"{root.rstrip('/')}/{p}": c for p, c in files.items()}
 
 
+@pytest.mark.multiprocess
 def test_readme_recipe_builds_installs_and_passes_conformance(tmp_path):
     files = recipe_files(README.read_text())
     assert any(p.endswith("pyproject.toml") for p in files) and any(p.endswith("plugin.py") for p in files)
@@ -42,15 +47,15 @@ def test_readme_recipe_builds_installs_and_passes_conformance(tmp_path):
     target = tmp_path / "site"
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                           "--no-index", "--target", str(target), str(dist)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=hang_guard(900))
     assert pip.returncode == 0, pip.stdout + pip.stderr
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
     listed = subprocess.run([sys.executable, "-m", "gemzoo.cli", "list", "attention"], capture_output=True,
-                            text=True, env=env, cwd=tmp_path, timeout=300)
+                            text=True, env=env, cwd=tmp_path, timeout=hang_guard(900))
     assert listed.returncode == 0, listed.stderr
     assert re.search(r"^myattn\s+per-sequence softmax attention", listed.stdout, flags=re.M), listed.stdout
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-                           capture_output=True, text=True, env=env, cwd=dist, timeout=600)
+                           capture_output=True, text=True, env=env, cwd=dist, timeout=hang_guard(1800))
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     assert re.search(r"(\d+) passed", tests.stdout) and " failed" not in tests.stdout, tests.stdout[-2000:]

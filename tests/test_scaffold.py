@@ -15,6 +15,7 @@ import tomllib
 from gemzoo.cli import main
 from gemzoo.cli.new_plugin import KINDS, module_name, render, write_plugin
 from gemzoo.errors import ConfigError, PluginError
+from gemzoo.testing.timeouts import hang_guard
 
 
 def plugin_name(kind: str) -> str:
@@ -27,7 +28,7 @@ def generated(tmp_path_factory):
     root = tmp_path_factory.mktemp("scaffold")
     dists = [write_plugin(plugin_name(kind), kind, root / "src") for kind in KINDS]
     env_dir = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=hang_guard(300))
     python = env_dir / "bin" / "python"
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
@@ -36,12 +37,12 @@ def generated(tmp_path_factory):
     pip = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
                           "--no-build-isolation", "--disable-pip-version-check",
                           *[a for d in dists for a in ("-e", str(d))]],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=hang_guard(600))
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     report = root / "junit.xml"
     proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
                            f"--junitxml={report}", *[str(d / "tests") for d in dists]],
-                          cwd=root, capture_output=True, text=True, timeout=900)
+                          cwd=root, capture_output=True, text=True, timeout=hang_guard(900))
     outcomes: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
     for case in ET.parse(report).iter("testcase"):
         kind = next(k for k in KINDS if module_name(plugin_name(k)) in case.get("classname", ""))
@@ -54,6 +55,7 @@ def generated(tmp_path_factory):
     return outcomes
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_generated_plugin_installs_and_passes_its_tests(generated, kind):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gemzoo.testing.timeouts import hang_guard
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,11 +48,12 @@ def _install(root: Path, log: Path) -> list[str]:
     log.write_text("")
     env = {k: v for k, v in os.environ.items() if k not in _stamp_module().BUILD_ENV}
     done = subprocess.run(["bash", "scripts/install.sh"], cwd=root, env={**env, "INSTALL_LOG": str(log)},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=hang_guard(600))
     assert done.returncode == 0, done.stderr
     return [line for line in log.read_text().splitlines() if "-e ." in line]
 
 
+@pytest.mark.multiprocess
 def test_install_builds_once_then_skips_until_sources_change(tmp_path):
     root, log = _tree(tmp_path), tmp_path / "calls.log"
     assert _install(root, log)[0].startswith("NO_EXTENSION= ")  # first run: builds, writes the stamp
@@ -88,6 +91,7 @@ def test_bench_scripts_do_not_eval_or_exec(path):
     assert not calls, f"{path.relative_to(ROOT)} calls eval/exec at lines {calls}"
 
 
+@pytest.mark.multiprocess
 def test_triton_cache_round_trips_the_cache_in_parts(tmp_path):
     """bench/triton_cache.py: Triton's cache packed into parts of at most --part-mib and unpacked elsewhere, file
     for file (how compiled kernels travel to the next machine of the same GPU and software)."""
@@ -100,7 +104,7 @@ def test_triton_cache_round_trips_the_cache_in_parts(tmp_path):
     script = str(ROOT / "bench" / "triton_cache.py")
 
     def run(cache, *args):
-        return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120,
+        return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=hang_guard(600),
                               env=dict(os.environ, TRITON_CACHE_DIR=str(cache)), check=True).stdout
 
     out.mkdir()
@@ -124,28 +128,29 @@ GPU_SCRIPTS = ["bench/gpu_setup.sh", "bench/gpu_suite.sh", "bench/run_benches.sh
 @pytest.mark.parametrize("script", GPU_SCRIPTS)
 def test_gpu_scripts_parse_document_their_arguments_and_refuse_unknown_ones(script):
     assert subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True).returncode == 0
-    helped = subprocess.run(["bash", str(ROOT / script), "--help"], capture_output=True, text=True, timeout=60)
+    helped = subprocess.run(["bash", str(ROOT / script), "--help"], capture_output=True, text=True, timeout=hang_guard(300))
     assert helped.returncode == 0 and helped.stdout.startswith(f"usage: bash {script}")
     bad = subprocess.run(["bash", str(ROOT / script), "--no-such-option"], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=hang_guard(300))
     assert bad.returncode == 2 and "--no-such-option" in bad.stderr and "--help" in bad.stderr
 
 
 def test_run_benches_lists_its_steps_and_names_an_unknown_one(tmp_path):
     script = str(ROOT / "bench" / "run_benches.sh")
-    steps = subprocess.run(["bash", script, "--list"], capture_output=True, text=True, timeout=60).stdout.split()
+    steps = subprocess.run(["bash", script, "--list"], capture_output=True, text=True, timeout=hang_guard(300)).stdout.split()
     assert {"jfa", "gdpa", "block-attention", "mxfp8", "auto-ac", "act-quant", "batch-shuffle", "ncclx",
             "sharding-2d", "e2e"} <= set(steps)
-    help_text = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=60).stdout
+    help_text = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=hang_guard(300)).stdout
     assert all(f"\n  {name} " in help_text for name in steps), "every step is described in --help"
     for args in (["--only", "jfa"], ["--out", str(tmp_path), "--only", "jfa,nope"]):
-        proc = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=hang_guard(300))
         assert proc.returncode == 2, proc.stderr
     assert "--out DIR is required" in subprocess.run(["bash", script], capture_output=True, text=True,
-                                                     timeout=60).stderr
+                                                     timeout=hang_guard(300)).stderr
     assert "unknown step 'nope'" in proc.stderr and not (tmp_path / "steps.txt").exists()
 
 
+@pytest.mark.multiprocess
 def test_gpu_suite_writes_each_outcome_and_a_summary(tmp_path):
     """bench/gpu_suite.sh runs any pytest arguments and leaves per-test outcomes, failures and counts in --out."""
     tests = tmp_path / "test_tiny.py"
@@ -154,7 +159,7 @@ def test_gpu_suite_writes_each_outcome_and_a_summary(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), "--out", str(out), "--python",
                            sys.executable, "--", str(tests), "-p", "no:cacheprovider"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=hang_guard(1500), cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # pytest's status: one test failed
     progress = (out / "progress.txt").read_text()
     assert " passed " in progress and " failed " in progress and " skipped " in progress
@@ -185,13 +190,14 @@ def test_multigpu_plans_every_row_for_the_gpus_it_has():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_multigpu_dry_run_on_gloo_compares_dense_layouts(tmp_path):
     """bench/multigpu.py end to end on CPU: torchrun of gemzoo train on 2 gloo processes, three dense layouts on
     one global batch; their losses agree (HSDP with one shard is FSDP2's arithmetic), the table is written."""
     import json
 
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multigpu.py"), "--dry-run", "--rows", "dense",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=hang_guard(1800), cwd=ROOT)
     record = json.loads((tmp_path / "multigpu.json").read_text())
     errors = {r["name"]: r["result"].get("error", "")[-1500:] for r in record["runs"] if "error" in r["result"]}
     assert proc.returncode == 0 and not errors, f"{proc.stderr[-1000:]}\n{errors}"

@@ -176,6 +176,7 @@ def test_embedding_bag_gradients_train_like_torch_adagrad():
     torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_batched_tables_never_sync_and_match_each_table_alone():
     tables = [tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in u) for u in _tables(7)]
@@ -194,6 +195,7 @@ def test_cuda_batched_tables_never_sync_and_match_each_table_alone():
         torch.testing.assert_close(s2, s1, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_step_never_syncs_and_matches_torch():
     grads, init = table_grads(5), torch.randn(50, 8)

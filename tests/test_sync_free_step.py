@@ -77,6 +77,7 @@ def test_a_gem_step_with_a_memory_policy_reads_no_device_value(fresh_registry, m
     _launch_on_meta(monkeypatch, tmp_path, "gem-tiny.toml", f"bf16,{memory}")
 
 
+@pytest.mark.slow
 def test_the_gem_bench_step_reads_no_device_value(fresh_registry, monkeypatch, tmp_path):
     """gem-bench's own model and data (16 tables of 1M rows cost nothing on meta), eager."""
     _launch_on_meta(monkeypatch, tmp_path, "gem-bench.toml", "bf16", ["run.compile=false"])

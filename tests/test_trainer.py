@@ -294,6 +294,7 @@ def _compiled_gem_tiny(tmp_path, layers: int, scope: str):
     return trainer, loss, counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_regional_compile_shares_one_graph_across_blocks(tmp_path):
     """run.compile_scope = "blocks": each block's forward is compiled in place (names and hooks unchanged), and a
     deeper model compiles no more graphs (the blocks share them); the loss is the eager one."""

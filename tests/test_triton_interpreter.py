@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from gemzoo.testing.timeouts import hang_guard
+
 pytest.importorskip("triton")
 
 SCRIPT = r'''
@@ -45,10 +47,11 @@ print("after", run())
 '''
 
 
+@pytest.mark.multiprocess
 def test_fix_interpreter_lets_a_loaded_scalar_bound_a_loop(tmp_path):
     script = tmp_path / "case.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=hang_guard(300),
                           env=dict(os.environ, TRITON_INTERPRET="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()

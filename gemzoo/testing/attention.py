@@ -10,6 +10,7 @@ stay exactly 0). docs/attention.md is the contract these test.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -238,7 +239,7 @@ def _check_hints(kernel, case, device, dtype, reference, tol) -> dict[str, float
     lq, lk = max_length(q_off), max_length(q_off if k_off is None else k_off)
     kw = _case_kw(case)
     for hints in ({"max_q_len": lq - 1}, {"max_k_len": lk - 1}, {"max_q_len": lq - 1, "max_k_len": lk}):
-        msg = _raises(lambda hints=hints: kernel(q, k, v, q_off, k_off, **kw, **hints), JaggedShapeError,
+        msg = _raises(partial(kernel, q, k, v, q_off, k_off, **kw, **hints), JaggedShapeError,
                       f"{case}: hints {hints} below the longest sequences ({lq}, {lk})")
         assert "smaller than the longest" in msg, msg
     ref = reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), q_off.cpu(),
@@ -269,8 +270,7 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
         kw = {**_case_kw(c), **options}
         if kw["activation"] == "softmax":
             kw["norm"] = None
-        msg = _raises(lambda q=q, k=k, v=v, q_off=q_off, k_off=k_off, kw=kw: kernel(q, k, v, q_off, k_off, **kw),
-                      PluginError,
+        msg = _raises(partial(kernel, q, k, v, q_off, k_off, **kw), PluginError,
                       f"{case}: {what} is outside the declared capabilities")
         if "can serve this call: " in msg:
             named = [n.strip(" .") for n in msg.split("can serve this call: ", 1)[1].split(",")]
@@ -281,7 +281,7 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
     for bad in ({"window": 0}, {"block_size": 0}, {"window": -1}, {"block_size": -3}, {"rope_theta": 0.0},
                 {"rope_theta": -1.0}):
-        _raises(lambda bad=bad: kernel(q, k, v, q_off, k_off, **{**_case_kw(case), **bad}), ValueError,
+        _raises(partial(kernel, q, k, v, q_off, k_off, **{**_case_kw(case), **bad}), ValueError,
                 f"{case}: {bad} is not a valid option")
     return {"unsupported_options": float(tried)}
 

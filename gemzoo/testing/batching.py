@@ -83,14 +83,12 @@ def check_assignment(policy, case: BatchingCase) -> list[torch.Tensor]:
         f"{name}: indices outside [0, {case.samples})"
     missing, twice = (counts == 0).nonzero().flatten().tolist(), (counts > 1).nonzero().flatten().tolist()
     assert not missing and not twice, f"{name}: samples {missing[:5]} unassigned, {twice[:5]} assigned twice"
-    again = policy.assign(costs.clone(), case.world_size)
-    assert len(again) == len(groups) and all(torch.equal(a.long(), b.long())
-                                             for a, b in zip(groups, again, strict=True)), \
-        f"{name}.assign is not deterministic"
+    def same(xs, ys) -> bool:
+        return len(xs) == len(ys) and all(torch.equal(a.long(), b.long()) for a, b in zip(xs, ys, strict=True))
+
+    assert same(groups, policy.assign(costs.clone(), case.world_size)), f"{name}.assign is not deterministic"
     fresh = copy.deepcopy(policy).assign(costs.clone(), case.world_size)
-    assert len(fresh) == len(groups) and all(torch.equal(a.long(), b.long())
-                                             for a, b in zip(groups, fresh, strict=True)), \
-        f"{name}.assign depends on state left by an earlier call"
+    assert same(groups, fresh), f"{name}.assign depends on state left by an earlier call"
     return groups
 
 

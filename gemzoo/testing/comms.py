@@ -41,12 +41,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(target, world: int, *args, timeout: float = 240, hide_cuda: bool = False) -> None:
+def spawn(target, world: int, *args, timeout: float | None = None, hide_cuda: bool = False) -> None:
     """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes; fail naming the ranks that did.
+    ``timeout``: a hang guard for the ranks in seconds (default ``hang_guard(900)``, see gemzoo.testing.timeouts).
     ``hide_cuda``: the ranks start with ``CUDA_VISIBLE_DEVICES=""``, so on a GPU machine they are the CPU ranks
     they are on CI (not ``world`` ranks sharing one GPU)."""
     import torch.multiprocessing as mp
 
+    from gemzoo.testing.timeouts import hang_guard
+
+    timeout = hang_guard(900) if timeout is None else timeout
     ctx, port = mp.get_context("spawn"), free_port()
     procs = [ctx.Process(target=_run_rank, args=(target, r, world, port, *args)) for r in range(world)]
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -66,7 +70,8 @@ def spawn(target, world: int, *args, timeout: float = 240, hide_cuda: bool = Fal
     for p in procs:
         if p.is_alive():
             p.kill()
-    assert not bad, f"ranks {sorted(bad)} exited with {sorted(set(bad.values()))} (None: still running after {timeout}s)"
+    assert not bad, (f"ranks {sorted(bad)} exited with {sorted(set(bad.values()))} (None: still running after "
+                     f"{timeout:.0f} s, the hang guard; GEMZOO_TEST_TIMEOUT_SCALE raises it)")
 
 
 def _run_rank(target, rank: int, *args) -> None:

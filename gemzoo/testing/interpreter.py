@@ -1,20 +1,26 @@
 """Triton interpreter cases run in a subprocess, for plugins with Triton kernels.
 
-TRITON_INTERPRET=1 must be set before Triton is first imported, and never in the pytest process (on a GPU
-machine every later launch would run in the interpreter), so each plugin keeps a script that sets it,
+TRITON_INTERPRET=1 must be set before Triton is first imported, and never in the pytest process on a GPU
+machine (every later launch would run in the interpreter), so each plugin keeps a script that sets it,
 runs a group of cases and prints one ``RESULT {json}`` line; its tests read that line through
 :func:`interpreter_results` (one subprocess per group, cached for the session, with :func:`fix_interpreter`
 applied first)::
 
     SCRIPT = Path(__file__).with_name("my_interp_cases.py")
-    INTERPRETER_GROUPS = ("cases", "conformance")  # started in the background once collection selects a test here
+    INTERPRETER_GROUPS = ("cases", "conformance")  # started in the background when the first test runs
     _results = lambda group: interpreter_results(SCRIPT, group)
 
-Groups run concurrently (up to one subprocess per spare core): gemzoo's pytest plugin starts every group a test
-module names in ``INTERPRETER_GROUPS`` when collection ends, so they run while other tests do, and
+Groups run concurrently (up to one subprocess per spare core): gemzoo's pytest plugin starts every group that a
+selected test module names in ``INTERPRETER_GROUPS`` when the first test of the run starts (never while
+collecting: ``--collect-only`` starts no subprocess), so they run while other tests do, and
 :func:`interpreter_results` waits for the one asked for.
 
-and the script may run the shared conformance suite on its Triton path with :func:`conformance_results`, and
+Lifecycle: each subprocess leads a process group of its own; :func:`stop_all` kills those groups (the pytest
+plugin calls it when the pytest run ends, Ctrl-C included, and ``atexit`` does for any other exit), and a watcher
+thread in each subprocess kills its group when the parent process is gone (pytest killed by SIGTERM or SIGKILL).
+Each run has a hang guard (:func:`gemzoo.testing.timeouts.hang_guard`).
+
+The script may run the shared conformance suite on its Triton path with :func:`conformance_results`, and
 check that ``torch.compile`` traces its custom op with :func:`compiled_matches_eager`.
 """
 
@@ -23,20 +29,33 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+from gemzoo.testing.timeouts import hang_guard
+
 _runs: dict[tuple[str, str], _GroupRun] = {}
 _live: set[subprocess.Popen] = set()
+_lock = threading.Lock()
+_stopping = threading.Event()
 _slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
+GROUP_TIMEOUT_S = 1200  # one group takes 1-4 minutes on a loaded 2-core CPU
 
-# The subprocess: the interpreter fix below, then the case script as __main__ (its folder on sys.path, as
-# for ``python script.py``).
-_BOOT = ("import os, runpy, sys; from gemzoo.testing.interpreter import fix_interpreter; fix_interpreter(); "
-         "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0]))); "
-         "runpy.run_path(sys.argv[0], run_name='__main__')")
+# The subprocess (argv: the parent's pid, the script, the group): a watcher that ends its process group once the
+# parent is gone, the interpreter fix below, then the case script as __main__ (its folder on sys.path, as for
+# ``python script.py``).
+_BOOT = ("import os, runpy, signal, sys, threading, time\n"
+         "def _watch(parent=int(sys.argv[1])):\n"
+         "    while os.getppid() == parent:\n"
+         "        time.sleep(0.5)\n"
+         "    os.killpg(0, signal.SIGKILL)\n"
+         "threading.Thread(target=_watch, daemon=True).start()\n"
+         "from gemzoo.testing.interpreter import fix_interpreter; fix_interpreter()\n"
+         "sys.argv = sys.argv[2:]; sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))\n"
+         "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
 class _GroupRun:
@@ -52,19 +71,26 @@ class _GroupRun:
     def _run(self) -> None:
         try:
             with _slots:
+                if _stopping.is_set():
+                    raise RuntimeError("the pytest run ended before this group started")
                 # one intra-op thread: the groups run side by side, one per spare core, beside the other tests
                 env = {"OMP_NUM_THREADS": "1", **os.environ, "TRITON_INTERPRET": "1"}
-                proc = subprocess.Popen([sys.executable, "-c", _BOOT, self.script, self.group], env=env, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                _live.add(proc)
+                with _lock:  # no start after stop_all() took the set of live processes
+                    if _stopping.is_set():
+                        raise RuntimeError("the pytest run ended before this group started")
+                    proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(os.getpid()), self.script, self.group],
+                                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            start_new_session=True)
+                    _live.add(proc)
                 try:
                     out, err = proc.communicate(timeout=self.timeout)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    _kill_group(proc)
                     out, err = proc.communicate()
-                    err += f"\n(killed after {self.timeout:.0f} s)"
+                    err += f"\n(killed after {self.timeout:.0f} s; raise GEMZOO_TEST_TIMEOUT_SCALE on a slow machine)"
                 finally:
-                    _live.discard(proc)
+                    with _lock:
+                        _live.discard(proc)
             line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
                 self.error = (f"interpreter run of {self.script} {self.group} failed (exit {proc.returncode}):\n"
@@ -77,18 +103,45 @@ class _GroupRun:
             self.done.set()
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (it and anything it started)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+
+
 @atexit.register
-def _kill_live() -> None:
-    for proc in list(_live):
-        proc.kill()
+def stop_all() -> None:
+    """Kill every running interpreter subprocess with its process group, and start no more; waits for them."""
+    with _lock:
+        _stopping.set()
+        procs = list(_live)
+    for proc in procs:
+        _kill_group(proc)
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        with _lock:
+            _live.discard(proc)
 
 
-def start_groups(script: str | Path, groups, timeout: float = 900) -> None:
-    """Start ``groups`` of a case script in the background (each once per process)."""
+def live_pids() -> list[int]:
+    """The process ids of the interpreter subprocesses running now."""
+    with _lock:
+        return sorted(p.pid for p in _live)
+
+
+def start_groups(script: str | Path, groups, timeout: float | None = None) -> None:
+    """Start ``groups`` of a case script in the background (each once per process); ``timeout``: the hang
+    guard of one group in seconds (default :data:`GROUP_TIMEOUT_S`, scaled by ``GEMZOO_TEST_TIMEOUT_SCALE``)."""
+    limit = hang_guard(GROUP_TIMEOUT_S) if timeout is None else timeout
     for group in groups:
         key = (str(script), group)
         if key not in _runs:
-            _runs[key] = _GroupRun(str(script), group, timeout)
+            _runs[key] = _GroupRun(str(script), group, limit)
 
 
 def fix_interpreter() -> None:
@@ -122,7 +175,7 @@ def fix_interpreter() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-def interpreter_results(script: str | Path, group: str, timeout: float = 900) -> dict:
+def interpreter_results(script: str | Path, group: str, timeout: float | None = None) -> dict:
     """The JSON a case script prints (``RESULT {...}``) for ``group``, run under TRITON_INTERPRET=1 in a
     subprocess (started here unless :func:`start_groups` already did); fails with the script's output tail
     when it exits non-zero or prints no result."""
@@ -178,4 +231,4 @@ def compiled_matches_eager(loss_fn, *inputs, atol: float = 1e-5) -> bool:
     compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)(*inputs)
     compiled.backward()
     return bool(torch.allclose(eager, compiled, atol=atol)
-                and all(torch.allclose(g, t.grad, atol=atol) for g, t in zip(grads, inputs)))
+                and all(torch.allclose(g, t.grad, atol=atol) for g, t in zip(grads, inputs, strict=True)))

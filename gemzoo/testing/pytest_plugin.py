@@ -68,15 +68,21 @@ def _already_parametrized(metafunc, arg: str) -> bool:
                for m in metafunc.definition.iter_markers("parametrize"))
 
 
-def pytest_collection_finish(session) -> None:
-    """Start the Triton interpreter groups of every selected test module that names them
-    (``INTERPRETER_GROUPS`` beside ``SCRIPT``), so they run in the background while other tests do."""
-    from gemzoo.testing.interpreter import start_groups
+@pytest.fixture(scope="session", autouse=True)
+def _interpreter_groups(request):
+    """Start the Triton interpreter groups of every selected test module that names them (``INTERPRETER_GROUPS``
+    beside ``SCRIPT``) when the run's first test starts, so they run in the background while other tests
+    do; kill whatever still runs when the run ends (normally, on a failure with ``-x``, or on Ctrl-C). Never
+    during collection: ``--collect-only`` starts no subprocess, and deselected modules (``-m "not slow"``)
+    start none."""
+    from gemzoo.testing.interpreter import start_groups, stop_all
 
     seen = set()
-    for item in session.items:
+    for item in request.session.items:
         module = getattr(item, "module", None)
         groups = getattr(module, "INTERPRETER_GROUPS", None)
         if groups and module not in seen:
             seen.add(module)
             start_groups(module.SCRIPT, groups)
+    yield
+    stop_all()

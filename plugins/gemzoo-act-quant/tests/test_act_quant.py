@@ -177,6 +177,7 @@ def test_gradients_match_unquantized_per_parameter(plugins, tmp_path):
         assert report["skipped"].get("8-bit", 0) > 0
 
 
+@pytest.mark.slow
 def test_loss_within_one_percent_of_unquantized(tmp_path):
     """The README records the 400-step figure (run by hand); CI trains 60 steps."""
     steps = 60
@@ -200,6 +201,7 @@ def test_config_show_lists_the_selection(capsys):
     assert "integer/bool" in selection["act-quant"]["never"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not inline_supported(), reason="this torch does not inline saved-tensor hooks")
 def test_compiled_graphs_cast_inside_the_graphs(tmp_path):
     """run.compile: the casts are inlined into the compiled graphs (PT2 GraphModule saved-tensor hooks), so no

@@ -132,6 +132,7 @@ def test_options_from_config_and_compile_turned_on(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ compiled
+@pytest.mark.slow
 def test_compiled_auto_ac_gives_the_loss_of_none(tmp_path):
     steps = 2
     eager_cfg = load_config(TINY, overrides=SMALL + [f"run.steps={steps}"], plugins="jfa,fp32")
@@ -156,6 +157,7 @@ def test_compiled_auto_ac_gives_the_loss_of_none(tmp_path):
     assert logged and logged[0]["auto-ac"]["budget"] == 0.0
 
 
+@pytest.mark.slow
 def test_unreachable_target_stops_with_the_smallest_reachable_peak(tmp_path):
     cfg = load_config(TINY, overrides=SMALL + ["run.steps=3", "plugins.options.auto-ac.target_gib=1e-6"],
                       plugins="jfa,fp32,auto-ac")

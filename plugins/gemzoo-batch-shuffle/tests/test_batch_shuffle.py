@@ -190,6 +190,7 @@ def test_overlap_is_the_option_and_only_for_policies_that_say_so():
     assert look._worker is None and not look._ahead
 
 
+@pytest.mark.multiprocess
 def test_partition_workers_give_the_synchronous_answer_and_its_errors():
     """A process worker (the policy pickled to a spawned interpreter, numpy both ways) and a thread give
     route_checked's route exactly; bad costs raise the same PluginError from result(); a bad kind is named."""
@@ -215,6 +216,7 @@ def test_partition_workers_give_the_synchronous_answer_and_its_errors():
         PartitionWorker("gpu")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs sched_setaffinity and two CPUs")
 def test_a_process_worker_leaves_the_trainers_bound_core():
@@ -248,6 +250,7 @@ def test_a_process_worker_leaves_the_trainers_bound_core():
     assert torch.get_num_threads() == threads
 
 
+@pytest.mark.multiprocess
 def test_overhead_bench_runs_on_cpu(tmp_path):
     """bench/overhead.py end to end on a very small gem (the H200 call's code path, CPU): every phase and world
     reported, the partition timed alone and overlapped (process and thread workers), waited for at every step."""
@@ -273,7 +276,7 @@ def test_overhead_bench_runs_on_cpu(tmp_path):
         bench.parse(["--worlds", "1,8"])  # one rank never partitions
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_rebalance_on_gloo_every_option_set(tmp_path):
     """The shared suite's 2-rank check (each rank loads its part; the samples received equal the global
     batch's select of the partition, bit for bit; uneven parts, an empty rank; the global loss unchanged)."""
@@ -282,7 +285,7 @@ def test_rebalance_on_gloo_every_option_set(tmp_path):
     check_rebalance_on_gloo({n: BatchShuffle(o) for n, o in VARIANTS.items() if n in ("equal-count", "kk")}, tmp_path)
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
     """gem on 2 gloo ranks, 9 samples a step (uneven): base-batch-shuffle's 10 losses (overlap on, the default:
     steps 1-9 partitioned ahead in a worker process) equal the unshuffled run's within 1e-6 relative and the
@@ -333,7 +336,7 @@ def test_trainer_losses_equal_unshuffled_and_resume_is_bit_exact(tmp_path):
         assert "1 of 2 ranks have no loss terms" in r["tiny"]["error"] and "data.batch_size" in r["tiny"]["error"]
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_four_ranks_rebalance_and_train_like_the_unshuffled_run(tmp_path):
     """The issue's 4-process case: the shared rebalance check on 4 gloo ranks, then gem on 4 ranks with 9
     samples a step (3 ranks of 2, one of 3 when loaded): the shuffled run's 10 losses equal the unshuffled run's
@@ -490,6 +493,7 @@ def test_the_sort_keys_give_the_stable_orders():
         assert np.array_equal(part._group_by_rank(owner, w), np.argsort(owner, kind="stable"))
 
 
+@pytest.mark.slow
 def test_8192_ranks_balance_and_counts():
     """The issue's size: 8192 ranks x 64 samples (+ 5) of gem-lognormal costs, free and equal counts: every
     sample once, max/mean <= 1.001, equal counts floor/ceil(N/W), no rank empty."""

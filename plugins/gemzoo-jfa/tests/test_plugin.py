@@ -6,6 +6,7 @@ import pytest
 import torch
 from gemzoo_jfa.ops import KERNEL
 from gemzoo_jfa.schedule import build_schedule, capacity
+from gemzoo.testing.timeouts import hang_guard
 
 from gemzoo.api import AttentionRequest, JaggedShapeError, PluginError, lengths_to_offsets, registry
 from gemzoo.testing import attention_cases, check_attention
@@ -225,11 +226,12 @@ def hopper_compiles():
     script = Path(__file__).resolve().parents[1] / "bench" / "compile_sm90.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(script), "--only", ",".join(HOPPER_VARIANTS), "--json"],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         capture_output=True, text=True, env=env, timeout=hang_guard(1800))
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", HOPPER_VARIANTS)
 def test_kernel_variants_compile_for_hopper_offline(variant, hopper_compiles):
     """The GPU code path (not the interpreter's) compiles for sm_90a and ptxas accepts it, on a CPU machine:

@@ -63,7 +63,7 @@ VARIANTS = [{"ROUND": 2 if torch.cuda.is_available() else 0, "ROW_SPLIT": split,
                          ids=lambda v: f"round{v['ROUND']}-split{v['ROW_SPLIT']}-mma{v['COL_MMA']}-colt{v['COL_T']}")
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(64, 64), (37, 70)])
+@pytest.mark.parametrize("shape", [(64, 64), pytest.param((37, 70), marks=pytest.mark.slow)])
 def test_triton_cast_bit_exact(elem, dtype, shape, variant):
     from gemzoo_mxfp8.triton_kernels import mx_cast, mx_dequant
 
@@ -148,6 +148,7 @@ def test_triton_gemm_exact_mx(m, n, k, bias, sub):
 
 
 # ------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("axis", [-1, 0, 1])

@@ -118,7 +118,7 @@ def test_bf16_inputs_and_weights():
         assert rel(a, b) < TOL + 0.01  # + bf16 rounding of the output and the weights
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
 def test_fp8_rowwise_matches_fp32(device):
     fp32, fp8 = pair(FP8RowwiseLinear.from_linear, k=64, n=48)
     fp8 = fp8.to(device)
@@ -139,6 +139,7 @@ def test_shape_error_is_clear():
         MXLinear.from_linear(nn.Linear(64, 8))(torch.randn(4, 32))
 
 
+@pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("backend", ["triton", "cublas", "hybrid"])
 @pytest.mark.parametrize("rht", [False, True])
@@ -190,6 +191,7 @@ def _dev_and_force(monkeypatch):
     return "cpu"
 
 
+@pytest.mark.slow
 def test_custom_ops_pass_opcheck(monkeypatch):
     """The Triton kernels as torch custom ops: schema, fake implementations and dynamic shapes."""
     from gemzoo_mxfp8 import ops  # noqa: F401  (registers torch.ops.gemzoo_mxfp8)
@@ -214,6 +216,7 @@ def test_custom_ops_pass_opcheck(monkeypatch):
     check(torch.ops.gemzoo_mxfp8.mx_gemm.default, (data, scale, wd, ws, 64, None, torch.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,rht", [("cublas", False), ("triton", False), ("cublas", True)])
 def test_mx_linear_compiles_without_graph_breaks(backend, rht, monkeypatch):
     """torch.compile(fullgraph=True) traces the MX linear's Triton path, forward and backward, through the

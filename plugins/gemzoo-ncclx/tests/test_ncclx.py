@@ -20,6 +20,7 @@ from gemzoo_ncclx.cuda import no_p2p_message
 
 from gemzoo.api import COLLECTIVES, ConfigError, registry
 from gemzoo.testing.comms import BASE_COLLECTIVES, spawn
+from gemzoo.testing.timeouts import hang_guard
 
 HERE = Path(__file__).resolve().parents[1]
 
@@ -158,7 +159,7 @@ def test_peer_pulls_use_the_batch_copy_when_asked_and_fall_back(monkeypatch):
         assert (t.pull_fallback is not None and "driver too old" in t.pull_fallback) == fails
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_two_ranks_bit_identical_to_gloo_and_conformance(tmp_path):
     _semantics(tmp_path, 2, conformance=True)
     summary = json.loads((tmp_path / "comms0.json").read_text())["ncclx"]
@@ -171,12 +172,12 @@ def test_two_ranks_bit_identical_to_gloo_and_conformance(tmp_path):
         assert smoke["checked"] == 36 and smoke["mismatches"] == [] and smoke["transport"] == "GlooTransport"
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_four_ranks_bit_identical_to_gloo(tmp_path):
     _semantics(tmp_path, 4)
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_gem_tiny_two_ranks_losses_equal_the_default_backend(tmp_path):
     """3 steps of gem-tiny on 2 gloo ranks with comms = "torch", then "ncclx": the same losses bit for bit (FSDP2's
     all-gathers and reduce-scatters and torchrec's all-to-alls run through ncclx), and the start row logs ncclx's
@@ -197,10 +198,11 @@ def test_gem_tiny_two_ranks_losses_equal_the_default_backend(tmp_path):
     assert torch_run["comms"]["sm_free"] is False
 
 
+@pytest.mark.multiprocess
 def test_bench_dry_run_writes_its_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(HERE / "bench" / "bench_overlap.py"), "--dry-run", "--no-smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+                           "--out", str(out)], capture_output=True, text=True, timeout=hang_guard(600))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["dry_run"] and {r["mode"] for r in result["rows"]} >= {"alone-before", "copy-engine", "sm-copy",
@@ -213,7 +215,7 @@ def test_bench_dry_run_writes_its_json(tmp_path):
     assert set(result["rate_matched"]["1"]) == {"h2d", "d2h", "copy-batch"} and "rate-matched" in proc.stdout
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_cuda_transport_bookkeeping_on_a_fake_device(tmp_path):
     """CudaTransport (staging slots and generations, IPC handles through the store, peer offsets, pieces) with
     the C++ calls replaced by shared-memory stand-ins (ncclx_cases.FakeExt) on 3 ranks: every claimed
@@ -241,7 +243,7 @@ def test_two_processes_on_one_gpu_equal_the_gloo_transport(tmp_path):
     sys.path.insert(0, str(HERE / "bench"))
     from bench_overlap import smoke
 
-    result = smoke(argparse.Namespace(dry_run=False, smoke_timeout=180, pull="memcpy"), tmp_path)  # training's path
+    result = smoke(argparse.Namespace(dry_run=False, smoke_timeout=hang_guard(900), pull="memcpy"), tmp_path)  # training's path
     assert result["exit_codes"] == [0, 0], result
     for r in result["ranks"]:
         assert r["transport"] == "CudaTransport", r["said"]

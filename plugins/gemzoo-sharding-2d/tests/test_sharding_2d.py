@@ -51,7 +51,7 @@ def test_mesh_dims_and_the_default_group():
     assert planner(group_size=2).mesh_dims(Topology(8, "cpu")) == {"replica": 4, "shard": 2}
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_conformance_protocol_on_gloo_without_torchrec(tmp_path):
     """The GPU image's path (no torchrec: the gemzoo fallback layout, the plain-torch engine) on one group of 2
     ranks: the protocol call by call, a checkpoint round trip bit for bit (the 4-rank case runs the trainer)."""
@@ -62,7 +62,7 @@ def test_conformance_protocol_on_gloo_without_torchrec(tmp_path):
     assert all(r["sharded"] and r["planner_keys"] == 2 for r in reports)
 
 
-@pytest.mark.distributed
+@pytest.mark.multiprocess
 def test_four_gloo_ranks_match_one_process_resume_reshard_memory_and_bytes(tmp_path):
     from gemzoo.testing.comms import spawn
 
