@@ -19,7 +19,17 @@ def test_counts_only_after_arm_and_reports_each_kernel_once():
     assert len(events) == 2 and "attn_bwd_dq_kernel" in events[0] and "attn_fwd_kernel" in events[1]
     assert "2x" in events[1]
     assert watch.new_events() == []  # each kernel is named once
+    assert "a new configuration" in events[0]
     assert watch.triton["attn_fwd_kernel"] == 3  # the whole count, warm-up included
+
+
+def test_a_changed_specialisation_is_named():
+    watch = CompileWatch()
+    watch.record_triton("attn_fwd_kernel", "attn_fwd_kernel[num_warps=4](Q: *bf16:16, Tq: i32:16, scale: fp32)")
+    watch.arm()
+    watch.record_triton("attn_fwd_kernel", "attn_fwd_kernel[num_warps=4](Q: *bf16:16, Tq: i32, scale: fp32)")
+    (event,) = watch.new_events()
+    assert "Tq i32:16 -> i32" in event and "do_not_specialize" in event and "Q " not in event
 
 
 def test_hook_chains_the_previous_one_and_is_restored():

@@ -47,6 +47,8 @@ class CompileWatch:
     _armed: bool = False
     _after: Counter = field(default_factory=Counter)
     _reported: set = field(default_factory=set)
+    _signatures: dict = field(default_factory=dict)  # kernel -> the last compile's specialisation, for the warning
+    _changes: dict = field(default_factory=dict)  # kernel -> what differed at its first compile after warm-up
     _graphs_at_arm: int = 0
     _graphs_reported: int = 0
     _previous: Any = None
@@ -76,18 +78,23 @@ class CompileWatch:
 
     def _hook(self, *args, **kwargs):
         fn = kwargs.get("fn")
-        name = getattr(fn, "name", None) or str(kwargs.get("key", "?"))
-        self.record_triton(name)
+        name = str(getattr(fn, "name", None) or kwargs.get("key", "?")).rsplit(".", 1)[-1]  # local kernels' qualname
+        self.record_triton(name, str(kwargs.get("repr", "")))
         if self._previous is not None:
             return self._previous(*args, **kwargs)
         return None
 
-    def record_triton(self, name: str) -> None:
-        """One compile of the Triton kernel ``name`` (what the hook calls; public for tests)."""
+    def record_triton(self, name: str, signature: str = "") -> None:
+        """One compile of the Triton kernel ``name`` with its specialisation ``signature`` (Triton's
+        ``kernel[options](arg: type, ...)`` text; what the hook calls, public for tests)."""
         with self._lock:
             self.triton[name] += 1
+            before = self._signatures.get(name)
+            self._signatures[name] = signature
             if self._armed:
                 self._after[name] += 1
+                if name not in self._changes and before is not None:
+                    self._changes[name] = _difference(before, signature)
 
     def arm(self) -> None:
         """Warm-up is over: count from here on."""
@@ -116,8 +123,11 @@ class CompileWatch:
             for name, count in sorted(self._after.items()):
                 if name not in self._reported:
                     self._reported.add(name)
-                    lines.append(f"Triton kernel {name} compiled again after warm-up ({count}x so far): a "
-                                 "batch-varying argument is specialised (mark it do_not_specialize)")
+                    changed = self._changes.get(name)
+                    why = (f"specialisation changed: {changed}; a batch-varying argument is specialised (mark it "
+                           "do_not_specialize)" if changed else
+                           "a new configuration (constexprs or launch options) first met after warm-up")
+                    lines.append(f"Triton kernel {name} compiled again after warm-up ({count}x so far): {why}")
         if self._armed:
             graphs = _dynamo_graphs()
             if graphs > self._graphs_reported:
@@ -125,3 +135,15 @@ class CompileWatch:
                              "(a new shape or mode; TORCH_LOGS=recompiles names the guard)")
                 self._graphs_reported = graphs
         return lines
+
+
+def _difference(before: str, after: str) -> str:
+    """The arguments whose specialisation differs between two of Triton's ``kernel[options](a: t, ...)`` texts,
+    as ``a t -> t'`` ("" when only the options or constexprs differ)."""
+    def args(text: str) -> dict[str, str]:
+        inner = text[text.find("](") + 2:].rstrip(")") if "](" in text else ""
+        pairs = (part.split(": ", 1) for part in inner.split(", ") if ": " in part)
+        return {k.strip(): v.strip() for k, v in pairs}
+
+    a, b = args(before), args(after)
+    return ", ".join(f"{k} {a[k]} -> {b[k]}" for k in a if k in b and a[k] != b[k])
