@@ -19,7 +19,7 @@ def test_counts_only_after_arm_and_reports_each_kernel_once():
     assert len(events) == 2 and "attn_bwd_dq_kernel" in events[0] and "attn_fwd_kernel" in events[1]
     assert "2x" in events[1]
     assert watch.new_events() == []  # each kernel is named once
-    assert "a new configuration" in events[0]
+    assert "a new tile configuration" in events[0]
     assert watch.triton["attn_fwd_kernel"] == 3  # the whole count, warm-up included
 
 

@@ -126,7 +126,9 @@ class CompileWatch:
                     changed = self._changes.get(name)
                     why = (f"specialisation changed: {changed}; a batch-varying argument is specialised (mark it "
                            "do_not_specialize)" if changed else
-                           "a new configuration (constexprs or launch options) first met after warm-up")
+                           "a new tile configuration, or an integer argument that Triton specialises (on "
+                           "divisibility by 16 or == 1) met a new value class; mark batch-varying counts "
+                           "do_not_specialize")
                     lines.append(f"Triton kernel {name} compiled again after warm-up ({count}x so far): {why}")
         if self._armed:
             graphs = _dynamo_graphs()
