@@ -1,4 +1,4 @@
-"""The shared attention input check and semantics every kernel follows (issue #10, items 11-13, 21-23).
+"""The shared attention input check and semantics every kernel follows.
 
 Parametrised over every registered kernel that runs on CPU, so a plugin's kernel is held to the same rules.
 """

@@ -3,9 +3,9 @@ import subprocess
 import sys
 
 import pytest
+from toy_plugin import install
 
 from gemzoo.cli import main
-from toy_plugin import install
 from gemzoo.testing.timeouts import hang_guard
 
 

@@ -2,10 +2,10 @@ import copy
 import re
 
 import pytest
+from toy_plugin import TOY_CONFIG
 
 from gemzoo.config import load_config, parse_override
 from gemzoo.errors import ConfigError, PluginError
-from toy_plugin import TOY_CONFIG
 
 
 def raw(**sections):
@@ -86,7 +86,7 @@ def test_missing_file_and_bad_toml(tmp_path, toy):
 
 
 def test_plugin_options_validated_by_plugin_dataclass(toy):
-    from dataclasses import dataclass, replace
+    from dataclasses import dataclass
 
     @dataclass
     class Opts:

@@ -59,8 +59,8 @@ def _train_rank(rank: int, world: int, port: int, tmp: str) -> None:
 
     rank_env(rank, world, port)
     sys.path.insert(0, SUPPORT)
-    import toy_kinds
     import torch.distributed as dist
+    import toy_kinds
     from toy_plugin import TOY_CONFIG, install
 
     from gemzoo import registry

@@ -1,4 +1,4 @@
-"""issue #9's "done when": a toy planner and a toy batching policy, registered from a fake installed
+"""A toy planner and a toy batching policy, registered from a fake installed
 distribution, are found by the registry and checked by the same conformance suites as the built-ins; and the
 suites do fail a broken entry."""
 

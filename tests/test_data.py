@@ -73,7 +73,7 @@ def test_synthetic_batch_layout():
 
 
 def test_lengths_follow_gem_lognormal():
-    """Same formula as BENCHMARKS.md's gem_lognormal (median 1024, lo 32, hi 16384)."""
+    """Same formula as docs/benchmarks.md's gem_lognormal (median 1024, lo 32, hi 16384)."""
     got = gem_lognormal_lengths(64, 1024, 1.0, 32, 16384, torch.Generator().manual_seed(1))
     z = torch.randn(64, generator=torch.Generator().manual_seed(1))
     want = (1024 * torch.exp(1.0 * z)).round().clamp(32, 16384).long()

@@ -1,4 +1,4 @@
-"""3D dense parallelism (run.mesh, issue 13 item 2): HSDP and tensor parallelism on 4 gloo ranks against one
+"""3D dense parallelism (run.mesh): HSDP and tensor parallelism on 4 gloo ranks against one
 process, bit-exact resume, checkpoints that move between layouts, and the errors for meshes that do not fit.
 
 One spawn of 4 ranks runs every multi-rank phase in turn (each its own run folder) to keep CI time low; the
@@ -114,7 +114,7 @@ def _blocks_under_tp() -> dict:
         for b in blocks:
             b.attn.set_kernel(kernel, registry.get("attention", kernel))
         holder = torch.nn.Module()
-        holder.transformer_blocks = lambda: [blocks[1]]
+        holder.transformer_blocks = lambda blocks=blocks: [blocks[1]]
         mark_rank_rows(parallelize_blocks(holder, mesh["tp"], 2), 2)
         xs = [torch.randn(7, 16) for _ in range(1)] * 2
         xs = [x.clone().requires_grad_() for x in xs]
@@ -123,7 +123,7 @@ def _blocks_under_tp() -> dict:
         got.square().sum().backward()
         g_ref, g_got = xs[0].grad, xs[1].grad
         worst = 0.0
-        for (pname, p), pr in zip(blocks[1].named_parameters(), blocks[0].parameters()):
+        for (_pname, p), pr in zip(blocks[1].named_parameters(), blocks[0].parameters(), strict=True):
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             g = from_rank_rows(g, *rank_rows(p)) if rank_rows(p) is not None else g
             worst = max(worst, float((g - pr.grad).abs().max() / pr.grad.abs().max()))

@@ -27,12 +27,12 @@ def _train_rank(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port, quiet=False)
     sys.path.insert(0, SUPPORT)
     import torch.distributed as dist
+    from toy_plugin import TOY_CONFIG, install
 
     import gemzoo
     from gemzoo import registry
     from gemzoo.config import load_config
     from gemzoo.train.trainer import train
-    from toy_plugin import TOY_CONFIG, install
 
     built = {}
 
@@ -165,12 +165,12 @@ def _logging_rank(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port, quiet=False)
     sys.path.insert(0, SUPPORT)
     import torch.distributed as dist
+    from toy_plugin import TOY_CONFIG, install
 
     import gemzoo
     from gemzoo import registry
     from gemzoo.config import load_config
     from gemzoo.train.trainer import train
-    from toy_plugin import TOY_CONFIG, install
 
     seen = []
 
@@ -216,13 +216,13 @@ def _host_group_rank(rank: int, world: int, port: int, tmp: str) -> None:
     rank_env(rank, world, port, quiet=False)
     sys.path.insert(0, SUPPORT)
     import torch.distributed as dist
+    from toy_plugin import TOY_CONFIG, install
 
     import gemzoo.distributed as gd
     from gemzoo import registry
     from gemzoo.config import load_config
     from gemzoo.train.metrics import reduce_across_ranks
     from gemzoo.train.trainer import train
-    from toy_plugin import TOY_CONFIG, install
 
     dist.init_process_group("gloo")
     comms = registry.get("comms", "torch")
@@ -233,7 +233,7 @@ def _host_group_rank(rank: int, world: int, port: int, tmp: str) -> None:
     losses = {}
     for name, force in (("default", False), ("own", True)):
         plain = gd.host_group_for
-        gd.host_group_for = lambda comms, force=force: plain(comms, force=force)
+        gd.host_group_for = lambda comms, force=force, plain=plain: plain(comms, force=force)
         raw = copy.deepcopy(TOY_CONFIG)
         raw["run"].update(out_dir=os.path.join(tmp, name), steps=6, sync="log")
         try:
@@ -347,14 +347,14 @@ def test_clip_grad_norm_matches_torch_on_cpu_and_cuda():
         gen = torch.Generator().manual_seed(0)
         ours = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((7, 3), (11,), (2, 2, 5))]
         theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=True):
             a.grad = torch.randn(a.shape, generator=gen).to(device)
             b.grad = a.grad.clone()
         theirs[1].grad = ours[1].grad = None  # a parameter without a gradient is skipped
         total = clip_grad_norm(ours, 0.5)
         expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
         assert torch.allclose(total, expected, rtol=1e-6), device
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=True):
             assert (a.grad is None) == (b.grad is None)
             if a.grad is not None:
                 assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7), device

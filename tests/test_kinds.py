@@ -1,6 +1,6 @@
 """The kinds table (gemzoo.kinds) is the one list of kinds: the registry's hooks, config's PluginsConfig (the
 memory-is-a-list rule, the defaults) and ``--plugins``, the CLI's ``list`` choices and the trainer's selected
-plugins all derive from it (issue #9 item 1). The last test adds a kind to the table in a subprocess, touching
+plugins all derive from it. The last test adds a kind to the table in a subprocess, touching
 nothing else of gemzoo, and uses it end to end."""
 
 from __future__ import annotations

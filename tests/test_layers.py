@@ -1,4 +1,4 @@
-"""Layers that hold (issue #9 item 9), checked on the import statements themselves (ast), so a new violation
+"""Layers that hold, checked on the import statements themselves (ast), so a new violation
 fails here by file and line:
 
 - no core module imports gemzoo.builtin (built-ins are plugins: core reaches them through the registry);

@@ -1,4 +1,4 @@
-"""Plugin selection, hook isolation and install hints (issue #10, items 7, 9 and 10)."""
+"""Plugin selection, hook isolation and install hints."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_dists import make_dist
 
 import gemzoo
-from fake_dists import make_dist
 from gemzoo.cli import main
 from gemzoo.config import load_config
 from gemzoo.errors import PluginError

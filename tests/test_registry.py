@@ -1,11 +1,9 @@
-import sys
 
 import pytest
+from fake_dists import make_dist
 
-import gemzoo
 from gemzoo.errors import PluginError
 from gemzoo.plugins import PluginHost
-from fake_dists import make_dist
 
 GOOD = """
 import gemzoo

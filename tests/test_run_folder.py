@@ -6,12 +6,12 @@ import json
 import shutil
 
 import pytest
+from toy_plugin import TOY_CONFIG
 
 from gemzoo.config import load_config
 from gemzoo.errors import CheckpointError, ConfigError
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train.trainer import Trainer, train
-from toy_plugin import TOY_CONFIG
 
 
 def _cfg(out, **run):

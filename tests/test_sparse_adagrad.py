@@ -87,11 +87,11 @@ def test_many_tables_in_one_batch_equal_each_table_alone_bit_for_bit():
     for seed in range(3):
         tables = _tables(seed)
         alone = [(p.clone(), s.clone()) for p, s, *_ in tables]
-        for (p, s), (_, _, ids, vals, clr) in zip(alone, tables):
+        for (p, s), (_, _, ids, vals, clr) in zip(alone, tables, strict=True):
             sync_free_update(p, s, ids, vals, clr=clr, eps=1e-10)
         together = [(p.clone(), s.clone(), ids, vals, clr) for p, s, ids, vals, clr in tables]
         sync_free_update_many(together, eps=1e-10)
-        for (p1, s1), (p2, s2, *_) in zip(alone, together):
+        for (p1, s1), (p2, s2, *_) in zip(alone, together, strict=True):
             assert torch.equal(p1, p2) and torch.equal(s1, s2)
 
 
@@ -103,11 +103,11 @@ def test_several_tables_train_like_torch_adagrad():
         ps = [torch.nn.Parameter(p.clone()) for p in params]
         opt = cls(ps, lr=0.1, **kw)
         for step in range(3):
-            for p, g in zip(ps, grads):
+            for p, g in zip(ps, grads, strict=True):
                 p.grad = g[step]
             opt.step()
         results.append([p.detach() for p in ps])
-    for got, want in zip(results[1], results[0]):
+    for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
@@ -181,7 +181,7 @@ def test_embedding_bag_gradients_train_like_torch_adagrad():
 def test_cuda_batched_tables_never_sync_and_match_each_table_alone():
     tables = [tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in u) for u in _tables(7)]
     alone = [(p.clone(), s.clone()) for p, s, *_ in tables]
-    for (p, s), (_, _, ids, vals, clr) in zip(alone, tables):
+    for (p, s), (_, _, ids, vals, clr) in zip(alone, tables, strict=True):
         sync_free_update(p, s, ids, vals, clr=clr, eps=1e-10)
     together = [(p.clone(), s.clone(), ids, vals, clr) for p, s, ids, vals, clr in tables]
     torch.cuda.synchronize()
@@ -190,7 +190,7 @@ def test_cuda_batched_tables_never_sync_and_match_each_table_alone():
         sync_free_update_many(together, eps=1e-10)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for (p1, s1), (p2, s2, *_) in zip(alone, together):  # atomics: the duplicate rows' sums may round apart
+    for (p1, s1), (p2, s2, *_) in zip(alone, together, strict=True):  # atomics: the duplicate rows' sums may round apart
         torch.testing.assert_close(p2, p1, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(s2, s1, rtol=1e-6, atol=1e-7)
 

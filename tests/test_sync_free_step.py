@@ -1,4 +1,4 @@
-"""A training step reads nothing back from the device (issue 17), checked on the CPU with the meta device.
+"""A training step reads nothing back from the device, checked on the CPU with the meta device.
 
 ``Trainer.launch_step`` must only queue work: under ``run.sync = "log"`` the host then runs ahead of the GPU.
 A read of a device value (``.item()``, ``int(t)``, a boolean mask, ``nonzero``, a ``repeat_interleave``

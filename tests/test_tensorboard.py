@@ -4,10 +4,10 @@ import copy
 import json
 
 import pytest
+from toy_plugin import TOY_CONFIG, install
 
 from gemzoo.config import load_config
 from gemzoo.train.trainer import train
-from toy_plugin import TOY_CONFIG, install
 
 pytest.importorskip("tensorboard")
 

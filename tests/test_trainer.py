@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from toy_plugin import TOY_CONFIG
 
 from gemzoo.config import load_config
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train.trainer import Trainer, train
-from toy_plugin import TOY_CONFIG
 
 
 def _cfg(tmp_path, **sections):
@@ -259,7 +259,7 @@ _GEM_TINY = Path(__file__).resolve().parents[1] / "configs" / "gem-tiny.toml"
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_gem_step_queues_on_cuda_without_a_host_sync(tmp_path, monkeypatch):
     """``launch_step`` on one GPU reads nothing back from the device, so with run.sync = "log" the host runs
-    ahead of it (issue 17's idle GPU time): torch's sync debug mode turns any synchronizing call into an error.
+    ahead of it (the profile's idle GPU time): torch's sync debug mode turns any synchronizing call into an error.
     gem with jfa and bf16 on the plain-torch tables (sparse gradients, SparseAdagrad), clipping on."""
     import math
 

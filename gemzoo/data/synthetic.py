@@ -41,7 +41,7 @@ def stream_generator(seed: int, stream: int, index: int) -> torch.Generator:
 
 
 def gem_lognormal_lengths(batch: int, median: float, sigma: float, lo: int, hi: int, gen: torch.Generator):
-    """BENCHMARKS.md's gem-lognormal: round(median * exp(sigma * z)) clamped to [lo, hi]."""
+    """The gem-lognormal benchmark distribution (docs/benchmarks.md): round(median * exp(sigma * z)) clamped to [lo, hi]."""
     z = torch.randn(batch, generator=gen)
     return (median * torch.exp(sigma * z)).round().clamp(lo, hi).long()
 

@@ -1,9 +1,9 @@
 """A pytest plugin that writes each test's outcome, and each failure's text, the moment it is known.
 
-For runs that may be cut off (a device call's time limit, a hang): what finished is on disk, not only in a
+For runs that may be cut off (a job's time limit, a hang): what finished is on disk, not only in a
 summary that never prints. Enable it with ``-p gemzoo.testing.eager_log`` and a folder in ``GEMZOO_TEST_LOG``::
 
-    GEMZOO_TEST_LOG=$OUT python -m pytest -q -p gemzoo.testing.eager_log --timeout 90
+    GEMZOO_TEST_LOG=results/ python -m pytest -q -p gemzoo.testing.eager_log --timeout 90
 
 ``progress.txt`` gets one line per test (seconds since start, outcome, phase, duration, node id) and
 ``failures.txt`` the report of each failure with its captured output, both flushed at every line.

@@ -3,7 +3,7 @@
 torch's Adagrad coalesces each sparse gradient first (sums the rows looked up more than once). On CUDA that
 is a host sync per table: the number of distinct rows is read back to size the result. gem-bench's 16 tables
 so drained the device queue 16 times at the end of every step, and the optimizer's host work (about 10 ms on
-the H200, issue 17's profile) ran with the GPU idle.
+the H200, the compiled gem-bench step profile) ran with the GPU idle.
 
 Here the duplicate rows are summed into slots of a fixed size, one per looked-up id (sort, segment ids by
 cumsum, ``index_add_``); the slots past the last distinct row hold zeros and add nothing. No op's output
@@ -63,7 +63,7 @@ def sync_free_update_many(updates, *, eps: float) -> None:
     T tables instead of about 14T. gem-bench's shape (16 tables, 192 lookups each, width 128; counted on the CPU
     with torch.profiler, 2026-12-02): 175 top-level aten calls a step (views included) instead of 624, 15.8 against
     26.0 ms of CPU time there. Not yet timed on the H200, where the per-table version's step had 14.3 ms of GPU
-    idle inside it (issue 17's profile)."""
+    idle inside it (the compiled gem-bench step profile)."""
     groups: dict = {}
     for u in updates:
         param, _, index, values, _ = u

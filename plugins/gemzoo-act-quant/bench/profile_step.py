@@ -1,6 +1,6 @@
 """Where an act-quant step's time goes: torch.profiler over compiled training steps, with and without the policy.
 
-    python plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --out $OUT/act_quant_profile.json
+    python plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --out results/act_quant_profile.json
 
 Each plugin set trains ``--steps`` compiled steps (``run.compile = true``); the last ``--profile`` steps run
 under torch.profiler. Per set: step wall time, GPU kernel time grouped (GEMM, attention, the fp8 casts of

@@ -2,13 +2,13 @@
 
     python plugins/gemzoo-auto-ac/bench/bench_memory.py --config configs/gem-bench.toml --steps 20 --warmup 8
 
-Rows (issue 15), every one with run.compile = true and dynamic shapes from the first compile:
+Rows, every one with run.compile = true and dynamic shapes from the first compile:
   jfa,bf16 | jfa,bf16,full-ac | jfa,bf16,act-quant | jfa,bf16,auto-ac target_gib=45 |
   jfa,bf16,auto-ac at full-ac's peak (target_gib = that row's measured peak) |
   jfa,mxfp8,act-quant,auto-ac (auto-ac at the budget the previous row chose)
 Medians of samples/s after --warmup steps; peak = torch.cuda.max_memory_allocated over the measured steps;
 static = memory allocated after the run (parameters, optimizer state); activations = peak - static.
-Rows start only while --budget-s seconds are left, so a device call ends in time; JSON after every row.
+Rows start only while --budget-s seconds are left, so a time-limited job ends in time; JSON after every row.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Per-step overhead of base-batch-shuffle on one device (issue 16: target <= 1% of the step, overlapped).
+"""Per-step overhead of base-batch-shuffle on one device (target: <= 1% of the step, overlapped).
 
     python3 plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml --plugins jfa,bf16 \
-        --steps 20 --warmup 5 --worlds 8,64,512 --out $OUT/overhead.json
+        --steps 20 --warmup 5 --worlds 8,64,512 --out results/overhead.json
     .venv/bin/python plugins/gemzoo-batch-shuffle/bench/overhead.py --dry-run --out /tmp/overhead.json   # CPU
 
 One trainer is assembled once (the model is not reduced) and its ``train_step`` is timed over the same steps

@@ -12,7 +12,7 @@ costs are compared under:
 
 Each cell is max/mean of the per-rank cost, averaged over ``--draws`` global batches (the slowest rank sets
 the step, so ``1 - mean/max`` of the step is spent waiting); ``ms`` is the median time of the policy's
-``assign`` on the whole global batch (what every rank computes each step). JSON goes to ``$OUT`` (or this
+``assign`` on the whole global batch (what every rank computes each step). JSON goes to ``--out`` (or this
 folder) as ``simulate.json``.
 
     .venv/bin/python plugins/gemzoo-batch-shuffle/bench/simulate.py --worlds 2,4,8,64 --draws 5
@@ -34,12 +34,12 @@ from gemzoo_batch_shuffle import BatchShuffle, BatchShuffleOptions, imbalance
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def gem_lognormal(b: int, seed: int) -> torch.Tensor:  # BENCHMARKS.md
+def gem_lognormal(b: int, seed: int) -> torch.Tensor:  # docs/benchmarks.md
     z = torch.randn(b, generator=torch.Generator().manual_seed(seed))
     return (1024 * torch.exp(1.0 * z)).round().clamp(32, 16384).long()
 
 
-def uniform_8k(b: int, seed: int) -> torch.Tensor:  # BENCHMARKS.md
+def uniform_8k(b: int, seed: int) -> torch.Tensor:  # docs/benchmarks.md
     return torch.randint(1, 8192, (b,), generator=torch.Generator().manual_seed(seed))
 
 

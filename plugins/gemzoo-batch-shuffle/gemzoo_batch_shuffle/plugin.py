@@ -7,7 +7,7 @@ site plus linear FLOPs per token) across the data-parallel ranks. It only partit
 own part of the global batch, ``gemzoo.data.exchange.rebalance`` all-gathers the costs (one number per
 sample), calls ``assign`` (the same answer on every rank) and moves the samples with one all-to-all of the
 jagged batch. The trainer weights each rank's loss by its share of the global loss terms, so the update
-does not depend on the split (issue 16 item 2).
+does not depend on the split.
 
 Options (``[plugins.options.base-batch-shuffle]``, validated by ``BatchShuffleOptions``)::
 

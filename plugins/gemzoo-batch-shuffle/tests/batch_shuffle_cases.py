@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def gem_lognormal(b: int, median: float = 1024, sigma: float = 1.0, lo: int = 32, hi: int = 16384,
                   seed: int = 1) -> torch.Tensor:
-    """BENCHMARKS.md's gem-lognormal lengths."""
+    """The gem-lognormal lengths of docs/benchmarks.md."""
     z = torch.randn(b, generator=torch.Generator().manual_seed(seed))
     return (median * torch.exp(sigma * z)).round().clamp(lo, hi).long()
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark block-attention (issue #12's table) in one process: H=4, D=128, bf16, forward and forward+backward.
+"""Benchmark block-attention in one process: H=4, D=128, bf16, forward and forward+backward.
 
 Rows:
   * block 64 on one sequence of L = 8K, 16K, 32K, 64K: block-attention vs FlexAttention with the same
@@ -12,7 +12,7 @@ fwd+bwd 3x). Correctness first: every block-attention row is checked against Fle
 The gem-lognormal distribution is bench_jfa's (imported).
 
     PYTHONPATH=.:plugins/gemzoo-jfa:plugins/gemzoo-block-attention \
-        python3 plugins/gemzoo-block-attention/bench/bench_block_attention.py --out $OUT [--deadline 200]
+        python3 plugins/gemzoo-block-attention/bench/bench_block_attention.py --out results/ [--deadline 200]
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ unsplit, and compiled FlexAttention, the bench's baseline, on the same tensors),
 GPU kernel time beside the host's wall time per call. A call whose wall time is well above its kernels'
 time is host-bound (launch overhead), not kernel-bound.
 
-    python3 plugins/gemzoo-block-attention/bench/profile_host.py --out $OUT
-    python3 plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out $OUT   # + Python's top 25
+    python3 plugins/gemzoo-block-attention/bench/profile_host.py --out results/
+    python3 plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out results/   # + Python's top 25
 """
 
 from __future__ import annotations

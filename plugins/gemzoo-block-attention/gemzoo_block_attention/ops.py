@@ -140,7 +140,7 @@ block_fwd.register_autograd(_backward, setup_context=_setup_context)
 # -- rotary in torch (CPU dispatch, and the unfused baseline of the bench) --------------------------------
 
 def rope_jagged(q, k, q_offsets, k_offsets, theta: float):
-    """q and k rotated in torch by DESIGN.md's rule (query i of a sequence at i + Lk - Lq, key j at j), in
+    """q and k rotated in torch by docs/attention.md's rule (query i of a sequence at i + Lk - Lq, key j at j), in
     fp32 and cast back: new tensors (what the fused kernels avoid)."""
     tq, tk = q.shape[0], k.shape[0]
     shift = (k_offsets.diff() - q_offsets.diff())[seq_ids(q_offsets, tq)]

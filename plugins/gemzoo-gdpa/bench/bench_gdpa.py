@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark gdpa (pointwise attention) against its baselines, every row of issue #11 in one process.
+"""Benchmark gdpa (pointwise attention) against its baselines, every row in one process.
 
-Workloads (H=4, D=128, bf16; distributions from plugins/gemzoo-jfa/bench/bench_jfa.py and BENCHMARKS.md):
+Workloads (H=4, D=128, bf16; distributions from plugins/gemzoo-jfa/bench/bench_jfa.py and docs/benchmarks.md):
   1. silu causal self-attention, norm = max length, on gem_lognormal and uniform_8k, fwd and fwd+bwd:
      gdpa vs eager torch pointwise on padded tensors and jfa (softmax) on the same data;
   2. every other activation, fwd+bwd, gem_lognormal: vs gdpa silu;
@@ -9,7 +9,7 @@ Workloads (H=4, D=128, bf16; distributions from plugins/gemzoo-jfa/bench/bench_j
      (split-K path) vs FlexAttention (softmax, compiled, document mask) and the eager padded reference;
   4. short: B=4096, lognormal median 48, sigma 0.7, clipped 1..1024, silu causal: vs eager and jfa.
 Median of triton.testing.do_bench(warmup=25, rep=100). Useful FLOPs count allowed pairs only: causal
-fwd 2*H*D*sum L^2, fwd+bwd 7*H*D*sum L^2 (BENCHMARKS.md); cross fwd 4*H*D*pairs, fwd+bwd 14*H*D*pairs.
+fwd 2*H*D*sum L^2, fwd+bwd 7*H*D*sum L^2 (docs/benchmarks.md); cross fwd 4*H*D*pairs, fwd+bwd 14*H*D*pairs.
 Correctness first: gdpa against the eager padded implementation on every workload it is timed on.
 
     PYTHONPATH=.:plugins/gemzoo-jfa:plugins/gemzoo-gdpa python3 plugins/gemzoo-gdpa/bench/bench_gdpa.py [--out DIR]
@@ -62,7 +62,7 @@ def autograd_pair(fn, leaves, grad):
 
 class Eager:
     """Eager torch pointwise attention on padded [chunk, H, Lq, Lk] tensors, chunked over the batch so the
-    score tensors fit (a chunk's backward runs right after its forward). Same math as DESIGN.md."""
+    score tensors fit (a chunk's backward runs right after its forward). Same math as docs/attention.md."""
 
     def __init__(self, q, k, v, q_off, k_off, grad, causal, act, norm):
         lq, lk = q_off.diff(), k_off.diff()
@@ -278,7 +278,7 @@ def targets(res):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_gdpa.json ($OUT)")
+    ap.add_argument("--out", default="bench_out", help="folder for bench_gdpa.json")
     ap.add_argument("--only", default="self,acts,cross,short",
                     help="comma-separated subset of self (gem_lognormal and uniform_8k), self1 (gem_lognormal only), "
                          "acts, cross, short")
@@ -302,6 +302,7 @@ def main():
     def save():
         RESULTS["targets"] = targets(res)
         if args.out:
+            os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "bench_gdpa.json"), "w") as f:
                 json.dump(RESULTS, f, indent=1)
             with open(os.path.join(args.out, "table_gdpa.txt"), "w") as f:

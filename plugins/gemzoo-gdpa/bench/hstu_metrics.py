@@ -1,6 +1,6 @@
-"""HSTU trained with gdpa against the same config on other attention kernels, at equal steps (issue 11).
+"""HSTU trained with gdpa against the same config on other attention kernels, at equal steps.
 
-    python plugins/gemzoo-gdpa/bench/hstu_metrics.py --steps 150 --out $OUT/hstu_metrics.json
+    python plugins/gemzoo-gdpa/bench/hstu_metrics.py --steps 150 --out results/hstu_metrics.json
 
 `configs/hstu-ml1m.toml` (pointwise silu attention, no relative bias: gdpa has none fused) on MovieLens-1M-
 shaped synthetic data written to a temporary folder (6,040 users, 3,706 items, ML-1M's length spread; each

@@ -2,7 +2,7 @@
 """Benchmark jfa against FlexAttention (document+causal mask, compiled), FlashAttention varlen
 (torch.nn.attention.varlen.varlen_attn, causal), NJT+SDPA and padded SDPA.
 
-Workloads from BENCHMARKS.md (H=4, D=128, bf16): gem_lognormal, uniform_8k and short (B=4096, lognormal median
+Workloads of docs/benchmarks.md (H=4, D=128, bf16): gem_lognormal, uniform_8k and short (B=4096, lognormal median
 48, sigma 0.7, clipped 1..1024: many short histories, where jfa's length buckets apply); forward and forward+backward;
 median of triton.testing.do_bench(warmup=25, rep=100); TFLOP/s from useful FLOPs (fwd 2*H*D*sum L^2,
 fwd+bwd 7*H*D*sum L^2); peak memory above the inputs. Correctness first: jfa against an fp64 reference
@@ -74,6 +74,7 @@ def log(msg):
 
 def save(out_dir):
     if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "bench_jfa.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
 
@@ -536,7 +537,7 @@ def table():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench_jfa.json ($OUT)")
+    ap.add_argument("--out", default="bench_out", help="folder for bench_jfa.json")
     ap.add_argument("--sweep", default="", help="comma-separated extra sweeps: configs, order, tma, fused_dq, short")
     ap.add_argument("--workloads", default="gem_lognormal,uniform_8k,short", help="comma-separated subset")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Compile kernel variants of the jfa family for Hopper (sm_90a) on a machine without a GPU, and report what
 ptxas says: shared memory, registers, spills, or the crash. The cheap first check of a new tile shape or
-constexpr before a device call (triton 3.6's ptxas has crashed on some variants; see the README).
+constexpr before a GPU run (triton 3.6's ptxas has crashed on some variants; see the README).
 
     .venv/bin/python plugins/gemzoo-jfa/bench/compile_sm90.py [--only NAME,...] [--out results.json]
 
 Each variant is (kernel, constexprs, num_warps, num_stages, tensor-descriptor boxes); the non-constexpr
 arguments get their types from their names (bf16 tensors, int64 offsets, int32 schedules and scalars).
-The local triton (3.7 here) is not the image's 3.6, so a pass here is evidence, not proof.
+A triton other than the GPU machine's may compile differently, so a pass on another version is evidence, not proof.
 """
 
 from __future__ import annotations

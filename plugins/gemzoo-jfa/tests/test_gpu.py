@@ -171,7 +171,7 @@ def test_fused_dq_matches_reference(d, causal, asym, window, dtype):
 
 
 def test_strided_offsets_view_on_cuda():
-    """Issue #10 item 20: a strided offsets view (t[::2]) gives the same result as contiguous offsets."""
+    """A strided offsets view (t[::2]) gives the same result as contiguous offsets."""
     from gemzoo_jfa import jfa_triton
 
     lens = torch.tensor([300, 0, 17, 129, 1])

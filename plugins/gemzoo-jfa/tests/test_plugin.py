@@ -6,10 +6,10 @@ import pytest
 import torch
 from gemzoo_jfa.ops import KERNEL
 from gemzoo_jfa.schedule import build_schedule, capacity
-from gemzoo.testing.timeouts import hang_guard
 
 from gemzoo.api import AttentionRequest, JaggedShapeError, PluginError, lengths_to_offsets, registry
 from gemzoo.testing import attention_cases, check_attention
+from gemzoo.testing.timeouts import hang_guard
 
 
 def test_entry_point_registers_jfa():

@@ -1,9 +1,9 @@
-"""MXFP8 benchmark: correctness first, then the mxfp8 / fp8-rowwise / MX-cast rows of BENCHMARKS.md.
+"""MXFP8 benchmark: correctness first, then the mxfp8 / fp8-rowwise / MX-cast rows of docs/benchmarks.md.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=.:plugins/gemzoo-mxfp8 python3 plugins/gemzoo-mxfp8/bench/bench_mxfp8.py
 
 Baselines in the same run: bf16 nn.Linear MLP (torch.compile'd, cuBLAS) and eager torch casts (gemzoo.mx).
-Times are medians of triton.testing.do_bench(warmup=25, rep=100). JSON goes to $OUT (or ./bench_out).
+Times are medians of triton.testing.do_bench(warmup=25, rep=100). JSON goes to --out (default ./bench_out).
 On a machine without CUDA it runs a tiny dry run (Triton interpreter) to check the script itself.
 """
 

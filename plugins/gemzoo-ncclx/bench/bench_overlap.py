@@ -1,9 +1,9 @@
 """GEMM slowdown while collective-sized buffers move: ncclx's copy-engine path against SM copy kernels, one GPU.
 
-    python plugins/gemzoo-ncclx/bench/bench_overlap.py --out $OUT/ncclx_overlap.json      # one H200, < 120 s
+    python plugins/gemzoo-ncclx/bench/bench_overlap.py --out results/ncclx_overlap.json      # one H200, < 120 s
     python plugins/gemzoo-ncclx/bench/bench_overlap.py --dry-run --out /tmp/ncclx.json    # CPU smoke (tiny sizes)
 
-One process, one device call, about 75 s on one H200 (estimate: the C++ build ~20 s, the GEMM rounds ~35 s:
+One process, about 75 s on one H200 (estimate: the C++ build ~20 s, the GEMM rounds ~35 s:
 57 timings of ~0.5 s and 6 alone ones of 0.33 s; the 2-process check and the rest ~20 s; the previous version,
 with a third of the modes, took 56 s). ``--rounds 2`` or
 ``--sizes-mb 256`` cut it by a third or a half.

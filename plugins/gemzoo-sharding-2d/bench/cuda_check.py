@@ -1,13 +1,13 @@
-"""sharding-2d on CUDA: one process (the H200 now), or 2-8 GPUs under torchrun over NCCL (issue 20).
+"""sharding-2d on CUDA: one process on one GPU, or 2-8 GPUs under torchrun over NCCL.
 
 One process (``python bench/cuda_check.py``): gem-tiny narrowed (4 tables of 4096 x 16, 32 samples a step) for
 5 steps with the built-in planner (no torchrec on the GPU image: whole tables, the trainer's Adagrad) and with
 sharding-2d (G = 1: the engine's own Adagrad on CUDA); the losses must agree within 1e-5 relative.
 
 Several GPUs (``torchrun --nproc-per-node 4 bench/cuda_check.py --multi``): sharding-2d with G = W / 2 x R = 2,
-replicated and fully sharded, against the one-process losses in ``$OUT/cuda_single.json`` (run the one-process
-mode first, into the same ``$OUT``); rank 0 writes the losses, table bytes a rank and collective bytes a step.
-Both finish well under 120 s on an H200. Results: ``$OUT/cuda_single.json`` / ``$OUT/cuda_multi.json``.
+replicated and fully sharded, against the one-process losses in ``OUT_DIR/cuda_single.json`` (run the one-process
+mode first, into the same ``OUT_DIR``); rank 0 writes the losses, table bytes a rank and collective bytes a step.
+Both finish well under 120 s on an H200. Results: ``OUT_DIR/cuda_single.json`` / ``OUT_DIR/cuda_multi.json``.
 """
 
 from __future__ import annotations

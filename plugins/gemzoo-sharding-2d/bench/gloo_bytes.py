@@ -4,7 +4,7 @@
 gem-tiny narrowed to 1 block of width 16, with 4 tables of 4096 x 16 (1 MiB fp32 in all) and 32 samples a step
 (8 a rank), 4 steps, under: 1D (one group of 4, row-wise), 2x2 replicated (gradient sync), 2x2 replicated with
 weight sync every 2 steps, 2x2 fully sharded. Bytes are what each rank handed to its collectives, a step, mean
-over ranks and steps; "plan" is the formula on each rank's own batch (mean over the same). JSON goes to ``$OUT``
+over ranks and steps; "plan" is the formula on each rank's own batch (mean over the same). JSON goes to ``--out``
 (or this folder) as ``gloo_bytes.json``.
 
     .venv/bin/python plugins/gemzoo-sharding-2d/bench/gloo_bytes.py

@@ -1,5 +1,5 @@
 """``gemzoo plan`` for configs/gem-bench.toml's tables at 8, 64, 1024 and 4096 ranks (groups of 8, one node, and
-of 64 from 1024 ranks on), as one markdown table for the README; JSON to ``$OUT`` (or this folder) as
+of 64 from 1024 ranks on), as one markdown table for the README; JSON to ``--out`` (or this folder) as
 ``plan_gem_bench.json``. The same figures as ``gemzoo plan --config configs/gem-bench.toml --world W --group G``.
 
     .venv/bin/python plugins/gemzoo-sharding-2d/bench/plan_table.py
