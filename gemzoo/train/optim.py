@@ -7,7 +7,6 @@ from torch import nn
 
 from gemzoo.config import Config
 from gemzoo.distributed import is_fsdp_shard
-from gemzoo.errors import ConfigError
 from gemzoo.interfaces.planner import whole_parameters
 from gemzoo.train.sparse_adagrad import SparseAdagrad
 
