@@ -10,6 +10,7 @@ its loop (``gemzoo.train.loop``):
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from fnmatch import fnmatch
 from pathlib import Path
@@ -151,11 +152,21 @@ class Trainer(StepLoop):
         self.progress = progress
         self.hook = registry.host().pm.hook
         self.resume_changes: list[tuple[str, Any, Any]] = []
+        self.lock: run_folder.RunLock | None = None
+
+    def release(self) -> None:
+        """Give up the run folder's lock (``train`` does it when the run ends, however it ends)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ----------------------------------------------------------------------------------------
     def assemble(self) -> Trainer:
         cfg = self.cfg
-        # 1. Config: validated by load_config; plugins may look at it. One run folder holds one run.
+        # 1. Config: validated by load_config; plugins may look at it. One run folder holds one run, and one
+        #    trainer at a time: rank 0 (RANK is torchrun's) locks it; the other ranks wait at the barrier below.
+        if os.environ.get("RANK", "0") == "0":
+            self.lock = run_folder.RunLock.acquire(self.out_dir)
         run_folder.check_run_folder(self.out_dir, resume=bool(self.resume), overwrite=self.overwrite)
         self.hook.gemzoo_configure(config=cfg)
         torch.manual_seed(cfg.run.seed)
@@ -316,4 +327,8 @@ def _shape_message(state: dict, mismatched: list, saved_cfg: dict | None, curren
 
 def train(cfg: Config, *, resume: bool | str = False, out_dir: str | None = None, progress: bool = True,
           overwrite: bool = False) -> TrainResult:
-    return Trainer(cfg, resume=resume, out_dir=out_dir, progress=progress, overwrite=overwrite).assemble().fit()
+    trainer = Trainer(cfg, resume=resume, out_dir=out_dir, progress=progress, overwrite=overwrite)
+    try:
+        return trainer.assemble().fit()
+    finally:
+        trainer.release()
