@@ -2,7 +2,8 @@
 
 Layout: ``<out_dir>/checkpoints/step-00000100/{model,optim,rng}.safetensors, manifest.json``.
 A checkpoint is written into a temporary folder, every file fsynced, then renamed into place, so a
-crash leaves either the old set or the new one. The manifest records each file's size and SHA-256;
+crash leaves either the old set or the new one. A checkpoint whose parameters or optimizer state hold a NaN or
+an infinity is never committed (``NonFiniteState``): every checkpoint a run leaves is one it can resume from. The manifest records each file's size and SHA-256;
 loading verifies them, so truncation or corruption raises CheckpointError instead of loading junk.
 
 This module is file IO only: it writes and reads whole tensors. Making sharded state whole (and putting it
@@ -24,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from gemzoo.errors import CheckpointError
+from gemzoo.errors import CheckpointError, TrainingError
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -46,6 +47,50 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class NonFiniteState(TrainingError):
+    """The model or optimizer state holds a NaN or an infinity; no checkpoint of it is written."""
+
+
+def nonfinite_tensors(named: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors that hold a NaN or an infinity. One fused max-norm reduction per
+    (device, dtype) group and one read of its flags, so the check costs a pass over the state, not a sync per
+    tensor. A DTensor is checked by its local shard (each rank checks its own)."""
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named.items():
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append((name, t.detach()))
+    bad = []
+    for items in groups.values():
+        norms = torch._foreach_norm([t for _, t in items], float("inf"))
+        flags = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
+        bad += [name for (name, _), ok in zip(items, flags, strict=True) if not ok]
+    return bad
+
+
+def last_checkpoint_note(root: str | Path) -> str:
+    """Where a stopped run can resume from: its newest checkpoint (every committed one is finite), or none."""
+    found = list_checkpoints(root)
+    if not found:
+        return f"no checkpoint has been written in {root} yet; start again with a lower optim.lr"
+    return f"the last checkpoint, {found[-1]}, holds finite state (resume from it with --resume)"
+
+
+def nonfinite_state(step: int, bad: list[str], total: int, root: str | Path) -> NonFiniteState:
+    """The error for ``bad`` (names such as ``model.x.weight``, ``optim-dense.3.exp_avg``) out of ``total``
+    floating-point tensors, naming the last checkpoint under ``root``."""
+    shown = ", ".join(bad[:4]) + (", ..." if len(bad) > 4 else "")
+    return NonFiniteState(
+        f"step {step}: {len(bad)} of {total} tensors of the parameters and optimizer state hold NaN or infinity "
+        f"({shown}), so no checkpoint of step {step} is written; {last_checkpoint_note(root)}. Lower optim.lr, "
+        "set optim.grad_clip, or try precision = \"fp32\".")
+
+
+def _state_tensors(files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """file -> name -> tensor as one ``"model.x.weight"``-named table (the file's stem, then the name)."""
+    return {f"{Path(f).stem}.{k}": v for f, tensors in files.items() for k, v in tensors.items()}
 
 
 def flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -93,12 +138,6 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
     Every tensor is whole (``gemzoo.distributed.state`` gathers sharded ones first). ``planner_state``: the
     planner's own state (``Planner.state_dict``), written to planner.safetensors when there is any."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     files = {"model.safetensors": {k: v.detach().contiguous().cpu() for k, v in model_state.items()}}
     optim_meta = {}
     for name, state in optimizers.items():
@@ -107,7 +146,17 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         optim_meta[name] = meta
     if planner_state:
         files[PLANNER_FILE] = {k: v.detach().contiguous().cpu() for k, v in planner_state.items()}
+    state = _state_tensors(files)
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise nonfinite_state(step, bad, sum(t.is_floating_point() for t in state.values()), root)
     files["rng.safetensors"] = rng_state()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
     entries = {}
     for fname, tensors in files.items():
         path = tmp / fname
