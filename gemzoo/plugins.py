@@ -110,7 +110,8 @@ class PluginHost:
                 refused = api_mismatch(declared_api(plugin, ep.module), ep.name, dist)
                 if refused is None:
                     self.pm.register(plugin, name=ep.name)
-            except Exception as exc:  # a broken plugin must not take the others down
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a broken plugin must not take the others
+                # down, nor end the process: sys.exit() or a KeyboardInterrupt at its import is its load failure
                 self.infos[ep.name] = PluginInfo(
                     ep.name, dist, version, error=f"{type(exc).__name__}: {exc}"
                 )

@@ -12,11 +12,14 @@ back into shards) is ``gemzoo.distributed.state``'s job, and the planner's for i
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import struct
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,10 @@ FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 PLANNER_FILE = "planner.safetensors"  # the planner's own state (Planner.state_dict), e.g. its tables' fused Adagrad
 LEGACY_PLANNER_FILE = "optim-fused-tables.safetensors"  # the same, as checkpoints before 2026-12-01 name it
+MANIFEST_HASH = "manifest_sha256"  # the manifest's own SHA-256 (of its canonical JSON without this key)
+# Fault-injection tests only: seconds to pause between the tensor files and the manifest, the window in which
+# a kill leaves a temporary folder and no new checkpoint.
+PAUSE_ENV = "GEMZOO_TEST_CKPT_PAUSE_S"
 
 
 def _sha256(path: Path) -> str:
@@ -39,6 +46,12 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON (sorted keys), the ``manifest_sha256`` key left out."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -151,9 +164,30 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
     if bad:
         raise nonfinite_state(step, bad, sum(t.is_floating_point() for t in state.values()), root)
     files["rng.safetensors"] = rng_state()
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _write(tmp, final, root, files, {"format": FORMAT_VERSION, "step": step, "optimizers": optim_meta, **manifest})
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = " (the disk is full: free space first)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise CheckpointError(
+            f"writing checkpoint step {step} into {root} failed: {exc.strerror or exc}{full}. The write is atomic: "
+            f"nothing of step {step} was committed and {_kept(root)}.") from None
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _kept(root: Path) -> str:
+    found = list_checkpoints(root)
+    return f"the last good checkpoint, {found[-1]}, is kept (resume from it with --resume)" if found else \
+        "no earlier checkpoint exists"
+
+
+def _write(tmp: Path, final: Path, root: Path, files: dict[str, dict[str, torch.Tensor]], manifest: dict) -> None:
+    """Write ``files`` and the manifest into ``tmp``, fsync them, and rename ``tmp`` to ``final``."""
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -162,9 +196,14 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         path = tmp / fname
         save_file(_dedupe_storage(tensors), str(path))
         entries[fname] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-    full_manifest = {"format": FORMAT_VERSION, "step": step, "files": entries, "optimizers": optim_meta, **manifest}
+    pause = float(os.environ.get(PAUSE_ENV) or 0)
+    if pause > 0:
+        time.sleep(pause)
+    full = json.loads(json.dumps({"format": manifest["format"], "step": manifest["step"], "files": entries,
+                                  **manifest}, default=str))
+    full[MANIFEST_HASH] = manifest_digest(full)
     with open(tmp / "manifest.json", "w") as f:
-        json.dump(full_manifest, f, indent=1, default=str)
+        json.dump(full, f, indent=1)
     mode = (tmp / "manifest.json").stat().st_mode & 0o777  # what the umask gives a new file (safetensors: 0600)
     for fname in files:
         os.chmod(tmp / fname, mode)
@@ -176,9 +215,6 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _dedupe_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -267,6 +303,21 @@ def validate_manifest(manifest: Any, path: str | Path) -> None:
         raise bad("has a config entry that is not an object")
 
 
+def _not_safetensors(path: Path, size: int) -> str | None:
+    """Why ``path`` is not a safetensors file (an 8-byte header length, then that many bytes of a JSON object),
+    or None. Checked before the parser sees it, so a pickle or a zip says so instead of "header too large"."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9:
+        return f"{size} bytes, shorter than a safetensors header"
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > size - 8:
+        return f"its first 8 bytes give a header of {n} bytes, longer than the file"
+    if head[8:9] != b"{":
+        return f"its header does not start a JSON object (it starts {head[8:9]!r})"
+    return None
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Verify and load one checkpoint folder. Raises CheckpointError naming the bad file."""
     path = Path(path)
@@ -278,6 +329,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{manifest_path} is corrupt ({exc}); resume from an earlier checkpoint") from None
     validate_manifest(manifest, path)
+    if MANIFEST_HASH in manifest and manifest[MANIFEST_HASH] != manifest_digest(manifest):
+        raise CheckpointError(f"{manifest_path} fails its own SHA-256 check (it was edited or corrupted after it "
+                              "was written); resume from an earlier checkpoint (--resume picks the newest valid one)")
     loaded = {}
     for fname, meta in manifest["files"].items():
         fpath = path / fname
@@ -291,6 +345,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             )
         if _sha256(fpath) != meta["sha256"]:
             raise CheckpointError(f"{fpath} fails its SHA-256 check; resume from an earlier checkpoint")
+        problem = _not_safetensors(fpath, size)
+        if problem:
+            raise CheckpointError(f"{fpath} is not a safetensors file ({problem}); gemzoo reads checkpoints only as "
+                                  "safetensors. Resume from an earlier checkpoint.")
         try:
             loaded[fname] = load_file(str(fpath))
         except (SafetensorError, OSError) as exc:

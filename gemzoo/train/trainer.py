@@ -285,7 +285,12 @@ class Trainer(StepLoop):
         for name, opt in self.optimizers.items():
             if name not in state["optimizers"]:
                 raise CheckpointError(f"{state['path']} has no state for optimizer {name!r}")
-            opt.load_state_dict(state["optimizers"][name])
+            try:
+                opt.load_state_dict(state["optimizers"][name])
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                raise CheckpointError(
+                    f"{state['path']}: its state for optimizer {name!r} does not fit this run's ({exc}); resume "
+                    "from an earlier checkpoint, or start a new run (--out DIR)") from None
             dstate.redistribute_optimizer_state(opt)
         apply_optimizer_settings(self.optimizers, self.cfg)  # the config's lr etc., not the checkpoint's
         missing = self.planner.load_state_dict(self.model, state["planner"])
