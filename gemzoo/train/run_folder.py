@@ -126,40 +126,61 @@ def clear_run_folder(path: str | Path) -> list[str]:
     return removed
 
 
-def trim_metrics(path: str | Path, step: int) -> int:
-    """Drop the rows of ``metrics.jsonl`` a resume at ``step`` supersedes; returns how many went
-    (``end`` events not counted: a finished run that goes on drops its own).
+def trim_metrics(path: str | Path, step: int) -> list[str]:
+    """Drop the rows of ``metrics.jsonl`` a resume at ``step`` supersedes; returns what went and why, one
+    phrase per reason (``end`` events not counted: a finished run that goes on drops its own).
 
-    Superseded: step rows after ``step``, ``end`` events (the run goes on) and lines a kill cut short.
-    The file is rewritten atomically (temporary file, fsync, rename)."""
+    Superseded: step rows after ``step`` (the resumed run writes them again), ``end`` events (the run goes on),
+    and lines that are not a JSON object: cut short by a kill, or not text at all. The file is rewritten
+    atomically (temporary file, fsync, rename)."""
     path = Path(path)
     if not path.is_file():
-        return 0
-    kept, dropped, rewrite = [], 0, False
-    for line in path.read_text().splitlines():
+        return []
+    kept: list[bytes] = []
+    dropped: dict[str, list[int]] = {}
+    rewrite = False
+    for number, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
+            rewrite = rewrite or bool(line)
+            continue
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            dropped.setdefault("not UTF-8 text", []).append(number)
+            continue
         except json.JSONDecodeError:
-            dropped += 1
+            dropped.setdefault("not JSON (cut short by a kill, or overwritten)", []).append(number)
             continue
         if not isinstance(record, dict):
-            dropped += 1
+            dropped.setdefault("not a JSON object", []).append(number)
             continue
         row_step = record.get("step")
         if isinstance(row_step, int) and row_step > step:
-            dropped += 1
+            dropped.setdefault(f"after step {step}, where the run resumes (it writes them again)", []).append(number)
         elif record.get("event") == "end":
             rewrite = True
         else:
             kept.append(line)
     if dropped or rewrite:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
+        with open(tmp, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in kept))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    return dropped
+    return [f"{len(lines)} row(s) {_line_numbers(lines)}: {why}" for why, lines in dropped.items()]
+
+
+def _line_numbers(numbers: list[int]) -> str:
+    """[3, 4, 5, 9] -> "(lines 3-5, 9)"."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans[:6]) + (", ..." if len(spans) > 6 else "")
+    return f"(line{'s' if len(numbers) > 1 else ''} {text})"
 
 
 def run_folder_of(path: str | Path) -> Path | None:

@@ -310,9 +310,10 @@ class Trainer(StepLoop):
             dropped = run_folder.trim_metrics(self.out_dir / run_folder.METRICS, step)
         changed = f"; changed since the checkpoint: {describe(self.resume_changes)}" if self.resume_changes else ""
         self.say(f"resumed from {state['path']} at step {step}{changed}")
-        if self.world.is_main and (later or dropped):
-            self.say(f"  superseded after step {step}: {len(later)} unusable checkpoint(s) renamed *.unusable, "
-                     f"{dropped} row(s) of {run_folder.METRICS} dropped")
+        if self.world.is_main and later:
+            self.say(f"  superseded after step {step}: {len(later)} unusable checkpoint(s) renamed *.unusable")
+        for reason in dropped if self.world.is_main else []:
+            self.say(f"  dropped from {run_folder.METRICS}: {reason}")
 
 def _shape_message(state: dict, mismatched: list, saved_cfg: dict | None, current_cfg: dict) -> str:
     """CheckpointError text: each tensor with both shapes, and the config keys that may explain it."""
