@@ -87,7 +87,7 @@ def last_checkpoint_note(root: str | Path) -> str:
     """Where a stopped run can resume from: its newest checkpoint (every committed one is finite), or none."""
     found = list_checkpoints(root)
     if not found:
-        return f"no checkpoint has been written in {root} yet; start again with a lower optim.lr"
+        return f"no checkpoint has been written in {root} yet"
     return f"the last checkpoint, {found[-1]}, holds finite state (resume from it with --resume)"
 
 
