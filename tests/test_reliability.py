@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_dists import make_dist
+from toy_plugin import TOY_CONFIG
 
 import gemzoo
 from gemzoo.cli import main
@@ -23,8 +25,6 @@ from gemzoo.errors import CheckpointError, ConfigError, PluginError
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train import run_folder
 from gemzoo.train.trainer import Trainer, train
-from fake_dists import make_dist
-from toy_plugin import TOY_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 GEM_TINY = str(ROOT / "configs" / "gem-tiny.toml")
@@ -120,7 +120,7 @@ def test_finite_loss_but_non_finite_state_commits_no_checkpoint(toy, tmp_path, w
     finally:
         toy.host().pm.unregister(poison)
     message = str(exc.value)
-    assert f"step 20: 1 of " in message and named in message and "NaN or infinity" in message
+    assert "step 20: 1 of " in message and named in message and "NaN or infinity" in message
     assert "step-00000010" in message and "--resume" in message  # the last finite checkpoint, by name
     assert _steps(out) == ["step-00000010"]
     assert not list((out / "checkpoints").glob(".tmp-*"))

@@ -162,6 +162,13 @@ class Trainer(StepLoop):
 
     # ----------------------------------------------------------------------------------------
     def assemble(self) -> Trainer:
+        try:
+            return self._assemble()
+        except BaseException:
+            self.release()  # a run that fails to assemble leaves the folder to the next one
+            raise
+
+    def _assemble(self) -> Trainer:
         cfg = self.cfg
         # 1. Config: validated by load_config; plugins may look at it. One run folder holds one run, and one
         #    trainer at a time: rank 0 (RANK is torchrun's) locks it; the other ranks wait at the barrier below.
