@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from toy_plugin import TOY_CONFIG
 
 from gemzoo.config import load_config
 from gemzoo.errors import CheckpointError, ConfigError, PluginError, TrainingError
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train.trainer import Trainer, train
-from toy_plugin import TOY_CONFIG
 
 
 def _cfg(tmp_path, **sections):
