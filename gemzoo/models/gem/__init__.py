@@ -47,7 +47,7 @@ class GemConfig:
     head_dim: int = 0  # 0: d_model // num_heads
     ffn_mult: int = 4
     embedding_dim: int = 32  # item and sparse table width
-    mlp_dims: list[int] = bounded([128, 64], min=1, length=(1, 0))  # the interaction MLP's hidden sizes
+    mlp_dims: list[int] = bounded([128, 64], min=1, length=(1, 0))
     dropout: float = bounded(0.0, min=0, below=1)
     conversion_weight: float = 1.0
     init_std: float = bounded(0.0, min=0)  # linears; 0: 1/sqrt(fan_in)
