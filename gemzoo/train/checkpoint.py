@@ -66,20 +66,37 @@ class NonFiniteState(TrainingError):
     """The model or optimizer state holds a NaN or an infinity; no checkpoint of it is written."""
 
 
-def nonfinite_tensors(named: dict[str, torch.Tensor]) -> list[str]:
+def _local_floating(t: Any) -> list[torch.Tensor]:
+    """The floating-point data of ``t`` this process holds: a DTensor's local shard, a ShardedTensor's local
+    shards (torchrec's tables), a plain tensor itself; nothing for integer tensors and non-tensors."""
+    if hasattr(t, "local_shards"):
+        parts = [s.tensor for s in t.local_shards()]
+    elif hasattr(t, "to_local"):
+        parts = [t.to_local()]
+    else:
+        parts = [t] if isinstance(t, torch.Tensor) else []
+    return [p.detach() for p in parts if p.is_floating_point()]
+
+
+def count_floating(named: dict[str, Any]) -> int:
+    """How many of ``named`` are floating-point tensors (those ``nonfinite_tensors`` checks)."""
+    return sum(1 for t in named.values() if _local_floating(t))
+
+
+def nonfinite_tensors(named: dict[str, Any]) -> list[str]:
     """The names of the floating-point tensors that hold a NaN or an infinity. One fused max-norm reduction per
     (device, dtype) group and one read of its flags, so the check costs a pass over the state, not a sync per
-    tensor. A DTensor is checked by its local shard (each rank checks its own)."""
+    tensor. A sharded tensor is checked by its local shards (each rank checks its own)."""
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named.items():
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            groups.setdefault((t.device, t.dtype), []).append((name, t.detach()))
+        for part in _local_floating(t):
+            if part.numel():
+                groups.setdefault((part.device, part.dtype), []).append((name, part))
     bad = []
     for items in groups.values():
         norms = torch._foreach_norm([t for _, t in items], float("inf"))
         flags = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
-        bad += [name for (name, _), ok in zip(items, flags, strict=True) if not ok]
+        bad += [name for (name, _), ok in zip(items, flags, strict=True) if not ok and name not in bad]
     return bad
 
 
@@ -162,7 +179,7 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
     state = _state_tensors(files)
     bad = nonfinite_tensors(state)
     if bad:
-        raise nonfinite_state(step, bad, sum(t.is_floating_point() for t in state.values()), root)
+        raise nonfinite_state(step, bad, count_floating(state), root)
     files["rng.safetensors"] = rng_state()
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"

@@ -306,7 +306,7 @@ class StepLoop:
             for pid, pstate in opt.state_dict()["state"].items():
                 local.update({f"optim-{name}.{pid}.{k}": v for k, v in pstate.items() if isinstance(v, torch.Tensor)})
         bad = ckpt.nonfinite_tensors(local)
-        counts = [len(bad), sum(isinstance(v, torch.Tensor) and v.is_floating_point() for v in local.values())]
+        counts = [len(bad), ckpt.count_floating(local)]
         if self.world.world_size > 1:
             flags = torch.tensor(counts, device=self.device, dtype=torch.int64)
             dist.all_reduce(flags)
