@@ -152,7 +152,7 @@ class PluginHost:
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             try:
                 impl.function(**{a: kwargs[a] for a in impl.argnames})
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # sys.exit() in a plugin's hook ends the plugin, not gemzoo
                 errors[impl.plugin_name] = f"{hook_name} raised {type(exc).__name__}: {exc}"
                 info = self.infos.get(impl.plugin_name)
                 if info is not None:

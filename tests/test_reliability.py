@@ -60,6 +60,21 @@ def test_a_second_trainer_is_refused_naming_the_holders_pid_and_host(toy, tmp_pa
     assert sorted(p.name for p in out.iterdir()) == [run_folder.LOCK]  # nothing written by the refused ones
 
 
+def test_only_rank_zero_takes_the_lock(toy, tmp_path, monkeypatch):
+    """Under torchrun (RANK set) the other ranks do not lock; they wait for rank 0 at the first barrier."""
+    out = tmp_path / "run"
+    held = run_folder.RunLock.acquire(out)
+    try:
+        monkeypatch.setenv("RANK", "1")
+        trainer = Trainer(_cfg(out, steps=5), progress=False).assemble()  # one process: no barrier to wait at
+        assert trainer.lock is None
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(run_folder.RunFolderBusy):
+            Trainer(_cfg(out, steps=5), progress=False).assemble()
+    finally:
+        held.release()
+
+
 def test_the_lock_is_released_when_a_run_ends_or_its_process_is_killed(toy, tmp_path):
     out = tmp_path / "run"
     code = ("import os, signal, sys; from gemzoo.train.run_folder import RunLock; RunLock.acquire(sys.argv[1]); "
