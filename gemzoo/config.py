@@ -62,7 +62,7 @@ class OptimConfig:
     weight_decay: float = bounded(0.0, min=0)
     sparse_lr: float = bounded(0.05, min=0)
     grad_clip: float = bounded(1.0, min=0)  # 0: no clipping
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # dense AdamW (beta1, beta2), each in [0, 1)
+    betas: list[float] = bounded([0.9, 0.999], min=0, below=1, length=2)  # dense AdamW (beta1, beta2)
     warmup_steps: int = bounded(0, min=0)
 
 
@@ -154,37 +154,85 @@ def _unknown_key(section: str, key: str, valid: list[str], source: str) -> Confi
     return ConfigError(msg)
 
 
-def _check_type(section: str, f: dataclasses.Field, value: Any, source: str) -> Any:
-    """Light type check with the obvious coercions (int -> float)."""
-    hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    want = hint.split("|")[0].strip()
-    if want == "float" and isinstance(value, int) and not isinstance(value, bool):
+_SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
+_LIST = re.compile(r"^(?:list|tuple)\[\s*(\w+)\s*(?:,\s*\.\.\.\s*)?\]$")
+
+
+def _hint(f: dataclasses.Field) -> str:
+    """The field's annotation as text: ``"int"``, ``"float | None"``, ``"list[int]"``."""
+    if isinstance(f.type, str):
+        return f.type
+    return str(f.type) if hasattr(f.type, "__origin__") else getattr(f.type, "__name__", str(f.type))
+
+
+def _coerce(want: str, value: Any, name: str, source: str) -> Any:
+    """``value`` as a ``want`` (int -> float is the one coercion); ConfigError naming the field otherwise."""
+    typ = _SCALARS.get(want)
+    if typ is None or value is None:
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    checks = {"int": int, "float": float, "str": str, "bool": bool}
-    typ = checks.get(want)
-    if typ is not None and value is not None:
-        ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
-        if not ok:
-            raise ConfigError(
-                f"{source}: {section}.{f.name} must be {want}, got {value!r} ({type(value).__name__})"
-            )
-    if want.startswith(("list", "tuple")) and not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{source}: {section}.{f.name} must be a list, got {value!r}")
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{source}: {name} must be {want}, got {value!r} ({type(value).__name__})")
     return value
 
 
+def _check_type(section: str, f: dataclasses.Field, value: Any, source: str) -> Any:
+    """The annotation's type, with the obvious coercion (int -> float), for a scalar and for each element of a
+    ``list[T]``; NaN and infinities are refused in any float."""
+    want = _hint(f).split("|")[0].strip()
+    name = f"{section}.{f.name}"
+    if want.startswith(("list", "tuple")):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {name} must be a list, got {value!r}")
+        m = _LIST.match(want)
+        if m is not None:
+            value = [_coerce(m.group(1), v, f"{name}[{i}]", source) for i, v in enumerate(value)]
+    else:
+        value = _coerce(want, value, name, source)
+    for i, v in enumerate(value if isinstance(value, list) else [value]):
+        if isinstance(v, float) and not math.isfinite(v):
+            where = f"{name}[{i}]" if isinstance(value, list) else name
+            raise ConfigError(f"{source}: {where} must be a finite number, got {v!r}")
+    return value
+
+
+def _bound_text(meta: dict) -> str:
+    """The range a field's metadata allows, in words: ">= 0", "in [0, 1)", "<= 8"."""
+    low, high, below = meta.get("min"), meta.get("max"), meta.get("below")
+    top = f"{high}]" if high is not None else (f"{below})" if below is not None else None)
+    if low is not None and top is not None:
+        return f"in [{low}, {top}"
+    if low is not None:
+        return ">= 0" if low == 0 else (f">= {low}" if low >= 1 else "> 0")
+    return f"<= {high}" if high is not None else f"< {below}"
+
+
+def _in_range(meta: dict, v: Any) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return True
+    low, high, below = meta.get("min"), meta.get("max"), meta.get("below")
+    return not ((low is not None and v < low) or (high is not None and v > high)
+                or (below is not None and v >= below))
+
+
 def _check_range(section: str, f: dataclasses.Field, value: Any, source: str) -> None:
-    """The bounds a ``bounded`` field declares; NaN and infinities are never in range."""
+    """The bounds a ``bounded`` field declares: for a list its length, and each element's range."""
     meta = f.metadata
     if value is None or not meta:
         return
     name = f"{source}: {section}.{f.name}"
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
-    low = meta.get("min")
-    if low is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and value < low:
-        bound = ">= 0" if low == 0 else (f">= {low}" if low >= 1 else "> 0")
-        raise ConfigError(f"{name} must be {bound}, got {value!r}")
+    items = value if isinstance(value, (list, tuple)) else None
+    length = meta.get("length")
+    if items is not None and length is not None:
+        lo, hi = (length, length) if isinstance(length, int) else length
+        if len(items) < lo or (hi and len(items) > hi):
+            want = f"{lo}" if lo == hi else (f"at least {lo}" if not hi else f"{lo} to {hi}")
+            raise ConfigError(f"{name} must list {want} value(s), got {len(items)}: {value!r}")
+    for i, v in enumerate(items if items is not None else [value]):
+        if not _in_range(meta, v):
+            where = f"{name}[{i}]" if items is not None else name
+            raise ConfigError(f"{where} must be {_bound_text(meta)}, got {v!r}")
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
@@ -205,6 +253,9 @@ def build_dataclass(cls, table: dict, section: str, source: str = "<config>"):
         _check_range(section, valid[key], kwargs[key], source)
     try:
         return cls(**kwargs)
+    except ConfigError as exc:  # a rule between fields (the dataclass's __post_init__)
+        text = str(exc)
+        raise ConfigError(text if text.startswith(source) else f"{source}: {text}") from None
     except TypeError as exc:
         missing = [f.name for f in fields(cls)
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -310,9 +361,14 @@ def read_toml(path: str | Path, what: str, examples: str) -> dict:
     if not p.is_file():
         raise ConfigError(f"{what} {path} does not exist; see {examples} for examples")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); a {what} is a TOML file "
+                          "in UTF-8; see " + examples) from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
 
 
 def load_config(path: str | Path | None = None, *, raw: dict | None = None, overrides: list[str] | None = None,

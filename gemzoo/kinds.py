@@ -20,6 +20,7 @@ to show it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol
 
 from gemzoo.interfaces.attention import AttentionKernel
 from gemzoo.interfaces.batching import BatchingPolicy
@@ -92,6 +93,37 @@ def kind(name: str) -> Kind:
     raise KeyError(f"unknown kind {name!r}; the kinds are: {', '.join(names())}")
 
 
+def _protocol_members(proto: type) -> list[str]:
+    """The attributes and methods a Protocol declares (its own and its bases'), ``__call__`` included."""
+    out: list[str] = []
+    for cls in proto.__mro__:
+        if cls in (object, Protocol, Generic) or not getattr(cls, "_is_protocol", False):
+            continue
+        for name in [*getattr(cls, "__annotations__", {}), *vars(cls)]:
+            public = not name.startswith("_") or name == "__call__"
+            if public and name not in out:
+                out.append(name)
+    return out
+
+
+def conformance_problem(kind_name: str, obj: Any) -> str | None:
+    """Why ``obj`` cannot be a ``kind_name`` entry (a Protocol member it lacks, a spec of another type), or None.
+    The registry asks it of every registered object, so a plugin that registers, say, a function as an
+    attention kernel fails to load with this reason instead of failing in the middle of a run."""
+    k = kind(kind_name)
+    proto = k.protocol
+    if not getattr(proto, "_is_protocol", False):
+        if isinstance(obj, proto):
+            return None
+        return f"a {kind_name} entry must be a {proto.__name__}, got {type(obj).__name__}"
+    missing = [m for m in _protocol_members(proto)
+               if not hasattr(obj, m) or (callable(getattr(proto, m, None)) and not callable(getattr(obj, m)))]
+    if not missing:
+        return None
+    return (f"a {kind_name} entry must be a {proto.__name__} (gemzoo.interfaces), but this "
+            f"{type(obj).__name__} lacks {', '.join(missing)}")
+
+
 def names() -> list[str]:
     """Every kind's name, in table order."""
     return [k.name for k in KINDS]
@@ -117,4 +149,4 @@ def selected(plugins) -> dict[str, list[str]]:
     return out
 
 
-__all__ = ["Kind", "KINDS", "kind", "names", "plugin_kinds", "hooks", "selected"]
+__all__ = ["Kind", "KINDS", "kind", "conformance_problem", "names", "plugin_kinds", "hooks", "selected"]

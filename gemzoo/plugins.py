@@ -110,7 +110,8 @@ class PluginHost:
                 refused = api_mismatch(declared_api(plugin, ep.module), ep.name, dist)
                 if refused is None:
                     self.pm.register(plugin, name=ep.name)
-            except Exception as exc:  # a broken plugin must not take the others down
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a broken plugin must not take the others
+                # down, nor end the process: sys.exit() or a KeyboardInterrupt at its import is its load failure
                 self.infos[ep.name] = PluginInfo(
                     ep.name, dist, version, error=f"{type(exc).__name__}: {exc}"
                 )
@@ -151,7 +152,7 @@ class PluginHost:
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             try:
                 impl.function(**{a: kwargs[a] for a in impl.argnames})
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # sys.exit() in a plugin's hook ends the plugin, not gemzoo
                 errors[impl.plugin_name] = f"{hook_name} raised {type(exc).__name__}: {exc}"
                 info = self.infos.get(impl.plugin_name)
                 if info is not None:

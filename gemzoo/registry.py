@@ -82,6 +82,9 @@ class Registry:
                              _info=info) -> None:
                     if not isinstance(name, str) or not name:
                         raise PluginError(f"plugin {_impl.plugin_name!r} registered a {_kind} with an empty name")
+                    problem = kinds_table.conformance_problem(_kind, obj)
+                    if problem is not None:
+                        raise PluginError(f"registered {_kind} {name!r}, but {problem}")
                     old = entries[_kind].get(name) or by_name.get(name)
                     if old is not None and (old.kind == _kind or old.distribution != _dist):
                         msg = (
@@ -99,7 +102,7 @@ class Registry:
 
                 try:
                     impl.function(register=register)
-                except Exception as exc:
+                except (Exception, SystemExit, KeyboardInterrupt) as exc:  # one plugin's failure, not the run's
                     if info is not None:
                         info.error = f"{hook_name} raised {type(exc).__name__}: {exc}"
         for entry in (e for kind_entries in entries.values() for e in kind_entries.values()):

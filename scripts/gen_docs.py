@@ -175,8 +175,14 @@ def _toml(value) -> str:
 def _allowed(f: dataclasses.Field) -> str:
     meta = f.metadata or {}
     parts = []
-    if meta.get("min") is not None:
-        parts.append(f">= {meta['min']:g}" if isinstance(meta["min"], float) else f">= {meta['min']}")
+    length = meta.get("length")
+    if length is not None:
+        lo, hi = (length, length) if isinstance(length, int) else length
+        parts.append(f"{lo} values" if lo == hi else (f"at least {lo} value(s)" if not hi else f"{lo} to {hi} values"))
+    bounds = [f"{op} {meta[key]:g}" if isinstance(meta[key], float) else f"{op} {meta[key]}"
+              for key, op in (("min", ">="), ("max", "<="), ("below", "<")) if meta.get(key) is not None]
+    if bounds:
+        parts.append(("each " if length is not None else "") + ", ".join(bounds))
     if meta.get("choices"):
         parts.append("one of " + ", ".join(_toml(c) for c in meta["choices"]))
     if meta.get("pattern"):
@@ -234,6 +240,11 @@ def config_reference() -> str:
         "valid ones; `--set SECTION.KEY=VALUE` overrides any key from the command line (the value is read as "
         "TOML, e.g. `--set model.mlp_dims=[256,128]`); `--plugins a,b` sets the `[plugins]` slots by name. "
         "`gemzoo config show F` prints the resolved config.",
+        "",
+        "Every value is checked against the column *allowed* (a list's length and each element's range), its "
+        "type (a list's element type too), and no float may be NaN or infinite; rules between keys (such as "
+        "`[data] median_len <= max_len`) are the section's own. The dataclasses are the one schema: "
+        "`gemzoo config validate F` refuses exactly what `gemzoo train` refuses, with the same message.",
         "",
     ]
     titles = {"run": "the run", "optim": "optimizers (dense AdamW, sparse Adagrad)", "precision":

@@ -146,13 +146,13 @@ def test_checkpoint_of_another_shape_names_tensor_shapes_and_keys(toy, tmp_path)
     newest = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
     manifest = json.loads((newest / "manifest.json").read_text())
     manifest["config"]["model"]["d_model"] = 32
-    (newest / "manifest.json").write_text(json.dumps(manifest))
+    (newest / "manifest.json").write_text(json.dumps({**manifest, ckpt.MANIFEST_HASH: ckpt.manifest_digest(manifest)}))
     trainer = Trainer(_cfg(tmp_path, run={"steps": 20}, model={"d_model": 32}), resume=True, progress=False)
     with pytest.raises(CheckpointError, match=r"emb\.weight is \[\d+, 16\] in the checkpoint but "
                                               r"\[\d+, 32\] in this model.*agree"):
         trainer.assemble()
     del manifest["config"]
-    (newest / "manifest.json").write_text(json.dumps(manifest))
+    (newest / "manifest.json").write_text(json.dumps({**manifest, ckpt.MANIFEST_HASH: ckpt.manifest_digest(manifest)}))
     with pytest.raises(CheckpointError, match=r"in this model.*records no config"):
         Trainer(_cfg(tmp_path, run={"steps": 20}, model={"d_model": 32}), resume=True, progress=False).assemble()
 

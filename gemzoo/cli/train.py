@@ -6,6 +6,7 @@ import json
 import shlex
 import sys
 
+from gemzoo import registry
 from gemzoo.cli.common import load_run_config
 from gemzoo.train import run_folder
 from gemzoo.train.loop import TrainingInterrupted
@@ -15,6 +16,9 @@ from gemzoo.train.trainer import train
 
 def cmd_train(args) -> int:
     cfg = load_run_config(args)
+    for name, info in registry.host().failed().items():  # one line each: the run goes on without them
+        print(f"gemzoo: warning: plugin {name!r} ({info.distribution}) failed to load and is left out: {info.error}",
+              file=sys.stderr)
     if args.out:
         cfg.run.out_dir = args.out
     elif isinstance(args.resume, str) and run_folder.run_folder_of(args.resume) is not None:

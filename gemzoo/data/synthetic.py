@@ -69,6 +69,9 @@ class SyntheticGemConfig:
     click_bias: float = -1.0
     eval_seed_offset: int = 1_000_003
 
+    def __post_init__(self):
+        _check(self)  # [data] is refused when the config is built, so config validate refuses it too
+
 
 def _check(cfg: SyntheticGemConfig) -> None:
     def need(ok: bool, what: str) -> None:
@@ -78,7 +81,8 @@ def _check(cfg: SyntheticGemConfig) -> None:
     need(cfg.batch_size >= 1, f"batch_size must be >= 1, got {cfg.batch_size}")
     need(cfg.max_len >= 1, f"max_len must be >= 1, got {cfg.max_len}")
     need(0 <= cfg.min_len <= cfg.max_len, f"need 0 <= min_len <= max_len, got min_len={cfg.min_len}, max_len={cfg.max_len}")
-    need(cfg.median_len >= 1, f"median_len must be >= 1, got {cfg.median_len}")
+    need(1 <= cfg.median_len <= cfg.max_len,
+         f"need 1 <= median_len <= max_len, got median_len={cfg.median_len}, max_len={cfg.max_len}")
     need(1 <= cfg.min_candidates <= cfg.max_candidates,
          f"need 1 <= min_candidates <= max_candidates, got {cfg.min_candidates} and {cfg.max_candidates}")
     need(cfg.num_clusters >= 1, f"num_clusters must be >= 1, got {cfg.num_clusters}")

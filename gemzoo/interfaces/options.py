@@ -16,12 +16,23 @@ from typing import Any, Protocol, runtime_checkable
 from gemzoo.errors import ConfigError, PluginError
 
 
-def bounded(default, *, min: float | None = None, choices: tuple | None = None, pattern: str | None = None,
+def bounded(default, *, min: float | None = None, max: float | None = None, below: float | None = None,
+            choices: tuple | None = None, pattern: str | None = None, length: int | tuple[int, int] | None = None,
             means: str = ""):
-    """A dataclass field whose value a config may set only within a range: ``min`` (inclusive), one of
-    ``choices``, or a full match of the regular expression ``pattern`` (``means`` says it in words).
-    Config, model, dataset and plugin option dataclasses all use it; load_config checks it."""
-    return field(default=default, metadata={"min": min, "choices": choices, "pattern": pattern, "means": means})
+    """A dataclass field whose value a config may set only within a range: ``min`` and ``max`` (inclusive),
+    ``below`` (exclusive upper bound), one of ``choices``, or a full match of the regular expression ``pattern``
+    (``means`` says it in words). For a list field the bounds hold for each element, and ``length`` is its
+    exact length or an inclusive ``(shortest, longest)`` range (``longest`` 0: no limit); a list default is
+    copied for each instance. Config, model, dataset and plugin option dataclasses all use it; load_config
+    checks it (with the element types the field's annotation names, and no NaN or infinity anywhere).
+
+    Rules between fields (``median_len <= max_len``) are the dataclass's ``__post_init__`` raising ConfigError:
+    config building runs it, so ``config validate`` and ``train`` refuse the same values."""
+    meta = {"min": min, "max": max, "below": below, "choices": choices, "pattern": pattern, "length": length,
+            "means": means}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @runtime_checkable

@@ -32,6 +32,7 @@ from gemzoo.attention import validated_longest
 from gemzoo.errors import ConfigError
 from gemzoo.flops import linear_flops
 from gemzoo.interfaces.models import ModelOutput, host_view
+from gemzoo.interfaces.options import bounded
 from gemzoo.jagged import positions as window_positions
 from gemzoo.models.common import init_weights, log2_discount, require_data_info, reverse_positions
 
@@ -43,7 +44,7 @@ class RetrievalConfig:
     embedding_dim: int = 50
     num_layers: int = 2
     num_heads: int = 1
-    dropout: float = 0.2
+    dropout: float = bounded(0.2, min=0, below=1)
     num_negatives: int = 128
     negatives: str = "shared"  # "shared" (one draw per batch) or "per_position"
     temperature: float = 0.05
@@ -52,7 +53,7 @@ class RetrievalConfig:
     # (the target excepted), as the HSTU paper's evaluation does (filter_invalid_ids); metric names then end
     # in "_unseen", so the two are never compared by mistake.
     eval_ranking: str = "all"
-    init_std: float = 0.02
+    init_std: float = bounded(0.02, min=0)
     positions: str = "recency"  # "recency" (0 = most recent item) or "from_start" (0 = oldest in the window)
     accidental_hits: str = "mask"  # "mask" (a drawn target is left out of the softmax) or "redraw"
     init: str = "normal"  # "normal" (truncated normal init_std) or "reference" (the HSTU reference code's)

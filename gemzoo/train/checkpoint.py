@@ -2,7 +2,8 @@
 
 Layout: ``<out_dir>/checkpoints/step-00000100/{model,optim,rng}.safetensors, manifest.json``.
 A checkpoint is written into a temporary folder, every file fsynced, then renamed into place, so a
-crash leaves either the old set or the new one. The manifest records each file's size and SHA-256;
+crash leaves either the old set or the new one. A checkpoint whose parameters or optimizer state hold a NaN or
+an infinity is never committed (``NonFiniteState``): every checkpoint a run leaves is one it can resume from. The manifest records each file's size and SHA-256;
 loading verifies them, so truncation or corruption raises CheckpointError instead of loading junk.
 
 This module is file IO only: it writes and reads whole tensors. Making sharded state whole (and putting it
@@ -11,11 +12,14 @@ back into shards) is ``gemzoo.distributed.state``'s job, and the planner's for i
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import struct
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,12 +28,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from gemzoo.errors import CheckpointError
+from gemzoo.errors import CheckpointError, TrainingError
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 PLANNER_FILE = "planner.safetensors"  # the planner's own state (Planner.state_dict), e.g. its tables' fused Adagrad
 LEGACY_PLANNER_FILE = "optim-fused-tables.safetensors"  # the same, as checkpoints before 2026-12-01 name it
+MANIFEST_HASH = "manifest_sha256"  # the manifest's own SHA-256 (of its canonical JSON without this key)
+# Fault-injection tests only: seconds to pause between the tensor files and the manifest, the window in which
+# a kill leaves a temporary folder and no new checkpoint.
+PAUSE_ENV = "GEMZOO_TEST_CKPT_PAUSE_S"
 
 
 def _sha256(path: Path) -> str:
@@ -40,12 +48,79 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON (sorted keys), the ``manifest_sha256`` key left out."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class NonFiniteState(TrainingError):
+    """The model or optimizer state holds a NaN or an infinity; no checkpoint of it is written."""
+
+
+def _local_floating(t: Any) -> list[torch.Tensor]:
+    """The floating-point data of ``t`` this process holds: a DTensor's local shard, a ShardedTensor's local
+    shards (torchrec's tables), a plain tensor itself; nothing for integer tensors and non-tensors."""
+    if hasattr(t, "local_shards"):
+        parts = [s.tensor for s in t.local_shards()]
+    elif hasattr(t, "to_local"):
+        parts = [t.to_local()]
+    else:
+        parts = [t] if isinstance(t, torch.Tensor) else []
+    return [p.detach() for p in parts if p.is_floating_point()]
+
+
+def count_floating(named: dict[str, Any]) -> int:
+    """How many of ``named`` are floating-point tensors (those ``nonfinite_tensors`` checks)."""
+    return sum(1 for t in named.values() if _local_floating(t))
+
+
+def nonfinite_tensors(named: dict[str, Any]) -> list[str]:
+    """The names of the floating-point tensors that hold a NaN or an infinity. One fused max-norm reduction per
+    (device, dtype) group and one read of its flags, so the check costs a pass over the state, not a sync per
+    tensor. A sharded tensor is checked by its local shards (each rank checks its own)."""
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named.items():
+        for part in _local_floating(t):
+            if part.numel():
+                groups.setdefault((part.device, part.dtype), []).append((name, part))
+    bad = []
+    for items in groups.values():
+        norms = torch._foreach_norm([t for _, t in items], float("inf"))
+        flags = torch.isfinite(torch.stack([n.float() for n in norms])).tolist()
+        bad += [name for (name, _), ok in zip(items, flags, strict=True) if not ok and name not in bad]
+    return bad
+
+
+def last_checkpoint_note(root: str | Path) -> str:
+    """Where a stopped run can resume from: its newest checkpoint (every committed one is finite), or none."""
+    found = list_checkpoints(root)
+    if not found:
+        return f"no checkpoint has been written in {root} yet"
+    return f"the last checkpoint, {found[-1]}, holds finite state (resume from it with --resume)"
+
+
+def nonfinite_state(step: int, bad: list[str], total: int, root: str | Path) -> NonFiniteState:
+    """The error for ``bad`` (names such as ``model.x.weight``, ``optim-dense.3.exp_avg``) out of ``total``
+    floating-point tensors, naming the last checkpoint under ``root``."""
+    shown = ", ".join(bad[:4]) + (", ..." if len(bad) > 4 else "")
+    return NonFiniteState(
+        f"step {step}: {len(bad)} of {total} tensors of the parameters and optimizer state hold NaN or infinity "
+        f"({shown}), so no checkpoint of step {step} is written; {last_checkpoint_note(root)}. Lower optim.lr, "
+        "set optim.grad_clip, or try precision = \"fp32\".")
+
+
+def _state_tensors(files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """file -> name -> tensor as one ``"model.x.weight"``-named table (the file's stem, then the name)."""
+    return {f"{Path(f).stem}.{k}": v for f, tensors in files.items() for k, v in tensors.items()}
 
 
 def flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -93,12 +168,6 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
     Every tensor is whole (``gemzoo.distributed.state`` gathers sharded ones first). ``planner_state``: the
     planner's own state (``Planner.state_dict``), written to planner.safetensors when there is any."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     files = {"model.safetensors": {k: v.detach().contiguous().cpu() for k, v in model_state.items()}}
     optim_meta = {}
     for name, state in optimizers.items():
@@ -107,15 +176,51 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         optim_meta[name] = meta
     if planner_state:
         files[PLANNER_FILE] = {k: v.detach().contiguous().cpu() for k, v in planner_state.items()}
+    state = _state_tensors(files)
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise nonfinite_state(step, bad, count_floating(state), root)
     files["rng.safetensors"] = rng_state()
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _write(tmp, final, root, files, {"format": FORMAT_VERSION, "step": step, "optimizers": optim_meta, **manifest})
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = " (the disk is full: free space first)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise CheckpointError(
+            f"writing checkpoint step {step} into {root} failed: {exc.strerror or exc}{full}. The write is atomic: "
+            f"nothing of step {step} was committed and {_kept(root)}.") from None
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _kept(root: Path) -> str:
+    found = list_checkpoints(root)
+    return f"the last good checkpoint, {found[-1]}, is kept (resume from it with --resume)" if found else \
+        "no earlier checkpoint exists"
+
+
+def _write(tmp: Path, final: Path, root: Path, files: dict[str, dict[str, torch.Tensor]], manifest: dict) -> None:
+    """Write ``files`` and the manifest into ``tmp``, fsync them, and rename ``tmp`` to ``final``."""
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
     entries = {}
     for fname, tensors in files.items():
         path = tmp / fname
         save_file(_dedupe_storage(tensors), str(path))
         entries[fname] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-    full_manifest = {"format": FORMAT_VERSION, "step": step, "files": entries, "optimizers": optim_meta, **manifest}
+    pause = float(os.environ.get(PAUSE_ENV) or 0)
+    if pause > 0:
+        time.sleep(pause)
+    full = json.loads(json.dumps({"format": manifest["format"], "step": manifest["step"], "files": entries,
+                                  **manifest}, default=str))
+    full[MANIFEST_HASH] = manifest_digest(full)
     with open(tmp / "manifest.json", "w") as f:
-        json.dump(full_manifest, f, indent=1, default=str)
+        json.dump(full, f, indent=1)
     mode = (tmp / "manifest.json").stat().st_mode & 0o777  # what the umask gives a new file (safetensors: 0600)
     for fname in files:
         os.chmod(tmp / fname, mode)
@@ -127,9 +232,6 @@ def save_checkpoint(root: str | Path, step: int, *, model_state: dict[str, torch
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _dedupe_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -218,6 +320,21 @@ def validate_manifest(manifest: Any, path: str | Path) -> None:
         raise bad("has a config entry that is not an object")
 
 
+def _not_safetensors(path: Path, size: int) -> str | None:
+    """Why ``path`` is not a safetensors file (an 8-byte header length, then that many bytes of a JSON object),
+    or None. Checked before the parser sees it, so a pickle or a zip says so instead of "header too large"."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9:
+        return f"{size} bytes, shorter than a safetensors header"
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > size - 8:
+        return f"its first 8 bytes give a header of {n} bytes, longer than the file"
+    if head[8:9] != b"{":
+        return f"its header does not start a JSON object (it starts {head[8:9]!r})"
+    return None
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Verify and load one checkpoint folder. Raises CheckpointError naming the bad file."""
     path = Path(path)
@@ -229,6 +346,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{manifest_path} is corrupt ({exc}); resume from an earlier checkpoint") from None
     validate_manifest(manifest, path)
+    if MANIFEST_HASH in manifest and manifest[MANIFEST_HASH] != manifest_digest(manifest):
+        raise CheckpointError(f"{manifest_path} fails its own SHA-256 check (it was edited or corrupted after it "
+                              "was written); resume from an earlier checkpoint (--resume picks the newest valid one)")
     loaded = {}
     for fname, meta in manifest["files"].items():
         fpath = path / fname
@@ -242,6 +362,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             )
         if _sha256(fpath) != meta["sha256"]:
             raise CheckpointError(f"{fpath} fails its SHA-256 check; resume from an earlier checkpoint")
+        problem = _not_safetensors(fpath, size)
+        if problem:
+            raise CheckpointError(f"{fpath} is not a safetensors file ({problem}); gemzoo reads checkpoints only as "
+                                  "safetensors. Resume from an earlier checkpoint.")
         try:
             loaded[fname] = load_file(str(fpath))
         except (SafetensorError, OSError) as exc:

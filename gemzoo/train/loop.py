@@ -280,8 +280,8 @@ class StepLoop:
             if not math.isfinite(means["loss"]):  # the global loss, so every rank stops here together
                 raise TrainingError(
                     f"loss is {means['loss']} at step {s.step}. Lower optim.lr (now {cfg.optim.lr}), set "
-                    f"optim.grad_clip, or try precision = \"fp32\"; checkpoints in {self.out_dir / 'checkpoints'} "
-                    "are untouched (resume with --resume).")
+                    f"optim.grad_clip, or try precision = \"fp32\"; no checkpoint of it is written: "
+                    f"{ckpt.last_checkpoint_note(self.out_dir / run_folder.CHECKPOINTS)}.")
             metrics = step_metrics(loss=means.pop("loss"), seconds=maxes["seconds"], samples=int(sums["samples"]),
                                    tokens=int(sums["tokens"]), flops=sums["flops"], peak_flops=self.peak * world,
                                    device=self.device, peak_mem_bytes=maxes["peak_mem_bytes"])
@@ -298,7 +298,25 @@ class StepLoop:
         self.model.train()
         return {f"eval/{k}": float(v) for k, v in evaluator.compute().items()}
 
+    def check_finite_state(self, step: int) -> None:
+        """NonFiniteState on every rank when any rank's parameters or optimizer state hold NaN or infinity (a
+        finite loss does not prove finite parameters): a checkpoint is committed only from finite state."""
+        local = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        for name, opt in self.optimizers.items():
+            for pid, pstate in opt.state_dict()["state"].items():
+                local.update({f"optim-{name}.{pid}.{k}": v for k, v in pstate.items() if isinstance(v, torch.Tensor)})
+        bad = ckpt.nonfinite_tensors(local)
+        counts = [len(bad), ckpt.count_floating(local)]
+        if self.world.world_size > 1:
+            flags = torch.tensor(counts, device=self.device, dtype=torch.int64)
+            dist.all_reduce(flags)
+            counts = flags.tolist()
+        if counts[0]:
+            bad += [f"{counts[0] - len(bad)} on other ranks"] if counts[0] > len(bad) else []
+            raise ckpt.nonfinite_state(step, bad, counts[1], self.out_dir / run_folder.CHECKPOINTS)
+
     def save(self, step: int) -> Path | None:
+        self.check_finite_state(step)
         # Whole tensors on rank 0, whatever the layout (collectives: every rank takes part).
         model_state = dstate.gather_full_state(self.model.state_dict(), self.world.is_main,
                                                dstate.rank_row_names(self.model))

@@ -7,7 +7,6 @@ from torch import nn
 
 from gemzoo.config import Config
 from gemzoo.distributed import is_fsdp_shard
-from gemzoo.errors import ConfigError
 from gemzoo.interfaces.planner import whole_parameters
 from gemzoo.train.sparse_adagrad import SparseAdagrad
 
@@ -35,8 +34,6 @@ def build_optimizers(model: nn.Module, cfg: Config, replicated: list[nn.Paramete
     dense = [p for p in dense if id(p) in whole or is_fsdp_shard(p)]
     mixed = len({type(p.data) for p in dense}) > 1  # FSDP2 DTensors beside plain tensors: no foreach
     betas = tuple(cfg.optim.betas)
-    if len(betas) != 2 or not all(isinstance(x, (int, float)) and 0.0 <= x < 1.0 for x in betas):
-        raise ConfigError(f"optim.betas must be two numbers in [0, 1) (AdamW's beta1, beta2), got {cfg.optim.betas!r}")
     # plain CUDA tensors: the fused kernel (one launch per dtype group, as torchtitan's default); FSDP2 DTensors
     # beside plain tensors: the per-tensor loop; otherwise torch's default (foreach)
     fused = bool(dense) and not mixed and all(p.device.type == "cuda" and type(p.data) is torch.Tensor for p in dense)

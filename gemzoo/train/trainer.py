@@ -10,6 +10,7 @@ its loop (``gemzoo.train.loop``):
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from fnmatch import fnmatch
 from pathlib import Path
@@ -151,11 +152,28 @@ class Trainer(StepLoop):
         self.progress = progress
         self.hook = registry.host().pm.hook
         self.resume_changes: list[tuple[str, Any, Any]] = []
+        self.lock: run_folder.RunLock | None = None
+
+    def release(self) -> None:
+        """Give up the run folder's lock (``train`` does it when the run ends, however it ends)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ----------------------------------------------------------------------------------------
     def assemble(self) -> Trainer:
+        try:
+            return self._assemble()
+        except BaseException:
+            self.release()  # a run that fails to assemble leaves the folder to the next one
+            raise
+
+    def _assemble(self) -> Trainer:
         cfg = self.cfg
-        # 1. Config: validated by load_config; plugins may look at it. One run folder holds one run.
+        # 1. Config: validated by load_config; plugins may look at it. One run folder holds one run, and one
+        #    trainer at a time: rank 0 (RANK is torchrun's) locks it; the other ranks wait at the barrier below.
+        if os.environ.get("RANK", "0") == "0":
+            self.lock = run_folder.RunLock.acquire(self.out_dir)
         run_folder.check_run_folder(self.out_dir, resume=bool(self.resume), overwrite=self.overwrite)
         self.hook.gemzoo_configure(config=cfg)
         torch.manual_seed(cfg.run.seed)
@@ -274,7 +292,12 @@ class Trainer(StepLoop):
         for name, opt in self.optimizers.items():
             if name not in state["optimizers"]:
                 raise CheckpointError(f"{state['path']} has no state for optimizer {name!r}")
-            opt.load_state_dict(state["optimizers"][name])
+            try:
+                opt.load_state_dict(state["optimizers"][name])
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                raise CheckpointError(
+                    f"{state['path']}: its state for optimizer {name!r} does not fit this run's ({exc}); resume "
+                    "from an earlier checkpoint, or start a new run (--out DIR)") from None
             dstate.redistribute_optimizer_state(opt)
         apply_optimizer_settings(self.optimizers, self.cfg)  # the config's lr etc., not the checkpoint's
         missing = self.planner.load_state_dict(self.model, state["planner"])
@@ -294,9 +317,10 @@ class Trainer(StepLoop):
             dropped = run_folder.trim_metrics(self.out_dir / run_folder.METRICS, step)
         changed = f"; changed since the checkpoint: {describe(self.resume_changes)}" if self.resume_changes else ""
         self.say(f"resumed from {state['path']} at step {step}{changed}")
-        if self.world.is_main and (later or dropped):
-            self.say(f"  superseded after step {step}: {len(later)} unusable checkpoint(s) renamed *.unusable, "
-                     f"{dropped} row(s) of {run_folder.METRICS} dropped")
+        if self.world.is_main and later:
+            self.say(f"  superseded after step {step}: {len(later)} unusable checkpoint(s) renamed *.unusable")
+        for reason in dropped if self.world.is_main else []:
+            self.say(f"  dropped from {run_folder.METRICS}: {reason}")
 
 def _shape_message(state: dict, mismatched: list, saved_cfg: dict | None, current_cfg: dict) -> str:
     """CheckpointError text: each tensor with both shapes, and the config keys that may explain it."""
@@ -316,4 +340,8 @@ def _shape_message(state: dict, mismatched: list, saved_cfg: dict | None, curren
 
 def train(cfg: Config, *, resume: bool | str = False, out_dir: str | None = None, progress: bool = True,
           overwrite: bool = False) -> TrainResult:
-    return Trainer(cfg, resume=resume, out_dir=out_dir, progress=progress, overwrite=overwrite).assemble().fit()
+    trainer = Trainer(cfg, resume=resume, out_dir=out_dir, progress=progress, overwrite=overwrite)
+    try:
+        return trainer.assemble().fit()
+    finally:
+        trainer.release()

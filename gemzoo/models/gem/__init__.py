@@ -11,7 +11,7 @@ cross attention for non-causal asymmetric attention (q = a user's candidates, k/
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from gemzoo.errors import ConfigError
 from gemzoo.flops import attention_flops, linear_flops
 from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
 from gemzoo.interfaces.models import ModelOutput, ModelSpec, host_view
+from gemzoo.interfaces.options import bounded
 from gemzoo.jagged import seq_ids
 from gemzoo.models.common import (
     MLP,
@@ -46,11 +47,11 @@ class GemConfig:
     head_dim: int = 0  # 0: d_model // num_heads
     ffn_mult: int = 4
     embedding_dim: int = 32  # item and sparse table width
-    mlp_dims: list[int] = field(default_factory=lambda: [128, 64])
-    dropout: float = 0.0
+    mlp_dims: list[int] = bounded([128, 64], min=1, length=(1, 0))
+    dropout: float = bounded(0.0, min=0, below=1)
     conversion_weight: float = 1.0
-    init_std: float = 0.0  # linears; 0: 1/sqrt(fan_in)
-    embedding_init_std: float = 0.1  # item and position embeddings
+    init_std: float = bounded(0.0, min=0)  # linears; 0: 1/sqrt(fan_in)
+    embedding_init_std: float = bounded(0.1, min=0)  # item and position embeddings
     # the target-aware cross attention: "softmax", or a pointwise GDPA activation (normalised by the longest
     # history in the batch) served by a kernel that declares it, e.g. [plugins.attention_sites] cross = "gdpa"
     cross_activation: str = "softmax"

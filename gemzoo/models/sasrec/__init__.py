@@ -24,6 +24,7 @@ from gemzoo.errors import ConfigError
 from gemzoo.flops import attention_flops, linear_flops
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
+from gemzoo.interfaces.options import bounded
 from gemzoo.models.common import FeedForward, TransformerBlock, check_heads, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel, trunc_normal
 
@@ -33,7 +34,7 @@ class SASRecConfig(RetrievalConfig):
     family: str = "sasrec"
     ffn_mult: int = 1  # SASRec's point-wise feed-forward keeps the model width
     block: str = "prenorm"  # "prenorm" or "reference" (the HSTU reference code's SASRec layer)
-    attn_dropout: float = 0.0  # "reference" block: dropout on the attention output
+    attn_dropout: float = bounded(0.0, min=0, below=1)  # "reference" block: dropout on the attention output
 
 
 class SASRecReferenceBlock(nn.Module):
