@@ -2,6 +2,9 @@
 
     <run folder>/metrics.jsonl                  one JSON object a line: start / resume / end events and step rows
     <run folder>/checkpoints/step-00000100/     atomic safetensors checkpoints + manifest.json (train/checkpoint.py)
+    <run folder>/config.toml, command.txt,      how the run was made (train/provenance.py)
+                 provenance.json
+    <run folder>/train.log                      everything the run printed (train/console.py)
 
 One folder holds one run. A fresh run refuses a folder that is not empty unless it is told what to do:
 ``--resume`` continues the run in it, ``--overwrite`` deletes the old run's files (``metrics.jsonl`` and
@@ -23,7 +26,8 @@ from gemzoo.errors import ConfigError
 
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
-RUN_ENTRIES = (METRICS, CHECKPOINTS)  # what gemzoo writes into a run folder
+# what gemzoo writes into a run folder (--overwrite deletes these, nothing else)
+RUN_ENTRIES = (METRICS, CHECKPOINTS, "config.toml", "command.txt", "provenance.json", "train.log")
 
 
 def check_run_folder(path: str | Path, *, resume: bool, overwrite: bool) -> None:

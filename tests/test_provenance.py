@@ -1,0 +1,110 @@
+"""Every run folder says how the run was made (config.toml, command.txt, provenance.json) and keeps what the
+terminal showed (train.log); metrics rows carry lr and grad_norm; ``gemzoo runs`` lists run folders."""
+
+import copy
+import json
+import math
+
+import pytest
+import tomllib
+from toy_plugin import TOY_CONFIG
+
+from gemzoo.cli import main
+from gemzoo.config import load_config
+from gemzoo.distributed.launch import launch_command
+from gemzoo.train.provenance import git_state, read_provenance, toml_text
+from gemzoo.train.trainer import train
+
+
+def _cfg(out, **run):
+    raw = copy.deepcopy(TOY_CONFIG)
+    raw["run"].update(out_dir=str(out), **run)
+    return load_config(raw=raw)
+
+
+def test_toml_text_round_trips_a_config_s_plain_types():
+    data = {"a": 1, "b": -2.5, "c": "x \"q\" \\ \n\t\u0001 é", "d": True, "e": [1, 2.0, "s"], "f": [],
+            "weird key": 1e-9, "n": None, "inf": math.inf,
+            "t": {"x": [[1, 2], [3]], "inline": [{"k": 1}], "sub": {"deep": {"z": False}}, "empty": {}}}
+    back = tomllib.loads(toml_text(data))
+    expected = copy.deepcopy(data)
+    del expected["n"]
+    assert back == expected
+
+
+def test_toml_text_refuses_what_toml_cannot_hold():
+    with pytest.raises(TypeError, match=r"run\.when: a object has no TOML form"):
+        toml_text({"run": {"when": object()}})
+
+
+def test_a_run_folder_holds_config_command_provenance_and_log(toy, tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = _cfg(out, steps=6, log_every=2)
+    train(cfg, progress=True, command="gemzoo train --config toy.toml --steps 6")
+    shown = capsys.readouterr().out
+    assert (out / "command.txt").read_text() == "gemzoo train --config toy.toml --steps 6\n"
+    written = tomllib.loads((out / "config.toml").read_text())
+    assert written == json.loads(json.dumps(cfg.to_dict()), object_hook=lambda d: {k: v for k, v in d.items()
+                                                                                  if v is not None})
+    assert load_config(out / "config.toml").to_dict() == cfg.to_dict()  # takes itself back
+    (entry,) = read_provenance(out)
+    assert entry["event"] == "start" and entry["command"].startswith("gemzoo train")
+    assert {"gemzoo", "torch", "triton", "cuda", "plugins"} <= set(entry["versions"])
+    assert entry["hardware"]["cpus"] and entry["hardware"]["device"] == "cpu"
+    assert entry["git"] == git_state()  # None outside a checkout
+    log = (out / "train.log").read_text()
+    assert "gemzoo train: " in log and "parameters" in log and "step 6/6" in log
+    assert "step 6/6" in shown  # the terminal showed it too (stdout is not a TTY here: plain lines)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "step" in r and "event" not in r]
+    assert steps and all(r["lr"] == cfg.optim.lr and r["grad_norm"] > 0 for r in steps)
+
+
+def test_resume_appends_to_the_log_and_the_provenance(toy, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(_cfg(out, steps=4), progress=False)
+    train(_cfg(out, steps=6), resume=True, progress=False)
+    entries = read_provenance(out)
+    assert [e["event"] for e in entries] == ["start", "resume"] and entries[1]["step"] == 4
+    assert "--- resumed" in (out / "train.log").read_text()
+    assert tomllib.loads((out / "config.toml").read_text())["run"]["steps"] == 6
+
+
+def test_overwrite_clears_the_provenance_files(toy, tmp_path):
+    out = tmp_path / "run"
+    train(_cfg(out, steps=2), progress=False, command="first")
+    train(_cfg(out, steps=2), progress=False, overwrite=True, command="second")
+    assert (out / "command.txt").read_text() == "second\n"
+    assert [e["command"] for e in read_provenance(out)] == ["second"]
+
+
+def test_gemzoo_runs_lists_status_steps_metrics_and_plugins(toy, tmp_path, capsys):
+    train(_cfg(tmp_path / "a", steps=3), progress=False)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n{"step": 1, "loss": 2.5}\n{"cut')
+    capsys.readouterr()
+    assert main(["runs", str(tmp_path), "--json"]) == 0
+    runs = {r["run"].rsplit("/", 1)[-1]: r for r in json.loads(capsys.readouterr().out)}
+    assert runs["a"]["status"] == "finished" and runs["a"]["step"] == 3 and runs["a"]["steps"] == 3
+    assert runs["a"]["plugins"] and runs["a"]["loss"] is not None
+    assert runs["b"]["status"] == "unfinished" and runs["b"]["loss"] == 2.5
+    assert main(["runs", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "finished" in table and "unfinished" in table
+    assert main(["runs", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("env", "argv0", "expected"), [
+    ({}, "/venv/bin/gemzoo", ["gemzoo", "train", "--resume"]),
+    ({}, "/src/gemzoo/cli/__main__.py", ["python", "-m", "gemzoo.cli", "train", "--resume"]),
+    ({"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
+      "GROUP_WORLD_SIZE": "1"}, "/venv/bin/gemzoo",
+     ["torchrun", "--nnodes", "1", "--nproc-per-node", "4", "-m", "gemzoo.cli", "train", "--resume"]),
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2",
+      "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}, "/src/gemzoo/cli/__main__.py",
+     ["torchrun", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:1234",
+      "-m", "gemzoo.cli", "train", "--resume"]),
+])
+def test_the_launch_command_is_rebuilt_torchrun_included(env, argv0, expected):
+    assert launch_command(["train", "--resume"], environ=env, argv0=argv0) == expected
