@@ -108,3 +108,24 @@ def test_gemzoo_runs_lists_status_steps_metrics_and_plugins(toy, tmp_path, capsy
 ])
 def test_the_launch_command_is_rebuilt_torchrun_included(env, argv0, expected):
     assert launch_command(["train", "--resume"], environ=env, argv0=argv0) == expected
+
+
+def test_known_third_party_warnings_are_silenced_and_others_are_not(monkeypatch):
+    import logging
+    import warnings
+
+    from gemzoo.train.warnings_filter import quiet_known_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        warnings.warn("HeuristicalStorageReservation is known to cause issues, particularly ...", FutureWarning,
+                      stacklevel=1)
+        warnings.warn("something else", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else"]
+    logger = logging.getLogger("torchrec.distributed.planner.types")
+    records = []
+    monkeypatch.setattr(logger, "callHandlers", records.append)
+    logger.warning("The topology was constructed directly rather than via TopologyFactory")
+    logger.warning("a real problem")
+    assert [r.msg for r in records] == ["a real problem"]

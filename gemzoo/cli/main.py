@@ -331,3 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return _stdout_closed()
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which handles its own): no traceback
+        print("gemzoo: interrupted", file=sys.stderr)
+        return 130

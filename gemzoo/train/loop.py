@@ -116,8 +116,9 @@ class StopSignals:
                 raise KeyboardInterrupt
             return
         self.signum = signum
-        print(f"\ngemzoo: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-              "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
+        if self.world.is_main:  # one message, not one per rank
+            print(f"\ngemzoo: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                  "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
 
     def requested(self) -> int | None:
         """The signal that asked to stop, agreed on by every rank; None to go on."""

@@ -1,30 +1,45 @@
-"""Third-party warnings a gemzoo run triggers that are known to be harmless, silenced unless ``--verbose``.
+"""Third-party warnings a gemzoo run triggers that are known to be harmless, silenced unless ``gemzoo train
+--verbose``. Each entry says why it can be ignored; anything not listed still shows.
 
-Each entry names the warning and why it can be ignored; anything not listed still shows.
+torchrun's own notice about ``OMP_NUM_THREADS`` comes from the launcher, before gemzoo starts: set the variable
+(``OMP_NUM_THREADS=1 torchrun ...``) to silence it.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 
-# (category, message regex, module regex or "", why it is harmless)
-KNOWN_HARMLESS: tuple[tuple[type[Warning], str, str, str], ...] = (
-    (UserWarning, r".*TypedStorage is deprecated.*", "",
-     "torch's own storage internals, reached by torchrec and safetensors; no gemzoo code uses TypedStorage"),
-    (FutureWarning, r".*torch\.distributed\._shard.*", "",
-     "torchrec still imports torch's legacy sharding module; the planner does not use it"),
-    (UserWarning, r".*No device id is provided via `init_process_group` or `barrier`.*", "",
-     "gloo (CPU) groups take no device id; the NCCL groups are given theirs"),
-    (UserWarning, r".*Attempted to get default timeout for nccl backend.*", "",
-     "the process groups set their timeout explicitly"),
-    (UserWarning, r".*fbgemm_gpu.*", "",
-     "torchrec probes for fbgemm_gpu's CUDA ops on CPU-only installs and falls back to torch"),
-    (DeprecationWarning, r".*", r"(torchrec|fbgemm_gpu|torch\.distributed\.checkpoint)(\.|$)",
-     "deprecations inside torchrec and fbgemm_gpu: theirs to fix, nothing a run can change"),
+# (category, message regex, why it is harmless)
+KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    (FutureWarning, r"HeuristicalStorageReservation is known to cause issues",
+     "torchrec's planner estimates dense memory for its dry run; gemzoo plans small tables on the real devices"),
+)
+
+# (logger, message prefix, why it is harmless)
+KNOWN_LOG_RECORDS: tuple[tuple[str, str, str], ...] = (
+    ("torchrec.distributed.planner.types", "The topology was constructed directly",
+     "the built-in planner gives torchrec the world size and device type itself; nothing is resolved later"),
+    ("torchrec.distributed.planner.storage_reservations", "There is a known issue with TorchRec's dense tensor",
+     "the same dry-run estimate as HeuristicalStorageReservation's warning"),
 )
 
 
+class _DropKnown(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
 def quiet_known_warnings() -> None:
-    """Ignore the warnings in ``KNOWN_HARMLESS`` for the rest of this process."""
-    for category, message, module, _why in KNOWN_HARMLESS:
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    """Ignore the warnings and log records listed above for the rest of this process."""
+    for category, message, _why in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    loggers: dict[str, list[str]] = {}
+    for name, prefix, _why in KNOWN_LOG_RECORDS:
+        loggers.setdefault(name, []).append(prefix)
+    for name, prefixes in loggers.items():
+        logging.getLogger(name).addFilter(_DropKnown(tuple(prefixes)))
