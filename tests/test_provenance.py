@@ -129,3 +129,22 @@ def test_known_third_party_warnings_are_silenced_and_others_are_not(monkeypatch)
     logger.warning("The topology was constructed directly rather than via TopologyFactory")
     logger.warning("a real problem")
     assert [r.msg for r in records] == ["a real problem"]
+
+
+def test_the_progress_bar_fits_80_columns_and_shows_step_loss_throughput_mfu_eta():
+    import io
+
+    from rich.console import Console
+
+    from gemzoo.train.console import progress_bar, short_info
+
+    buf = io.StringIO()
+    bar = progress_bar(True)
+    bar.live.console = Console(file=buf, width=80, force_terminal=True, color_system=None)
+    bar.add_task("run", total=100000, completed=99999,
+                 info=short_info({"loss": 12.3456, "samples_per_s": 1234567.0, "mfu": 0.987}))
+    bar.live.console.print(bar.make_tasks_table(bar.tasks))
+    (line,) = buf.getvalue().splitlines()
+    assert len(line) <= 80 and "…" not in line
+    for part in ("step 99999/100000", "loss 12.3456", "1.23M sam/s", "MFU 98.7%", "eta"):
+        assert part in line, line

@@ -94,6 +94,12 @@ class RunLog:
                 tee.flush()
                 tee.console = console
 
+    def note(self, line: str) -> None:
+        """A line for the log alone: the rows the progress bar stands for on a terminal."""
+        if self._file is not None and not self._file.closed:
+            self._file.write(line + "\n")
+            self._file.flush()
+
     def close(self) -> None:
         if self._saved is None:
             return

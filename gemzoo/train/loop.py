@@ -430,11 +430,16 @@ class StepLoop:
                         # the row's throughput is its own steps' (every step since the last row), over their time
                         log.write({**record, **stretch_metrics(since_row), "compiles_after_warmup": compiles})
                         since_row = []
-                    if at == done and lines and (logged or evaluated):
+                    if at == done and show and (logged or evaluated):
                         eta = (time.perf_counter() - t_start) / (done - self.start_step) * (cfg.run.steps - done)
-                        print(log_line(done, cfg.run.steps, metrics, eta), flush=True)
-                    elif at == done and show and evaluated:  # stays on screen above the bar
-                        print(eval_line(done, cfg.run.steps, metrics), flush=True)
+                        row = log_line(done, cfg.run.steps, metrics, eta)
+                        if lines:
+                            print(row, flush=True)
+                        else:  # the bar stands for the row on screen; the log keeps it
+                            if self.run_log is not None:
+                                self.run_log.note(row)
+                            if evaluated:  # stays on screen above the bar
+                                print(eval_line(done, cfg.run.steps, metrics), flush=True)
                     self.hook.gemzoo_step_end(trainer=self, step=at, metrics=metrics)
                 queued = []
                 saved = self.save(done) if checkpointed else None
