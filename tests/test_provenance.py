@@ -148,3 +148,29 @@ def test_the_progress_bar_fits_80_columns_and_shows_step_loss_throughput_mfu_eta
     assert len(line) <= 80 and "…" not in line
     for part in ("step 99999/100000", "loss 12.3456", "1.23M sam/s", "MFU 98.7%", "eta"):
         assert part in line, line
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_only_rank_0_prints_the_torchrun_resume_command(tmp_path, monkeypatch, capsys, rank):
+    import signal
+
+    from gemzoo.cli import train as train_cmd
+    from gemzoo.train.loop import TrainingInterrupted
+
+    def interrupted(cfg, **kwargs):
+        raise TrainingInterrupted(signal.SIGINT, 7, tmp_path / "checkpoints" / "step-00000007", tmp_path)
+
+    monkeypatch.setattr(train_cmd, "train", interrupted)
+    monkeypatch.setattr("sys.argv", ["/venv/bin/gemzoo"])
+    for key, value in {"TORCHELASTIC_RUN_ID": "r", "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2",
+                       "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    argv = ["train", "--config", "configs/gem-tiny.toml", "--out", str(tmp_path), "--overwrite"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    if rank == "1":
+        assert err == ""
+    else:
+        assert err.count("gemzoo: SIGINT: stopped after step 7") == 1
+        assert (f"torchrun --nnodes 1 --nproc-per-node 2 -m gemzoo.cli train --config configs/gem-tiny.toml "
+                f"--out {tmp_path} --resume") in err
