@@ -88,9 +88,13 @@ def test_gemzoo_runs_lists_status_steps_metrics_and_plugins(toy, tmp_path, capsy
     assert runs["a"]["status"] == "finished" and runs["a"]["step"] == 3 and runs["a"]["steps"] == 3
     assert runs["a"]["plugins"] and runs["a"]["loss"] is not None
     assert runs["b"]["status"] == "unfinished" and runs["b"]["loss"] == 2.5
+    (tmp_path / "b" / "train.log").write_text("step 1/9 ...\ngemzoo: error: loss is nan at step 2. Lower optim.lr\n")
+    assert main(["runs", str(tmp_path / "b"), "--json"]) == 0
+    (failed,) = json.loads(capsys.readouterr().out)
+    assert failed["status"] == "failed" and failed["error"].startswith("loss is nan")
     assert main(["runs", str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "finished" in table and "unfinished" in table
+    assert "finished" in table and "failed" in table
     assert main(["runs", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

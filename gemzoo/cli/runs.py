@@ -1,8 +1,9 @@
 """``gemzoo runs [DIR]``: the run folders at or under DIR, each with its status, step, final metrics and plugins.
 
 A run folder is any folder holding ``metrics.jsonl``. Its status comes from the last event there: ``finished``
-(an ``end`` event), ``interrupted`` (SIGTERM or Ctrl-C; it resumes with ``--resume``), else ``unfinished``
-(still training, or killed or crashed; ``train.log`` says which). Plugins and ``run.steps`` come from
+(an ``end`` event), ``interrupted`` (SIGTERM or Ctrl-C; it resumes with ``--resume``), ``failed`` (its
+``train.log`` ends with gemzoo's error, e.g. a loss that diverged), else ``unfinished`` (still training, or
+killed). Plugins and ``run.steps`` come from
 ``config.toml``, the start time and commit from ``provenance.json``. Reads files only: no torch, no plugin.
 """
 
@@ -20,6 +21,7 @@ from gemzoo.errors import ConfigError
 METRICS = "metrics.jsonl"  # gemzoo.train.run_folder.METRICS, named here so that this command imports no torch
 CONFIG = "config.toml"
 PROVENANCE = "provenance.json"
+LOG = "train.log"
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -52,6 +54,9 @@ def describe_run(folder: Path) -> dict[str, Any]:
     rows = [r for r in records if "event" not in r and isinstance(r.get("step"), int)]
     last_event = events[-1]["event"] if events else None
     status = {"end": "finished", "interrupted": "interrupted"}.get(last_event, "unfinished")
+    error = _last_error(folder / LOG) if status == "unfinished" else None
+    if error:
+        status = "failed"
     step = max([r["step"] for r in rows] + [e.get("step", 0) for e in events if isinstance(e.get("step"), int)],
                default=0)
     evals: dict[str, float] = {}
@@ -73,7 +78,20 @@ def describe_run(folder: Path) -> dict[str, Any]:
     return {"run": str(folder), "status": status, "step": step, "steps": config.get("run", {}).get("steps"),
             "loss": rows[-1].get("loss") if rows else None, "eval": evals,
             "plugins": [p for p in chosen if isinstance(p, str)], "started": first.get("time"),
-            "commit": (git.get("commit", "")[:10] + ("+dirty" if git.get("dirty") else "")) if git else None}
+            "commit": (git.get("commit", "")[:10] + ("+dirty" if git.get("dirty") else "")) if git else None,
+            "error": error}
+
+
+def _last_error(log: Path) -> str | None:
+    """The error a failed run's ``train.log`` ends with; None when it does not end with one."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return None
+    last = lines[-1] if lines else ""
+    return last.removeprefix("gemzoo: error: ") if last.startswith("gemzoo: error: ") else None
 
 
 def cmd_runs(args) -> int:

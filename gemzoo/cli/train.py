@@ -13,6 +13,7 @@ import sys
 
 from gemzoo.cli.common import load_run_config
 from gemzoo.distributed.launch import launch_command
+from gemzoo.errors import GemzooError
 from gemzoo.train import run_folder
 from gemzoo.train.console import LOG
 from gemzoo.train.loop import TrainingInterrupted
@@ -56,6 +57,10 @@ def cmd_train(args) -> int:
         print(message, file=sys.stderr)
         _append_log(cfg.run.out_dir, message)
         return code
+    except GemzooError as exc:  # printed by the command line; the run's log keeps it too
+        if main_rank:
+            _append_log(cfg.run.out_dir, f"gemzoo: error: {exc}")
+        raise
     if result.is_main:
         summary = {"final_loss": result.final_loss, "steps": result.steps, **result.eval, **result.throughput,
                    "out_dir": str(result.out_dir)}

@@ -351,7 +351,7 @@ class StepLoop:
     def fit(self) -> TrainResult:
         """Train to ``run.steps``; ``train.log`` (opened by the assembly) is closed when it returns or raises."""
         try:
-            if self.banner_text:
+            if self.banner_text and self.progress:  # --quiet: no banner either
                 self.say(self.banner_text)
             return self._fit()
         finally:
