@@ -75,8 +75,9 @@ class RunLog:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        if append and self.path.stat().st_size:
+        earlier = append and self.path.is_file()
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # closed by close()
+        if earlier:
             self._file.write(f"\n--- resumed {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
         self._saved = (sys.stdout, sys.stderr)
         self.out, self.err = _Tee(sys.stdout, self._file), _Tee(sys.stderr, self._file)
