@@ -1,5 +1,5 @@
 """Every run folder says how the run was made (config.toml, command.txt, provenance.json) and keeps what the
-terminal showed (train.log); metrics rows carry lr and grad_norm; ``gemzoo runs`` lists run folders."""
+terminal showed (train.log); metrics rows hold lr and grad_norm; ``gemzoo runs`` lists run folders."""
 
 import copy
 import json
