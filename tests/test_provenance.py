@@ -49,7 +49,11 @@ def test_a_run_folder_holds_config_command_provenance_and_log(toy, tmp_path, cap
     assert load_config(out / "config.toml").to_dict() == cfg.to_dict()  # takes itself back
     (entry,) = read_provenance(out)
     assert entry["event"] == "start" and entry["command"].startswith("gemzoo train")
-    assert {"gemzoo", "torch", "triton", "cuda", "plugins"} <= set(entry["versions"])
+    assert {"gemzoo", "torch", "triton", "cuda", "plugins", "installed_plugins"} <= set(entry["versions"])
+    from importlib import metadata
+
+    installed = {ep.dist.name for ep in metadata.entry_points(group="gemzoo") if ep.dist is not None}
+    assert set(entry["versions"]["installed_plugins"]) == installed
     assert entry["hardware"]["cpus"] and entry["hardware"]["device"] == "cpu"
     assert entry["git"] == git_state()  # None outside a checkout
     log = (out / "train.log").read_text()

@@ -3,8 +3,8 @@
     config.toml       the resolved config, every default filled in (``gemzoo train --config`` takes it back)
     command.txt       the command line that started (or resumed) the run
     provenance.json   one entry per start or resume: time, command, git commit and dirty flag (when gemzoo runs
-                      from a checkout), versions of gemzoo, the selected plugins, torch, triton and CUDA, and
-                      the hardware
+                      from a checkout), versions of gemzoo, the selected and the installed plugins, torch,
+                      triton and CUDA, and the hardware
 
 ``toml_text`` is a small TOML writer for a config's plain types (strings, numbers, booleans, lists and tables);
 ``None`` values are left out, which is what a config that does not set them means.
@@ -121,14 +121,26 @@ def dist_version(*names: str) -> str | None:
 
 
 def versions(plugins: dict[str, str] | None = None) -> dict[str, Any]:
-    """gemzoo, python, torch, triton, torchrec, CUDA and cuDNN, and ``plugins`` (distribution -> version)."""
+    """gemzoo, python, torch, triton, torchrec, CUDA and cuDNN, ``plugins`` (the run's selected plugins'
+    distribution -> version) and every installed plugin distribution's version."""
     import torch
 
     return {"gemzoo": dist_version("gemzoo") or "0+unknown", "python": platform.python_version(),
             "torch": torch.__version__, "triton": dist_version("triton", "pytorch-triton"),
             "torchrec": dist_version("torchrec"), "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-            "plugins": dict(sorted((plugins or {}).items()))}
+            "plugins": dict(sorted((plugins or {}).items())), "installed_plugins": installed_plugins()}
+
+
+def installed_plugins() -> dict[str, str]:
+    """Every installed plugin distribution (entry-point group ``gemzoo``) -> its version, from metadata."""
+    found = {}
+    from gemzoo.plugins import ENTRY_POINT_GROUP
+
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.dist is not None:
+            found[ep.dist.name] = ep.dist.version
+    return dict(sorted(found.items()))
 
 
 def hardware(device: Any = None) -> dict[str, Any]:
