@@ -25,6 +25,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from gemzoo.plugins import ENTRY_POINT_GROUP
+
 CONFIG = "config.toml"
 COMMAND = "command.txt"
 PROVENANCE = "provenance.json"
@@ -123,7 +125,7 @@ def dist_version(*names: str) -> str | None:
 def versions(plugins: dict[str, str] | None = None) -> dict[str, Any]:
     """gemzoo, python, torch, triton, torchrec, CUDA and cuDNN, ``plugins`` (the run's selected plugins'
     distribution -> version) and every installed plugin distribution's version."""
-    import torch
+    import torch  # here, not at the top: gemzoo plugins reads dist_version of this module without torch
 
     return {"gemzoo": dist_version("gemzoo") or "0+unknown", "python": platform.python_version(),
             "torch": torch.__version__, "triton": dist_version("triton", "pytorch-triton"),
@@ -135,8 +137,6 @@ def versions(plugins: dict[str, str] | None = None) -> dict[str, Any]:
 def installed_plugins() -> dict[str, str]:
     """Every installed plugin distribution (entry-point group ``gemzoo``) -> its version, from metadata."""
     found = {}
-    from gemzoo.plugins import ENTRY_POINT_GROUP
-
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.dist is not None:
             found[ep.dist.name] = ep.dist.version
@@ -145,7 +145,7 @@ def installed_plugins() -> dict[str, str]:
 
 def hardware(device: Any = None) -> dict[str, Any]:
     """The host (machine, CPU count, platform) and its GPUs by name and memory."""
-    import torch
+    import torch  # as in versions()
 
     gpus = []
     if torch.cuda.is_available():
@@ -159,7 +159,7 @@ def hardware(device: Any = None) -> dict[str, Any]:
 
 def command_line(argv: list[str] | None = None) -> str:
     """The command that started this process, as a shell would take it back (``torchrun ...`` under torchrun)."""
-    from gemzoo.distributed.launch import launch_command
+    from gemzoo.distributed.launch import launch_command  # gemzoo.distributed imports torch (see versions())
 
     return shlex.join(launch_command(list(sys.argv[1:] if argv is None else argv)))
 
