@@ -45,7 +45,7 @@ def cmd_plugins(args) -> int:
         print("\nRead from package metadata; gemzoo plugins --verbose (or --json) loads every plugin to show its "
               "hooks, the names it registers and load errors.")
         return 0
-    from gemzoo import registry
+    from gemzoo import registry  # loads plugins, which import torch: plain `plugins` does not
     from gemzoo.cli.common import prepare_registry  # the config module: torch
 
     prepare_registry(None)
@@ -81,7 +81,7 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from gemzoo import registry
+    from gemzoo import registry  # as in cmd_plugins: only this command loads the plugins
 
     for name in registry.names(args.kind, args.pattern):
         obj = registry.get(args.kind, name)
@@ -91,7 +91,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import torch
+    import torch  # only `gemzoo info` needs torch and the extension
 
     from gemzoo import ops
 
