@@ -197,7 +197,7 @@ def test_report_without_matplotlib_then_redrawn_elsewhere(tmp_path, monkeypatch,
     report = (tmp_path / "report.md").read_text()
     assert "No plots" not in report and "![throughput](throughput.png)" in report
     assert {p.name for p in tmp_path.glob("*.png")} == {"throughput.png", "memory.png", "loss.png", "eval.png"}
-    assert "| `b,bf16` |  |  |  | 200.0 |" in capsys.readouterr().out  # no mean columns in this data; ratios vs the first
+    assert "| `b,bf16` |  |  |  | 200.0 |" in capsys.readouterr().out  # means blank here; ratio vs the first
     assert "2.00x" in report
 
 
