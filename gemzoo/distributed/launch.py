@@ -33,5 +33,6 @@ def launch_command(argv: list[str], environ: dict[str, str] | None = None, argv0
     nproc = env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE", "1")
     words = ["torchrun", "--nnodes", nnodes, "--nproc-per-node", nproc]
     if nnodes != "1" and env.get("MASTER_ADDR"):
-        words += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"]
+        endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+        words += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
     return [*words, "-m", "gemzoo.cli", *argv]  # torchrun runs gemzoo's command line as a module
