@@ -1,7 +1,10 @@
-"""gemzoo: a plugin-based toolkit for training LLM-scale recommendation models (GEM, HSTU, SASRec)."""
+"""gemzoo: a plugin-based toolkit for training LLM-scale recommendation models (GEM, HSTU, SASRec).
 
-from gemzoo import errors, jagged, registry
-from gemzoo.plugins import hookimpl
+``errors``, ``jagged``, ``registry`` and ``hookimpl`` load on first use, so that ``import gemzoo`` (and
+``gemzoo --version``) does not import torch.
+"""
+
+import importlib
 
 try:
     from importlib.metadata import version as _version
@@ -11,3 +14,15 @@ except Exception:  # running from a source tree that was not installed
     __version__ = "0+unknown"
 
 __all__ = ["errors", "hookimpl", "jagged", "registry", "__version__"]
+
+_LAZY_MODULES = ("errors", "jagged", "registry")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"gemzoo.{name}")
+    if name == "hookimpl":
+        from gemzoo.plugins import hookimpl
+
+        return hookimpl
+    raise AttributeError(f"module 'gemzoo' has no attribute {name!r}")

@@ -6,8 +6,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+T0=$SECONDS
+phase() { echo "[install $1/4, $((SECONDS - T0)) s] $2"; }
+if [ -x .venv/bin/python ]; then
+    phase 1 "reusing .venv"
+else
+    phase 1 "creating .venv with $("$PY" --version 2>&1)"
+    "$PY" -m venv .venv
+fi
 # torchrec must come in with --no-deps (it would pull the CUDA fbgemm-gpu); the lock pins everything.
+phase 2 "installing the $(grep -c '^[A-Za-z]' requirements/cpu-lock.txt) pinned packages of requirements/cpu-lock.txt (torch, torchrec, ...; several minutes on a first install)"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/cpu-lock.txt
 plugins=()
 for p in plugins/gemzoo-*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
@@ -28,7 +36,14 @@ else
         rm -f "$STAMP"
     fi
 fi
+if [ "$build" = 1 ]; then
+    phase 3 "installing gemzoo and $(( ${#plugins[@]} / 2 )) plugins in editable mode, building the C++ extension (about 100 s on 2 cores)"
+else
+    phase 3 "installing gemzoo and $(( ${#plugins[@]} / 2 )) plugins in editable mode (no C++ build)"
+fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . "${plugins[@]}"
 if [ "$build" = 1 ]; then echo "$stamp" > "$STAMP"; fi
 if [ "$skipped" = 1 ]; then unset GEMZOO_NO_EXTENSION; fi
+phase 4 "checking the install"
 .venv/bin/python -c "import gemzoo, gemzoo.ops as o; print('gemzoo', gemzoo.__version__, '| C++ extension:', o.extension_available())"
+echo "installed in $((SECONDS - T0)) s; next: .venv/bin/gemzoo train --config configs/gem-tiny.toml"

@@ -39,17 +39,19 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.multiprocess
 def test_ablate_writes_table_plots_and_report(tmp_path):
-    """Two plugin sets train, one fails at assembly (flex has no CPU backward): every row, every file."""
+    """Two plugin sets train, one fails while training (its loss diverges): every row, every file."""
     ablation = tmp_path / "tiny.toml"
-    ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nruns = ["cpu,fp32", "flex,fp32", "cpu,bf16"]\n'
+    ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\n'
+                        'runs = ["cpu,fp32", { plugins = "cpu,fp32", set = ["optim.lr=1e30", "optim.grad_clip=0"], '
+                        'name = "diverges" }, "cpu,bf16"]\n'
                         'steps = 3\nwarmup = 1\nset = ["run.device=cpu", "data.batch_size=8", "eval.batches=1"]\n')
     out = tmp_path / "abl"
     proc = subprocess.run([sys.executable, "-m", "gemzoo.cli", "ablate", str(ablation), "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=hang_guard(1200))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((out / "ablation.json").read_text())
-    rows = {r["plugins"]: r for r in data["rows"]}
-    assert list(rows) == ["cpu,fp32", "flex,fp32", "cpu,bf16"]
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["cpu,fp32", "diverges", "cpu,bf16"]
     for name in ("cpu,fp32", "cpu,bf16"):
         r = rows[name]
         assert r["status"] == "ok" and r["steps"] == 3 and r["samples_per_s"] > 0 and r["tflops"] > 0
@@ -63,8 +65,8 @@ def test_ablate_writes_table_plots_and_report(tmp_path):
             assert r[key] == pytest.approx(end[key]) and r[key] > 0
         assert r["max_step_s"] >= r["median_step_s"]
     assert rows["cpu,fp32"]["run_dir"] != rows["cpu,bf16"]["run_dir"]
-    failed = rows["flex,fp32"]
-    assert failed["status"] == "failed" and "flex" in failed["error"] and "backward" in failed["error"]
+    failed = rows["diverges"]
+    assert failed["status"] == "failed" and "loss is nan" in failed["error"]
 
     header = (out / "ablation.csv").read_text().splitlines()[0].split(",")
     assert {"plugins", "samples_per_s", "mfu", "peak_mem_gib", "final_loss", "error", "eval/auc_click",
@@ -203,7 +205,7 @@ def test_report_without_matplotlib_then_redrawn_elsewhere(tmp_path, monkeypatch,
     report = (tmp_path / "report.md").read_text()
     assert "No plots" not in report and "![throughput](throughput.png)" in report
     assert {p.name for p in tmp_path.glob("*.png")} == {"throughput.png", "memory.png", "loss.png", "eval.png"}
-    assert "| `b,bf16` | 200.0 |" in capsys.readouterr().out  # the table, ratios against the first set
+    assert "| `b,bf16` |  |  |  | 200.0 |" in capsys.readouterr().out  # means blank here; ratio vs the first
     assert "2.00x" in report
 
 
@@ -250,3 +252,26 @@ def test_a_run_with_its_own_overrides_trains_them(tmp_path):
     assert "`narrow`" in (tmp_path / "abl" / "report.md").read_text()
     with pytest.raises(ConfigError, match="--runs nope: not in .*'narrow'"):
         make_plan(str(f), runs=["nope"])
+
+
+def test_ablate_checks_every_entry_before_the_first_run(tmp_path):
+    """A set that config validate would refuse (flex has no CPU backward; heads that do not divide d_model)
+    stops the ablation before anything trains, naming its entry; so does a bad --set for every run."""
+    ablation = tmp_path / "a.toml"
+    ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nruns = ["cpu,fp32", "cpu,bf16", "flex,fp32"]\n'
+                        'set = ["run.device=cpu"]\n')
+    out = tmp_path / "abl"
+    proc = subprocess.run([sys.executable, "-m", "gemzoo.cli", "ablate", str(ablation), "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "runs[2] ('flex,fp32')" in proc.stderr and "backward" in proc.stderr
+    assert not out.exists()
+    from gemzoo.cli.ablate import make_plan
+
+    ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\n'
+                        'runs = ["cpu,fp32", { plugins = "cpu,fp32", set = ["model.num_heads=3"], name = "three" }]\n')
+    with pytest.raises(ConfigError, match=r"runs\[1\] \('three'\).*num_heads=3"):
+        make_plan(str(ablation))
+    ablation.write_text(f'config = "{ROOT}/configs/gem-tiny.toml"\nruns = ["cpu,fp32"]\n')
+    with pytest.raises(ConfigError, match=r"runs\[0\] \('cpu,fp32'\).*num_heads=5"):
+        make_plan(str(ablation), overrides=["model.num_heads=5"])

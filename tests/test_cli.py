@@ -155,11 +155,54 @@ def test_version_help_and_info(capsys, fresh_registry):
     assert info["python"] == ".".join(map(str, sys.version_info[:3]))
 
 
-def test_plugins_table_has_a_hooks_column(capsys, fresh_registry, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
+def test_plugins_verbose_shows_hooks_and_names_whole(capsys, fresh_registry, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["plugins", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "hooks: register_attention" in out and "builtin.cpu_attention" in out
+    assert "…" not in out
+
+
+def test_plain_plugins_reads_metadata_and_names_every_builtin_whole(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert "hooks" in out.splitlines()[1] and "register_attention" in out
+    assert "gemzoo.builtin.precision" in out and "…" not in out and "--verbose" in out
+
+
+def _imported_modules(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys\nprint('MODULES', *sys.modules)"],
+                         capture_output=True, text=True, timeout=60)
+    return set(out.stdout.splitlines()[-1].split()[1:])
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["plugins"], ["runs", "/nonexistent"],
+                                  ["train", "--help"]])
+def test_fast_commands_import_no_torch(argv):
+    code = f"from gemzoo.cli.main import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
+    modules = _imported_modules(code)
+    assert "gemzoo.cli.main" in modules
+    assert "torch" not in modules and not any(m.startswith("gemzoo_") for m in modules), argv
+
+
+def test_plugins_json_into_a_closed_pipe_prints_no_traceback():
+    script = ("import subprocess, sys\n"
+              "p = subprocess.Popen([sys.executable, '-m', 'gemzoo.cli', 'plugins', '--json'], "
+              "stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
+              "p.stdout.close(); err = p.stderr.read(); p.wait()\n"  # no reader left: the first write fails
+              "sys.stdout.write(err.decode())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout == "", out.stdout
+
+
+def test_every_command_has_examples_in_its_help():
+    import argparse
+
+    from gemzoo.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        assert "examples:" in (parser.epilog or ""), f"gemzoo {name} --help has no examples"
 
 
 def test_every_gemzoo_environment_variable_is_documented():

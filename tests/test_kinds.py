@@ -146,7 +146,7 @@ NEW_KIND = textwrap.dedent('''
     except PluginError as exc:
         out["error"] = str(exc)
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    out["cli"] = next(a for a in sub.choices["list"]._actions if a.dest == "kind").choices
+    out["cli"] = list(next(a for a in sub.choices["list"]._actions if a.dest == "kind").choices)
     out["new_plugin"] = list(next(a for a in sub.choices["new-plugin"]._actions if a.dest == "kind").choices)
     print(json.dumps(out))
 ''')

@@ -54,3 +54,40 @@ def test_plot_runs_and_cli(tmp_path, capsys):
     assert capsys.readouterr().out.strip().endswith("curves.png")
     assert main(["plot", str(a), str(b), "--labels", "only-one"]) == 2
     assert "--labels has 1 names for 2 runs" in capsys.readouterr().err
+
+
+def test_y_range_has_a_floor_on_its_span():
+    from gemzoo.cli.plot import MIN_SPAN, y_range
+
+    lo, hi = y_range([0.701, 0.702, 0.7035])  # AUC noise in the third digit: a flat line, not a trend
+    assert hi - lo == pytest.approx(MIN_SPAN) and lo < 0.701 and hi > 0.7035
+    lo, hi = y_range([0.99, 0.995])  # near 1: the span stays inside [0, 1]
+    assert hi == 1.0 and hi - lo == pytest.approx(MIN_SPAN)
+    lo, hi = y_range([100.0, 101.0])  # samples/s: at least 10% of the value
+    assert hi - lo == pytest.approx(10.1) and lo < 100 < 101 < hi
+    lo, hi = y_range([0.2, 0.9])  # a real spread is shown whole, with margins
+    assert lo < 0.2 and hi > 0.9
+    assert y_range([]) is None and y_range([float("nan")]) is None
+
+
+def test_auc_and_logloss_get_their_own_panels(tmp_path, monkeypatch):
+    from gemzoo.cli import plot
+
+    a = write_run(tmp_path / "a", steps(1, 30) + [{"step": 30, "loss": 0.1, "eval/auc_click": 0.7,
+                                                    "eval/auc_conversion": 0.6, "eval/logloss_click": 0.5}])
+    made = []
+    real = plot._figure
+
+    def spy(*args):
+        fig = real(*args)
+        made.append(fig)
+        return fig
+
+    monkeypatch.setattr(plot, "_figure", spy)
+    plot.plot_runs([a], tmp_path / "c.png")
+    titles = [ax.get_title() for ax in made[0].axes]
+    assert titles == ["Training loss (faint: per step)", "Throughput", "Eval: auc", "Eval: logloss"]
+    loss_ax = made[0].axes[0]
+    assert any("EMA" in line.get_label() for line in loss_ax.get_lines())  # the smoothed trend
+    auc_ax = made[0].axes[2]
+    assert auc_ax.get_ylim()[1] - auc_ax.get_ylim()[0] >= plot.MIN_SPAN - 1e-9

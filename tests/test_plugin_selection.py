@@ -84,7 +84,7 @@ def test_name_clash_does_not_stop_gemzoo_plugins(tmp_path, fresh_registry, monke
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert "registered twice" in rows["clash"]["error"] and "gemzoo-clash" in rows["clash"]["error"]
     assert "reference" in rows["gemzoo.builtin.attention"]["registered"]["attention"]
-    assert main(["plugins"]) == 0
+    assert main(["plugins", "--verbose"]) == 0
     assert "registered twice" in capsys.readouterr().out
 
 

@@ -77,9 +77,9 @@ def test_signal_checkpoints_prints_the_resume_command_and_exits_nonzero(tmp_path
     assert stopped["event"] == "interrupted" and stopped["signal"] == signame
     assert (out / "checkpoints" / f"step-{stopped['step']:08d}").is_dir()
     again = shlex.split(stderr.split("Resume with:")[1].strip().splitlines()[0])
-    assert again[0] == "gemzoo" and again[-1] == "--resume"
+    assert again[:3] == ["python", "-m", "gemzoo.cli"] and again[-1] == "--resume"  # as it was started
     step = stopped["step"]
-    resumed = subprocess.run([sys.executable, "-m", "gemzoo.cli", *again[1:], "--steps", str(step + 1)],
+    resumed = subprocess.run([sys.executable, *again[1:], "--steps", str(step + 1)],
                              capture_output=True, text=True, env=env, timeout=hang_guard(900))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"at step {step}" in resumed.stdout and _final(resumed.stdout)["steps"] == step + 1
@@ -103,6 +103,6 @@ def test_batch_job_gets_a_plain_line_every_log_every_steps(tmp_path):
 def test_the_terminal_bar_shows_an_eta():
     from rich.progress import TimeRemainingColumn
 
-    from gemzoo.train.loop import progress_bar
+    from gemzoo.train.console import progress_bar
 
     assert any(isinstance(c, TimeRemainingColumn) for c in progress_bar(True).columns)

@@ -68,6 +68,19 @@ def test_install_builds_once_then_skips_until_sources_change(tmp_path):
     assert _install(root, log)[0].startswith("NO_EXTENSION= ")  # the built library is gone: build again
 
 
+def test_install_prints_one_progress_line_per_phase(tmp_path):
+    root, log = _tree(tmp_path), tmp_path / "calls.log"
+    log.write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in _stamp_module().BUILD_ENV}
+    done = subprocess.run(["bash", "scripts/install.sh"], cwd=root, env={**env, "INSTALL_LOG": str(log)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    phases = [line for line in done.stdout.splitlines() if line.startswith("[install ")]
+    assert [p.split(",")[0] for p in phases] == [f"[install {i}/4" for i in range(1, 5)], done.stdout
+    assert "building the C++ extension" in phases[2]
+    assert done.stdout.rstrip().splitlines()[-1].startswith("installed in")
+
+
 def test_stamp_follows_sources_torch_and_build_variables(tmp_path):
     stamp = _stamp_module()
     root = _tree(tmp_path)

@@ -34,7 +34,7 @@ def test_scalars_match_metrics_jsonl(fresh_registry, tmp_path):
     rows = [r for r in rows if "event" not in r]
     acc = _events(tmp_path / "run" / "tensorboard")
     tags = set(acc.Tags()["scalars"])
-    assert {"loss", "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib"} <= tags
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib"} <= tags
     assert any(t.startswith("eval/") for t in tags)
     loss = {e.step: e.value for e in acc.Scalars("loss")}
     assert loss == pytest.approx({r["step"]: r["loss"] for r in rows}, rel=1e-6)  # every row, same values

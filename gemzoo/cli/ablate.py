@@ -33,7 +33,8 @@ from pathlib import Path
 
 from gemzoo.cli.ablate_report import OUTPUTS, label, machine_info, markdown_table, summary_line, versions, write_report
 from gemzoo.config import AblationRun, load_ablation, load_config
-from gemzoo.errors import ConfigError, PluginError
+from gemzoo.errors import ConfigError, GemzooError
+from gemzoo.train.trainer import build_on_meta
 
 
 @dataclass
@@ -75,8 +76,21 @@ def make_plan(path: str, *, steps: int | None = None, warmup: int | None = None,
     if warmup < 0:
         raise ConfigError(f"--warmup must be 0 or more, got {warmup}")
     out_dir = Path(out) if out else Path("runs") / "ablations" / Path(path).stem
-    return AblationPlan(str(path), str(Path(ab.config).resolve()), chosen, steps, warmup,
-                        [*ab.set, *(overrides or [])], out_dir, command, timeout_s)
+    overrides = [*ab.set, *(overrides or [])]
+    check_runs(ab.config, chosen, overrides, where=str(path), indices=[ab.runs.index(r) for r in chosen])
+    return AblationPlan(str(path), str(Path(ab.config).resolve()), chosen, steps, warmup, overrides, out_dir,
+                        command, timeout_s)
+
+
+def check_runs(config: str, runs: list, overrides: list[str], *, where: str, indices: list[int] | None = None) -> None:
+    """Check every run entry as ``gemzoo config validate`` does (its plugin names and ``set`` overrides, the
+    dataset, the model on meta, each site's kernel, the precision policy) before the first one trains; the
+    error names the entry that fails (``runs[i]`` and its name)."""
+    for i, run in zip(indices or range(len(runs)), runs, strict=True):
+        try:
+            build_on_meta(load_config(config, overrides=[*overrides, *run.set], plugins=run.plugins))
+        except GemzooError as exc:
+            raise ConfigError(f"{where}: runs[{i}] ({run.name!r}) would fail, so nothing was trained: {exc}") from None
 
 
 def plan_from_config(config: str, runs: list[str], *, steps: int = 50, warmup: int = 5, out: str | None = None,
@@ -85,14 +99,11 @@ def plan_from_config(config: str, runs: list[str], *, steps: int = 50, warmup: i
     """A plan without an ablation file: ``config`` under each plugin set of ``runs`` (bench/e2e.py's form)."""
     if not runs:
         raise ConfigError("no plugin sets given; list some, e.g. jfa,bf16 cpu,fp32")
-    for run in runs:
-        try:
-            load_config(config, overrides=overrides or [], plugins=run)
-        except (ConfigError, PluginError) as exc:
-            raise ConfigError(f"run {run!r}: {exc}") from None
+    entries = [AblationRun(r) for r in runs]
+    check_runs(config, entries, list(overrides or []), where=str(config))
     out_dir = Path(out) if out else Path("runs") / "ablations" / Path(config).stem
-    return AblationPlan(str(config), str(Path(config).resolve()), [AblationRun(r) for r in runs], steps, warmup,
-                        list(overrides or []), out_dir, command, timeout_s)
+    return AblationPlan(str(config), str(Path(config).resolve()), entries, steps, warmup, list(overrides or []),
+                        out_dir, command, timeout_s)
 
 
 def prepare_out(out: Path, overwrite: bool) -> None:

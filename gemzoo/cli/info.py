@@ -1,5 +1,9 @@
-"""What is installed: ``gemzoo plugins`` (every plugin and what it registers), ``gemzoo list KIND`` (the names of
-a kind) and ``gemzoo info`` (versions, and what the C++ extension provides)."""
+"""What is installed: ``gemzoo plugins`` (every plugin; with ``--verbose``/``--json`` what each registers),
+``gemzoo list KIND`` (the names of a kind) and ``gemzoo info`` (versions, and what the C++ extension provides).
+
+Plain ``gemzoo plugins`` reads package metadata only (the built-in modules and the ``gemzoo`` entry points) and
+imports neither torch nor a plugin; the hooks and registered names need every plugin loaded.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,43 @@ import json
 import platform
 from importlib import metadata
 
-import torch
-from rich.console import Console
-from rich.table import Table
+from gemzoo import __version__
+from gemzoo.plugins import BUILTIN_MODULES, ENTRY_POINT_GROUP, blocked_names
+from gemzoo.train.provenance import dist_version
 
-from gemzoo import __version__, ops, registry
-from gemzoo.cli.common import prepare_registry
+
+def installed_plugins() -> list[dict[str, str]]:
+    """Every plugin gemzoo would load, from metadata alone: name, distribution, version, module, status."""
+    blocked = blocked_names()
+    rows = [{"name": m, "distribution": "gemzoo", "version": __version__, "module": m,
+             "status": "blocked" if f"builtin.{m.rsplit('.', 1)[-1]}" in blocked else "built-in"}
+            for m in BUILTIN_MODULES]
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        rows.append({"name": ep.name, "distribution": dist, "version": ep.dist.version if ep.dist else "?",
+                     "module": ep.value, "status": "blocked" if {ep.name, dist} & blocked else "installed"})
+    return rows
+
+
+def plain_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell: nothing is cut, whatever the terminal's width."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in (header, *rows)]
+    return "\n".join(lines)
 
 
 def cmd_plugins(args) -> int:
+    if not (args.json or getattr(args, "verbose", False)):
+        rows = installed_plugins()
+        print(plain_table(("plugin", "distribution", "version", "module", "status"),
+                          [tuple(r.values()) for r in rows]))
+        print("\nRead from package metadata; gemzoo plugins --verbose (or --json) loads every plugin to show its "
+              "hooks, the names it registers and load errors.")
+        return 0
+    from gemzoo import registry  # loads plugins, which import torch: plain `plugins` does not
+    from gemzoo.cli.common import prepare_registry  # the config module: torch
+
     prepare_registry(None)
     registry.clashes()  # load everything; a name clash is shown in its row, not raised
     infos = sorted(registry.host().infos.values(), key=lambda i: (i.distribution != "gemzoo", i.name))
@@ -33,24 +65,24 @@ def cmd_plugins(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    table = Table("plugin", "distribution", "version", "hooks", "registers")
+    # one block per plugin: every name whole at any terminal width
     for r in rows:
-        regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(r["registered"].items()))
+        print(f"{r['name'].replace('gemzoo.builtin.', 'builtin.')}  ({r['distribution']} {r['version']})")
+        if r["error"]:
+            print(f"  FAILED to load: {r['error']}")
+            continue
+        print(f"  hooks: {', '.join(h.removeprefix('gemzoo_') for h in r['hooks']) or '-'}")
+        for k, v in sorted(r["registered"].items()):
+            print(f"  {k}: {', '.join(v)}")
         for n, c in r.get("comms", {}).items():
             runs = ", ".join(c["implements"]) or "none (all c10d)"
-            regs += f" ({n}: sm_free = {'yes' if c['sm_free'] else 'no'}; runs itself: {runs})"
-        name = r["name"].replace("gemzoo.builtin.", "builtin.")
-        hooks = ", ".join(h.removeprefix("gemzoo_") for h in r["hooks"])
-        table.add_row(name, r["distribution"], r["version"], hooks, "[red]FAILED[/red]" if r["error"] else regs)
-    console = Console()
-    console.print(table)
-    for r in rows:
-        if r["error"]:
-            console.print(f"[red]{r['name']} ({r['distribution']}) failed to load:[/red] {r['error']}", soft_wrap=True)
+            print(f"  {n}: sm_free = {'yes' if c['sm_free'] else 'no'}; runs itself: {runs}")
     return 0
 
 
 def cmd_list(args) -> int:
+    from gemzoo import registry  # as in cmd_plugins: only this command loads the plugins
+
     for name in registry.names(args.kind, args.pattern):
         obj = registry.get(args.kind, name)
         desc = getattr(obj, "description", "") or (obj.__doc__ or "").strip().split("\n")[0]
@@ -58,17 +90,11 @@ def cmd_list(args) -> int:
     return 0
 
 
-def dist_version(*names: str) -> str | None:
-    """The version of the first installed distribution of ``names``; None if none is."""
-    for name in names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def cmd_info(args) -> int:
+    import torch  # only `gemzoo info` needs torch and the extension
+
+    from gemzoo import ops
+
     info = {"gemzoo": __version__, "python": platform.python_version(), "torch": torch.__version__,
             "triton": dist_version("triton", "pytorch-triton"), "torchrec": dist_version("torchrec"),
             "fbgemm": dist_version("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm-gpu-nightly"),

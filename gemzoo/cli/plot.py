@@ -2,6 +2,10 @@
 
     gemzoo plot runs/a runs/b --out curves.png     # loss, throughput and eval curves of run folders
 
+Honest axes: each eval metric family (AUC, logloss, HR@k, ...) gets its own panel, and a y-range is the data's
+widened to at least ``MIN_SPAN`` (a metric in [0, 1]) or ``MIN_REL_SPAN`` of its size, so noise in the third
+digit is not drawn as a trend. The loss is drawn per step (faint) with its smoothed trend (an EMA) on top.
+
 ``read_metrics`` is the one reader of ``metrics.jsonl``: a resumed run logs a ``start`` or ``resume`` event at
 the step it resumed from, and the steps after that point that the earlier process had logged are superseded.
 """
@@ -65,27 +69,80 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+MIN_SPAN = 0.05  # the least y-span of a panel whose values lie in [0, 1] (AUC, HR@k, ...)
+MIN_REL_SPAN = 0.1  # otherwise, the least y-span as a share of the values' size (loss, logloss, samples/s)
+
+
+def y_range(values: list[float], *, unit_interval: bool | None = None) -> tuple[float, float] | None:
+    """The y-limits for ``values``: their range with 10% margins, widened about its middle to a span of at
+    least ``MIN_SPAN`` (values in [0, 1]) or ``MIN_REL_SPAN`` times their largest magnitude; None for no values."""
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return None
+    lo, hi = min(values), max(values)
+    if unit_interval is None:
+        unit_interval = 0.0 <= lo and hi <= 1.0
+    floor = MIN_SPAN if unit_interval else MIN_REL_SPAN * max(abs(lo), abs(hi), 1e-12)
+    span = max((hi - lo) * 1.2, floor)
+    mid = (lo + hi) / 2
+    lo, hi = mid - span / 2, mid + span / 2
+    if unit_interval:  # stay inside [0, 1] where the span allows
+        lo, hi = (0.0, span) if lo < 0 else (lo, hi)
+        lo, hi = (1.0 - span, 1.0) if hi > 1 else (lo, hi)
+    elif min(values) >= 0 > lo:
+        lo, hi = 0.0, hi - lo
+    return lo, hi
+
+
+def metric_family(key: str) -> str:
+    """``eval/auc_click`` -> ``auc``; ``eval/logloss_conversion`` -> ``logloss``; ``eval/hr@10`` -> ``hr@10``."""
+    return key.removeprefix("eval/").split("_")[0]
+
+
 def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] | None = None) -> Path:
-    """Loss, samples/s and eval curves of one or more run folders, one PNG with three panels."""
+    """Loss (per step and its trend), samples/s, and one panel per eval metric family (AUC apart from logloss)
+    of one or more run folders, in one PNG."""
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
     labels = labels or [_label(d, recs) for d, recs in runs]
     eval_keys = sorted({k for _, recs in runs for r in recs for k in r if k.startswith("eval/")})
-    fig = _figure(15, 4.2)
-    ax_loss, ax_tput, ax_eval = fig.subplots(1, 3)
+    families: dict[str, list[str]] = {}
+    for key in eval_keys:
+        families.setdefault(metric_family(key), []).append(key)
+    panels = 2 + max(len(families), 1)
+    fig = _figure(5 * panels, 4.2)
+    ax_loss, ax_tput, *ax_evals = fig.subplots(1, panels)
+    values: dict[object, list[float]] = {ax: [] for ax in (ax_loss, ax_tput, *ax_evals)}
     for i, ((_, recs), label) in enumerate(zip(runs, labels, strict=True)):
         c = COLORS[i % len(COLORS)]
-        ax_loss.plot(*_series(recs, "loss"), color=c, label=label, lw=1.2)
-        ax_tput.plot(*_series(recs, "samples_per_s"), color=c, label=label, lw=1.2)
-        for j, key in enumerate(eval_keys):
-            xs, ys = _series(recs, key)
-            ax_eval.plot(xs, ys, color=c, marker="os^vD*"[j % 6], ls=("-", "--", ":", "-.")[j % 4],
-                         label=f"{label} {key.removeprefix('eval/')}")
-    ax_loss.set(title="Training loss", xlabel="step", ylabel="loss")
+        xs, ys = _series(recs, "loss")
+        if len(xs) > 2:  # the per-step loss is noisy: faint, with its smoothed trend on top
+            ax_loss.plot(xs, ys, color=c, lw=0.8, alpha=0.3)
+            ax_loss.plot(xs, ema(ys), color=c, label=f"{label} (EMA {EMA_BETA:g})", lw=1.6)
+        else:
+            ax_loss.plot(xs, ys, color=c, label=label, lw=1.2, marker="o")
+        values[ax_loss] += ys
+        xs, ys = _series(recs, "samples_per_s")
+        ax_tput.plot(xs, ys, color=c, label=label, lw=1.2)
+        values[ax_tput] += ys
+        for ax, keys in zip(ax_evals, families.values(), strict=False):
+            for j, key in enumerate(keys):
+                xs, ys = _series(recs, key)
+                ax.plot(xs, ys, color=c, marker="os^vD*"[j % 6], ls=("-", "--", ":", "-.")[j % 4],
+                        label=f"{label} {key.removeprefix('eval/')}")
+                values[ax] += ys
+    ax_loss.set(title="Training loss (faint: per step)", xlabel="step", ylabel="loss")
     ax_tput.set(title="Throughput", xlabel="step", ylabel="samples/s")
-    ax_eval.set(title="Eval metrics", xlabel="step", ylabel="value")
-    if not eval_keys:
-        ax_eval.text(0.5, 0.5, "no eval metrics logged", ha="center", va="center", transform=ax_eval.transAxes)
-    for ax in (ax_loss, ax_tput, ax_eval):
+    for ax, family in zip(ax_evals, families, strict=False):
+        ax.set(title=f"Eval: {family}", xlabel="step", ylabel=family)
+    if not families:
+        ax_evals[0].set(title="Eval metrics", xlabel="step")
+        ax_evals[0].text(0.5, 0.5, "no eval metrics logged", ha="center", va="center",
+                         transform=ax_evals[0].transAxes)
+    for ax, ys in values.items():
+        limits = y_range(ys)
+        if limits is not None:
+            ax.set_ylim(*limits)
+    for ax in (ax_loss, ax_tput, *ax_evals):
         ax.grid(alpha=0.3)
         entries = len(ax.get_legend_handles_labels()[0])
         if entries > 4:  # below the panel, so it never hides the curves
@@ -198,12 +255,11 @@ def ablation_plots(data: dict, out: str | Path) -> list[Path]:
                       else dict(r, status="failed") for r in rows]
             _bars(ax, scored, "_v", fmt="{:.4f}", ylabel=key.removeprefix("eval/"),
                   title=f"{key.removeprefix('eval/')} after {data['steps']} steps")
-            vals = [r["_v"] for r in scored if r.get("status") == "ok"]
-            if vals:  # zoom on the spread: eval metrics of an ablation differ in the 2nd or 3rd digit
-                lo, hi = min(vals), max(vals)
-                pad = max((hi - lo) * 0.6, 0.01 * max(abs(hi), 1e-6))
-                fig.suptitle("Eval metrics per run (held-out batches; y-axes zoomed to the spread)")
-                ax.set_ylim(max(0.0, lo - pad) if lo >= 0 else lo - pad, hi + pad)
+            limits = y_range([r["_v"] for r in scored if r.get("status") == "ok"])
+            if limits is not None:  # the spread, but never narrower than the floor: noise stays small
+                fig.suptitle(f"Eval metrics per run (held-out batches; y-span at least {MIN_SPAN:g} for metrics "
+                             f"in [0, 1], {MIN_REL_SPAN:.0%} of the value otherwise)")
+                ax.set_ylim(*limits)
         paths.append(_save(fig, out / "eval.png"))
     return paths
 

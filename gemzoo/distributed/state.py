@@ -23,6 +23,16 @@ def is_sharded(t) -> bool:
     return hasattr(t, "local_shards") and hasattr(t, "gather")
 
 
+def whole_size(t) -> tuple[int, ...]:
+    """The whole tensor's shape; a ShardedTensor's read from its metadata (its ``size()`` and ``dtype`` go
+    through the deprecated ``__torch_function__`` and warn on every call)."""
+    return tuple(t.metadata().size) if is_sharded(t) else tuple(t.shape)
+
+
+def whole_dtype(t) -> torch.dtype:
+    return t.metadata().tensor_properties.dtype if is_sharded(t) else t.dtype
+
+
 def is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -45,8 +55,8 @@ def shape_mismatches(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> l
     """(name, saved shape, model shape) for each saved tensor whose shape differs from the model's (whole) one."""
     out = []
     for name, value in model.state_dict().items():
-        if name in full and tuple(full[name].shape) != tuple(value.size()):
-            out.append((name, tuple(full[name].shape), tuple(value.size())))
+        if name in full and tuple(full[name].shape) != whole_size(value):
+            out.append((name, tuple(full[name].shape), whole_size(value)))
     return out
 
 
@@ -81,7 +91,7 @@ def gather_full_state(state: dict[str, Any], is_main: bool,
     full = {}
     for name, value in state.items():
         if is_sharded(value):
-            out = torch.empty(value.size(), dtype=value.dtype) if is_main else None
+            out = torch.empty(whole_size(value), dtype=whole_dtype(value)) if is_main else None
             value.gather(dst=0, out=out)
             value = out
         elif is_dtensor(value):
@@ -158,7 +168,7 @@ def gather_pieces(values: dict[str, Any], is_main: bool, group=None) -> dict[str
     pieces = []
     for name, value in values.items():
         if is_sharded(value):
-            pieces += [(name, tuple(value.size()), tuple(s.metadata.shard_offsets), s.tensor.detach().cpu())
+            pieces += [(name, whole_size(value), tuple(s.metadata.shard_offsets), s.tensor.detach().cpu())
                        for s in value.local_shards()]
         else:
             pieces.append((name, tuple(value.shape), (0,) * value.dim(), value.detach().cpu()))

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 
 from gemzoo import kinds, registry
@@ -37,6 +36,7 @@ from gemzoo.interfaces.models import host_view
 from gemzoo.train import checkpoint as ckpt
 from gemzoo.train import run_folder
 from gemzoo.train.compiles import CompileWatch
+from gemzoo.train.console import RunLog, attached, eval_line, log_line, progress_bar, short_info
 from gemzoo.train.metrics import (
     MetricsLog,
     Throughput,
@@ -72,6 +72,8 @@ class LaunchedStep:
     logs: dict[str, Any]
     share: float
     sums: dict[str, float]
+    grad_norm: torch.Tensor | None = None  # the dense gradients' global norm, before clipping
+    lr: float | None = None  # the dense optimizer's learning rate this step
 
 
 class TrainingInterrupted(Exception):
@@ -114,8 +116,9 @@ class StopSignals:
                 raise KeyboardInterrupt
             return
         self.signum = signum
-        print(f"\ngemzoo: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-              "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
+        if self.world.is_main:  # one message, not one per rank
+            print(f"\ngemzoo: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                  "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
 
     def requested(self) -> int | None:
         """The signal that asked to stop, agreed on by every rank; None to go on."""
@@ -163,6 +166,8 @@ class StepLoop:
     dense_params: list[nn.Parameter]
     start_step: int
     resume_changes: list[tuple[str, Any, Any]]
+    run_log: RunLog | None = None  # train.log on rank 0, opened by the assembly
+    banner_text: str = ""
 
     def say(self, message: str, *, err: bool = False) -> None:
         """Print on rank 0 only."""
@@ -236,8 +241,9 @@ class StepLoop:
             for c in reversed(contexts):
                 c.__exit__(None, None, None)
         all_reduce_gradients(self.replicated_params, self.world)
-        if cfg.optim.grad_clip > 0:
-            clip_grad_norm(self.dense_params, cfg.optim.grad_clip)
+        # the norm is computed either way (logged as grad_norm); an infinite threshold clips nothing
+        grad_norm = clip_grad_norm(self.dense_params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
+        lr = next((g["lr"] for opt in self.optimizers.values() for g in opt.param_groups), None)
         for opt in self.optimizers.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -249,7 +255,8 @@ class StepLoop:
         host = host_view(batch)
         sums = {"samples": batch.num_samples, "tokens": host.num_tokens, "flops": self.model.flops(host)}
         return LaunchedStep(step, loss.detach(), {k: v.detach() if isinstance(v, torch.Tensor) else v
-                                               for k, v in out.logs.items()}, share, sums)
+                                               for k, v in out.logs.items()}, share, sums,
+                            grad_norm=grad_norm.detach(), lr=lr)
 
     def finish_steps(self, launched: list[LaunchedStep], seconds: float) -> list[dict[str, float]]:
         """The metrics of steps queued by ``launch_step`` once the device has run them; ``seconds``: each
@@ -261,12 +268,15 @@ class StepLoop:
         is the largest rank's."""
         cfg, world = self.cfg, self.world.world_size
         # one read for every queued value
+        norm = [s.grad_norm if s.grad_norm is not None else torch.tensor(math.nan) for s in launched]
         values = [torch.as_tensor(v).detach().reshape(()).to("cpu", torch.float64)
-                  for s in launched for v in (s.loss, *s.logs.values())]
+                  for s, n in zip(launched, norm, strict=True) for v in (s.loss, n, *s.logs.values())]
         flat = iter(torch.stack(values).tolist() if values else [])
         results = []
         for s in launched:
-            means = {"loss": next(flat), **{f"train/{k}": next(flat) for k in s.logs}}
+            means = {"loss": next(flat)}
+            grad_norm = next(flat)  # the same on every rank: the global norm of the averaged gradients
+            means.update({f"train/{k}": next(flat) for k in s.logs})
             means = {k: v * s.share for k, v in means.items()}  # weighted by the rank's share of the loss terms
             sums = dict(s.sums)
             # the ranks of a tensor-parallel group train the same samples: each counts 1/copies of them
@@ -285,6 +295,7 @@ class StepLoop:
             metrics = step_metrics(loss=means.pop("loss"), seconds=maxes["seconds"], samples=int(sums["samples"]),
                                    tokens=int(sums["tokens"]), flops=sums["flops"], peak_flops=self.peak * world,
                                    device=self.device, peak_mem_bytes=maxes["peak_mem_bytes"])
+            metrics.update({"lr": math.nan if s.lr is None else s.lr, "grad_norm": grad_norm})
             metrics.update(means)
             results.append(metrics)
         return results
@@ -356,6 +367,16 @@ class StepLoop:
 
     # ----------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        """Train to ``run.steps``; ``train.log`` (opened by the assembly) is closed when it returns or raises."""
+        try:
+            if self.banner_text and self.progress:  # --quiet: no banner either
+                self.say(self.banner_text)
+            return self._fit()
+        finally:
+            if self.run_log is not None:
+                self.run_log.close()
+
+    def _fit(self) -> TrainResult:
         cfg = self.cfg
         # 11. Loop: step; metrics; eval; atomic checkpoint.
         peak_source = self.peak_source
@@ -381,13 +402,14 @@ class StepLoop:
         history, last_eval, loss = [], {}, math.nan
         show = self.progress and main
         lines = show and not sys.stdout.isatty()  # batch jobs: a plain line every run.log_every steps
-        progress = progress_bar(show and not lines)
+        progress = progress_bar(show and not lines, self.run_log.terminal if self.run_log else None)
         t_start = time.perf_counter()
         throughput = Throughput(min(cfg.run.warmup, cfg.run.steps - self.start_step - 1))
         watch = CompileWatch().start()
         if throughput.warmed_up:
             watch.arm()
-        with progress, StopSignals(self.world, self.device) as stop, self.lookahead, watch:
+        with progress, attached(progress, self.run_log), StopSignals(self.world, self.device) as stop, \
+                self.lookahead, watch:
             task = progress.add_task(cfg.run.name, total=cfg.run.steps, completed=self.start_step, info="")
             # Steps are queued (launch_step) and read together (finish_steps) at each *point*: every step with
             # run.sync = "step"; with "log" only steps that write a row, evaluate, checkpoint, end the run or stop.
@@ -426,13 +448,20 @@ class StepLoop:
                         # the row's throughput is its own steps' (every step since the last row), over their time
                         log.write({**record, **stretch_metrics(since_row), "compiles_after_warmup": compiles})
                         since_row = []
-                    if at == done and lines and (logged or evaluated):
+                    if at == done and show and (logged or evaluated):
                         eta = (time.perf_counter() - t_start) / (done - self.start_step) * (cfg.run.steps - done)
-                        print(log_line(done, cfg.run.steps, metrics, eta), flush=True)
+                        row = log_line(done, cfg.run.steps, metrics, eta)
+                        if lines:
+                            print(row, flush=True)
+                        else:  # the bar stands for the row on screen; the log keeps it
+                            if self.run_log is not None:
+                                self.run_log.note(row)
+                            if evaluated:  # stays on screen above the bar
+                                print(eval_line(done, cfg.run.steps, metrics), flush=True)
                     self.hook.gemzoo_step_end(trainer=self, step=at, metrics=metrics)
                 queued = []
                 saved = self.save(done) if checkpointed else None
-                progress.update(task, completed=done, info=_short(metrics))
+                progress.update(task, completed=done, info=short_info(metrics))
                 signum = signum or stop.requested()  # one asked for meanwhile (by a step-end hook, say)
                 if signum and done < cfg.run.steps:
                     if saved is None:
@@ -463,31 +492,3 @@ class StepLoop:
             log.write({"event": "end", "step": steps, "final_loss": loss, **evals})
             log.close()
         return TrainResult(loss, steps, evals, self.out_dir, [], self.world.is_main)
-
-
-def _short(m: dict) -> str:
-    parts = [f"loss {m['loss']:.4f}", f"{m['samples_per_s']:.0f} samples/s", f"MFU {100 * m['mfu']:.1f}%"]
-    parts += [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k.startswith("eval/")][:3]
-    return " | ".join(parts)
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def log_line(step: int, steps: int, m: dict, eta_s: float) -> str:
-    """One plain line for logs that are not a terminal (torchtitan style)."""
-    parts = [f"step {step:>{len(str(steps))}}/{steps}", f"loss {m['loss']:.4f}",
-             f"samples/s {m['samples_per_s']:,.0f}", f"tokens/s {m['tokens_per_s']:,.0f}",
-             f"tflops {m['tflops']:.3g}", f"mfu {100 * m['mfu']:.2f}%", f"mem {m['peak_mem_gib']:.2f} GiB",
-             f"eta {_clock(eta_s)}"]
-    parts += [f"{k} {v:.4f}" for k, v in m.items() if k.startswith("eval/")]
-    return "  ".join(parts)
-
-
-def progress_bar(enabled: bool) -> Progress:
-    """The terminal's progress bar (rich); a no-op when ``enabled`` is false."""
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                    disable=not enabled)

@@ -2,6 +2,9 @@
 
     <run folder>/metrics.jsonl                  one JSON object a line: start / resume / end events and step rows
     <run folder>/checkpoints/step-00000100/     atomic safetensors checkpoints + manifest.json (train/checkpoint.py)
+    <run folder>/config.toml, command.txt,      how the run was made (train/provenance.py)
+                 provenance.json
+    <run folder>/train.log                      everything the run printed (train/console.py)
 
 One folder holds one run. A fresh run refuses a folder that is not empty unless it is told what to do:
 ``--resume`` continues the run in it, ``--overwrite`` deletes the old run's files (``metrics.jsonl`` and
@@ -33,7 +36,8 @@ from gemzoo.errors import ConfigError
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 LOCK = ".lock"  # the running trainer's lock file (PID and host); not part of the run's results
-RUN_ENTRIES = (METRICS, CHECKPOINTS)  # what gemzoo writes into a run folder
+# what gemzoo writes into a run folder (--overwrite deletes these, nothing else; never the lock)
+RUN_ENTRIES = (METRICS, CHECKPOINTS, "config.toml", "command.txt", "provenance.json", "train.log")
 
 
 class RunFolderBusy(ConfigError):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemzoo import registry
+from gemzoo import kinds, registry
 from gemzoo.attention import attention_sites, kernels_that_serve
 from gemzoo.config import Config
 from gemzoo.data.lookahead import Lookahead
@@ -34,7 +34,8 @@ from gemzoo.interfaces.models import transformer_blocks
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
 from gemzoo.interfaces.precision import PrecisionConfig
 from gemzoo.train import checkpoint as ckpt
-from gemzoo.train import run_folder
+from gemzoo.train import provenance, run_folder
+from gemzoo.train.console import RunLog, banner
 from gemzoo.train.flops import peak_flops
 from gemzoo.train.loop import StepLoop, TrainResult
 from gemzoo.train.optim import apply_optimizer_settings, build_optimizers, split_parameters
@@ -144,8 +145,9 @@ class Trainer(StepLoop):
     loop, from ``StepLoop``) trains it."""
 
     def __init__(self, cfg: Config, *, resume: bool | str = False, out_dir: str | None = None,
-                 progress: bool = True, overwrite: bool = False):
+                 progress: bool = True, overwrite: bool = False, command: str | None = None):
         self.cfg = cfg
+        self.command = command  # for command.txt and provenance.json; None: this process's command line
         self.resume = resume
         self.overwrite = overwrite
         self.out_dir = Path(out_dir or cfg.run.out_dir)
@@ -162,9 +164,12 @@ class Trainer(StepLoop):
 
     # ----------------------------------------------------------------------------------------
     def assemble(self) -> Trainer:
+        """Assemble the run (steps 1-10); rank 0 opens ``train.log`` and writes the run's provenance files."""
         try:
             return self._assemble()
         except BaseException:
+            if self.run_log is not None:
+                self.run_log.close()
             self.release()  # a run that fails to assemble leaves the folder to the next one
             raise
 
@@ -194,6 +199,7 @@ class Trainer(StepLoop):
             if self.overwrite and run_folder.clear_run_folder(self.out_dir):
                 print(f"--overwrite: deleted the previous run's files in {self.out_dir}", flush=True)
             ckpt.remove_stale_temporaries(self.out_dir / run_folder.CHECKPOINTS)
+            self.run_log = RunLog(self.out_dir, append=bool(self.resume))  # what the terminal shows, kept
         if self.world.world_size > 1:
             dist.barrier()  # no rank looks at the run folder before rank 0 has cleaned it
 
@@ -211,6 +217,7 @@ class Trainer(StepLoop):
         torch.manual_seed(cfg.run.seed)
         with torch.no_grad():
             model.init_weights()
+        num_parameters = sum(p.numel() for p in model.parameters())  # before any sharding: the whole model
 
         # 5. Attention kernel per site; 6. precision policy.
         self.precision = configured("precision", cfg.plugins.precision, cfg)
@@ -252,7 +259,24 @@ class Trainer(StepLoop):
         self.start_step = 0
         if self.resume:
             self._resume()
+        if self.world.is_main:
+            self._write_provenance(mspec, num_parameters)
         return self
+
+    def _write_provenance(self, mspec, num_parameters: int) -> None:
+        """config.toml, command.txt, provenance.json; and the banner ``fit`` prints."""
+        cfg = self.cfg
+        selected = {name for names in kinds.selected(cfg.plugins).values() for name in names}
+        versions = {e.distribution: e.version for e in registry.entries() if e.name in selected}
+        provenance.write_provenance(self.out_dir, cfg.to_dict(), command=self.command or provenance.command_line(),
+                                    device=self.device, world_size=self.world.world_size, plugins=versions,
+                                    start_step=self.start_step)
+        about = (getattr(mspec, "description", "") or "").split(":")[0].strip()[:40]
+        model = f"{cfg.model.family} ({about})" if about else cfg.model.family
+        self.banner_text = banner(
+            name=cfg.run.name, model=model, parameters=num_parameters, plugins=kinds.selected(cfg.plugins),
+            device=str(self.device), world_size=self.world.world_size, data=cfg.data.source,
+            batch_size=cfg.data.batch_size, steps=cfg.run.steps, start_step=self.start_step, out_dir=self.out_dir)
 
     def _resume(self) -> None:
         root = self.out_dir / run_folder.CHECKPOINTS
@@ -339,8 +363,8 @@ def _shape_message(state: dict, mismatched: list, saved_cfg: dict | None, curren
 
 
 def train(cfg: Config, *, resume: bool | str = False, out_dir: str | None = None, progress: bool = True,
-          overwrite: bool = False) -> TrainResult:
-    trainer = Trainer(cfg, resume=resume, out_dir=out_dir, progress=progress, overwrite=overwrite)
+          overwrite: bool = False, command: str | None = None) -> TrainResult:
+    trainer = Trainer(cfg, resume=resume, out_dir=out_dir, progress=progress, overwrite=overwrite, command=command)
     try:
         return trainer.assemble().fit()
     finally:
