@@ -184,6 +184,31 @@ def test_time_buckets_follow_the_reference_formula():
     assert b[0, :, 0].tolist() == [0, 2, 7, 22, 64]
 
 
+def test_time_buckets_take_the_log_in_float32_as_the_reference():
+    """The reference buckets int64 gaps with torch.log, which computes in float32; in float64 some gaps near a
+    bucket edge land one bucket apart (343 of 1.34e8 on MovieLens-1M)."""
+    gen = torch.Generator().manual_seed(0)
+    gaps = torch.cat([torch.randint(1, 10 ** 9, (200_000,), generator=gen),
+                      torch.round(torch.exp(torch.arange(1, 60) * 0.301)).long()])  # gaps at every bucket edge
+    times = torch.zeros_like(gaps)  # one sequence of one item per gap: query 0 against key 0
+    got = time_buckets(times, gaps, torch.arange(gaps.numel() + 1), 1, num_buckets=1000)[:, 0, 0]
+    want = (torch.log(torch.abs(gaps).clamp(min=1)) / 0.301).long()
+    assert torch.equal(got, want)
+    in_float64 = (gaps.double().log() / 0.301).long()
+    assert not torch.equal(in_float64, want)  # the case the float32 log is there for
+
+
+def test_attention_norm_is_a_config_value():
+    from gemzoo.models.hstu import HSTUConfig, HSTUModel
+
+    info = {"num_items": 20, "max_len": 8, "timestamps": True, "task": "retrieval"}
+    small = dict(embedding_dim=8, num_layers=1, num_heads=1, num_negatives=4)
+    default = HSTUModel(HSTUConfig(**small), info)
+    assert default.blocks[0].attn.options["norm"] == 8.0  # the data's max_len
+    reference = HSTUModel(HSTUConfig(**small, attention_norm=19.0), info)
+    assert reference.blocks[0].attn.options["norm"] == 19.0
+
+
 @pytest.mark.parametrize("activation", ["silu", "softmax"])
 def test_attention_bias_in_reference_and_sdpa_padded(activation):
     torch.manual_seed(0)

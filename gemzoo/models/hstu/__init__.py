@@ -3,7 +3,7 @@
 One HSTU block over a jagged batch:
 
     U, V, Q, K = split(SiLU(uvqk(LayerNorm(X))))
-    A = SiLU(Q K^T) / n        causal, pointwise (no softmax); n = max sequence length
+    A = SiLU(Q K^T) / n        causal, pointwise (no softmax); n = attention_norm (0: the data's max_len)
     X = X + out(dropout(LayerNorm(A V) * U))
 
 The attention is ``JaggedAttention`` with ``activation="silu"``, ``norm=max_len``, ``scale=1`` (the paper
@@ -27,6 +27,7 @@ from gemzoo.errors import ConfigError
 from gemzoo.flops import attention_flops, linear_flops, sample_pairs
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
+from gemzoo.interfaces.options import bounded
 from gemzoo.models.common import init_weights, self_attention_options, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel, trunc_normal
 from gemzoo.ops import jagged_to_padded
@@ -43,6 +44,10 @@ class HSTUConfig(RetrievalConfig):
     uvqk_bias: bool = True  # a bias on the uvqk projection (the reference has none)
     relative_bias: str = "none"  # "none", "position" or "position_time" (needs timestamps in the data)
     time_buckets: int = 128
+    # n of A = SiLU(QK^T) / n; 0: the data's max_len. The HSTU reference divides by its padded length, max_len
+    # plus the 10 it reserves and the next item (211 for ML-1M's 200); the LayerNorm after A V does not cancel it
+    # at initialisation (A V / n is far below its eps), so the value matters
+    attention_norm: float = bounded(0.0, min=0)
 
 
 # the reference's time bucketing: floor(ln(|dt|) / 0.301), i.e. about log base 1.35 of the gap in seconds
@@ -75,15 +80,18 @@ def time_buckets(times: torch.Tensor, next_times: torch.Tensor, offsets: torch.T
     """[B, L, L] bucket of t_next(i) - t_j for query i and key j of each sequence (padding: bucket 0)."""
     t = jagged_to_padded(times.unsqueeze(1).double(), offsets, longest).squeeze(-1)  # [B, L]
     tn = jagged_to_padded(next_times.unsqueeze(1).double(), offsets, longest).squeeze(-1)
-    gap = (tn.unsqueeze(2) - t.unsqueeze(1)).abs().clamp(min=1.0)
-    return (gap.log() / TIME_BUCKET_DIVISOR).long().clamp(0, num_buckets)
+    gap = (tn.unsqueeze(2) - t.unsqueeze(1)).abs().clamp(min=1.0)  # float64: exact for integer timestamps
+    # the log in float32, as the reference takes it (torch.log of an int64 tensor): in float64 a few gaps whose
+    # log lands next to a bucket edge fall one bucket apart
+    return (gap.float().log() / TIME_BUCKET_DIVISOR).long().clamp(0, num_buckets)
 
 
 class HSTUBlock(nn.Module):
     is_transformer_block = True
 
     def __init__(self, d_model: int, num_heads: int, qk_dim: int, v_dim: int, max_len: int, dropout: float, *,
-                 affine: bool = True, uvqk_bias: bool = True, relative_bias: str = "none", time_buckets: int = 128):
+                 affine: bool = True, uvqk_bias: bool = True, relative_bias: str = "none", time_buckets: int = 128,
+                 attention_norm: float = 0.0):
         super().__init__()
         self.num_heads, self.qk_dim, self.v_dim = num_heads, qk_dim, v_dim
         eps = 1e-5 if affine else 1e-6  # the reference's F.layer_norm(eps=1e-6) has no affine parameters
@@ -91,7 +99,7 @@ class HSTUBlock(nn.Module):
         self.uvqk = nn.Linear(d_model, num_heads * (2 * v_dim + 2 * qk_dim), bias=uvqk_bias)
         self.attn = JaggedAttention(AttentionRequest(activation="silu", causal=True, head_dim=qk_dim,
                                                      bias=relative_bias != "none"),
-                                    norm=float(max_len), scale=1.0)
+                                    norm=float(attention_norm or max_len), scale=1.0)
         self.attn_norm = nn.LayerNorm(num_heads * v_dim, eps=eps, elementwise_affine=affine)
         self.dropout = nn.Dropout(dropout)
         self.out = nn.Linear(num_heads * v_dim, d_model)
@@ -164,7 +172,8 @@ class HSTUModel(RetrievalModel):
                               "does not provide; use relative_bias = 'position'")
         self.blocks = nn.ModuleList(
             HSTUBlock(d, heads, qk_dim, v_dim, self.max_len, cfg.dropout, affine=cfg.norm_affine,
-                      uvqk_bias=cfg.uvqk_bias, relative_bias=cfg.relative_bias, time_buckets=cfg.time_buckets)
+                      uvqk_bias=cfg.uvqk_bias, relative_bias=cfg.relative_bias, time_buckets=cfg.time_buckets,
+                      attention_norm=cfg.attention_norm)
             for _ in range(cfg.num_layers)
         )
         options = self_attention_options(cfg, qk_dim, "hstu")
