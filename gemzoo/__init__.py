@@ -22,7 +22,7 @@ def __getattr__(name: str):
     if name in _LAZY_MODULES:
         return importlib.import_module(f"gemzoo.{name}")
     if name == "hookimpl":
-        from gemzoo.plugins import hookimpl
+        from gemzoo.plugins import hookimpl  # pluggy only, but plugins.py loads the hookspecs: kept lazy
 
         return hookimpl
     raise AttributeError(f"module 'gemzoo' has no attribute {name!r}")

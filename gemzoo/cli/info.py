@@ -93,7 +93,7 @@ def cmd_list(args) -> int:
 def cmd_info(args) -> int:
     import torch  # only `gemzoo info` needs torch and the extension
 
-    from gemzoo import ops
+    from gemzoo import ops  # loads the C++ extension: only `gemzoo info` reports it
 
     info = {"gemzoo": __version__, "python": platform.python_version(), "torch": torch.__version__,
             "triton": dist_version("triton", "pytorch-triton"), "torchrec": dist_version("torchrec"),

@@ -25,6 +25,7 @@ import torch
 from gemzoo import registry
 from gemzoo.distributed.comms_groups import init_mesh, mesh_group_backends
 from gemzoo.interfaces.comms import dim_backends
+from gemzoo.testing.timeouts import hang_guard
 
 # What the trainer (all_reduce, broadcast, barrier), FSDP2 (all_gather_into_tensor, reduce_scatter_tensor) and
 # torchrec (all_to_all_single, all_gather) call: checked for every backend, claimed or delegated.
@@ -47,8 +48,6 @@ def spawn(target, world: int, *args, timeout: float | None = None, hide_cuda: bo
     ``hide_cuda``: the ranks start with ``CUDA_VISIBLE_DEVICES=""``, so on a GPU machine they are the CPU ranks
     they are on CI (not ``world`` ranks sharing one GPU)."""
     import torch.multiprocessing as mp
-
-    from gemzoo.testing.timeouts import hang_guard
 
     timeout = hang_guard(900) if timeout is None else timeout
     ctx, port = mp.get_context("spawn"), free_port()

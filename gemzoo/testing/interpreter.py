@@ -204,6 +204,7 @@ def assert_conformance(results: dict[str, dict], at_least: int) -> None:
 def conformance_results(fn, capabilities, **case_kw) -> dict[str, dict]:
     """The attention conformance suite (gemzoo.testing.attention) on ``fn`` with ``capabilities``, on CPU
     tensors: {case: {"ok": bool, errors... or "error": message}} (for a script's RESULT line)."""
+    # in the interpreter subprocess, after fix_interpreter has patched Triton: the suite imports torch and Triton
     from gemzoo.attention import FunctionKernel
     from gemzoo.testing.attention import attention_cases, check_attention
 

@@ -26,7 +26,7 @@ from gemzoo.kinds import KINDS
 def registered(kind: str, *, device: str | None = None, pattern: str | None = None) -> list:
     """``pytest.param(name, id=name)`` for each registered ``kind`` entry (those declaring ``device`` in their
     ``capabilities.devices`` when ``device`` is given; entries without capabilities run anywhere)."""
-    from gemzoo import registry
+    from gemzoo import registry  # loads every plugin (Triton too): not before the root conftest picks the backend
 
     out = []
     for name in registry.names(kind, pattern):
@@ -40,7 +40,7 @@ def registered(kind: str, *, device: str | None = None, pattern: str | None = No
 @pytest.fixture
 def registry_entry():
     """``registry_entry(kind, name)``: the registered object (a fresh configured copy when it has options)."""
-    from gemzoo import registry
+    from gemzoo import registry  # as in registered(): plugins load after the root conftest
 
     def get(kind: str, name: str):
         obj = registry.get(kind, name)
@@ -75,7 +75,7 @@ def _interpreter_groups(request):
     do; kill whatever still runs when the run ends (normally, on a failure with ``-x``, or on Ctrl-C). Never
     during collection: ``--collect-only`` starts no subprocess, and deselected modules (``-m "not slow"``)
     start none."""
-    from gemzoo.testing.interpreter import start_groups, stop_all
+    from gemzoo.testing.interpreter import start_groups, stop_all  # only when a run selects interpreter tests
 
     seen = set()
     for item in request.session.items:
