@@ -40,7 +40,15 @@ from gemzoo.attention import (
     validated_longest,
 )
 from gemzoo.embedding import TableConfig, torchrec_available
-from gemzoo.errors import CheckpointError, ConfigError, GemzooError, JaggedShapeError, PluginError, TrainingError
+from gemzoo.errors import (
+    CheckpointError,
+    ConfigError,
+    DataNotFound,
+    GemzooError,
+    JaggedShapeError,
+    PluginError,
+    TrainingError,
+)
 from gemzoo.flops import attention_flops, attention_pairs, linear_flops
 from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionKernel, AttentionRequest
 from gemzoo.interfaces.batching import BatchingPolicy, DataParallelGroup, overlap_depth, overlap_worker, overlaps
@@ -120,7 +128,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "API_VERSION", "hookimpl", "registry",
     # errors
-    "GemzooError", "ConfigError", "PluginError", "JaggedShapeError", "CheckpointError", "TrainingError",
+    "GemzooError", "ConfigError", "DataNotFound", "PluginError", "JaggedShapeError", "CheckpointError",
+    "TrainingError",
     # options
     "Configurable", "TakesOptions", "bounded",
     # attention: the request, the kernel Protocol, its semantics and input checks

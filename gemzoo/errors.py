@@ -11,6 +11,10 @@ class ConfigError(GemzooError, ValueError):
     """A config file, key or override is invalid."""
 
 
+class DataNotFound(ConfigError):
+    """A dataset's file is not there (``config show`` and ``validate`` go on without it, ``train`` cannot)."""
+
+
 class PluginError(GemzooError, LookupError):
     """A plugin is unknown, failed to load, clashes with another, or lacks a capability."""
 

@@ -36,7 +36,7 @@ import torch
 from gemzoo.data.batch import SeqBatch
 from gemzoo.data.exchange import shard_range
 from gemzoo.data.synthetic import stream_generator
-from gemzoo.errors import ConfigError
+from gemzoo.errors import ConfigError, DataNotFound
 from gemzoo.interfaces.models import DatasetSpec
 from gemzoo.interfaces.options import bounded
 from gemzoo.jagged import lengths_to_offsets
@@ -73,7 +73,7 @@ def read_ratings(path: str) -> list[tuple[int, int, int, int]]:
     if not path:
         raise ConfigError(f"[data] path is empty; point it at a MovieLens ratings.dat ({FORMAT})")
     if not os.path.isfile(path):
-        raise ConfigError(
+        raise DataNotFound(
             f"[data] path {path!r}: no such file. Download MovieLens (e.g. ml-1m) yourself and set [data] path "
             f"to its ratings.dat, whose lines read {FORMAT}"
         )
@@ -248,5 +248,15 @@ def build(cfg: MovieLensConfig, seed: int = 0) -> MovieLensDataset:
     return MovieLensDataset(cfg, seed)
 
 
+NOMINAL_ITEMS = 3883  # MovieLens-1M's movies.dat: the item count a model is built with before the data is there
+
+
+def info_without_data(cfg: MovieLensConfig) -> dict:
+    """The dataset's ``info`` from the config alone, with ML-1M's item count (``config show|validate``)."""
+    return {"task": "retrieval", "num_items": NOMINAL_ITEMS, "max_len": cfg.max_len, "timestamps": True,
+            "nominal": True}
+
+
 SPEC = DatasetSpec(MovieLensConfig, build,
-                   "MovieLens ratings.dat (user-supplied), leave-one-out split as in the HSTU paper")
+                   "MovieLens ratings.dat (user-supplied), leave-one-out split as in the HSTU paper",
+                   info_without_data=info_without_data)

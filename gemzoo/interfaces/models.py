@@ -124,3 +124,6 @@ class DatasetSpec:
     config_cls: type
     build: Callable[..., Any]  # build(data_cfg, seed) -> Dataset
     description: str = ""
+    # info_without_data(data_cfg) -> the ``info`` dict a model is built from, with nominal counts, for a dataset
+    # whose files are not there yet (``gemzoo config show|validate`` then still build the model on meta)
+    info_without_data: Callable[..., dict] | None = None

@@ -28,7 +28,7 @@ from gemzoo.distributed import World, build_mesh, init_distributed, is_fsdp_shar
 from gemzoo.distributed import state as dstate
 from gemzoo.distributed.dense import dense_dims, tensor_parallel_plans
 from gemzoo.embedding import use_sparse_gradients
-from gemzoo.errors import CheckpointError, ConfigError, PluginError
+from gemzoo.errors import CheckpointError, ConfigError, DataNotFound, PluginError
 from gemzoo.interfaces.memory import needs_compile
 from gemzoo.interfaces.models import transformer_blocks
 from gemzoo.interfaces.planner import SparseOptimizer, Topology
@@ -122,16 +122,26 @@ def attention_dtype(precision) -> torch.dtype:
     return compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def build_on_meta(cfg: Config) -> nn.Module:
+def build_on_meta(cfg: Config, *, without_data: list[str] | None = None) -> nn.Module:
     """Assembly steps 3-6 with no weights and no training: the dataset, the model on ``meta``, an attention
     kernel per site and the precision policy. ``gemzoo config validate`` runs it, so what ``train``
-    would reject there (heads that do not divide d_model, batch_size 0, a missing data file, a kernel
-    without a capability a site needs, a run.mesh tp that does not divide the heads) is reported without
-    training."""
+    would reject there (heads that do not divide d_model, batch_size 0, a kernel without a capability a site
+    needs, a run.mesh tp that does not divide the heads) is reported without training.
+
+    ``without_data``: a list to go on without the dataset's files. When they are not there and the dataset
+    spec can describe itself from the config (``DatasetSpec.info_without_data``), the model is built from that
+    nominal info and the reason is appended to the list; otherwise a missing file is an error, as in ``train``."""
     device = pick_device(cfg.run.device, World())
-    dataset = registry.get("dataset", cfg.data.source).build(cfg.data, cfg.run.seed)
+    dspec = registry.get("dataset", cfg.data.source)
+    try:
+        info = dspec.build(cfg.data, cfg.run.seed).info
+    except DataNotFound as exc:
+        if without_data is None or dspec.info_without_data is None:
+            raise
+        info = dspec.info_without_data(cfg.data)
+        without_data.append(str(exc))
     with torch.device("meta"):
-        model = registry.get("model", cfg.model.family).build(cfg.model, dataset.info)
+        model = registry.get("model", cfg.model.family).build(cfg.model, info)
     precision = configured("precision", cfg.plugins.precision, cfg)
     select_attention(model, cfg, device, attention_dtype(precision))
     model = precision.apply(model, PrecisionConfig(keep=list(cfg.precision.keep)))
