@@ -24,13 +24,18 @@ def is_sharded(t) -> bool:
 
 
 def whole_size(t) -> tuple[int, ...]:
-    """The whole tensor's shape; a ShardedTensor's read from its metadata (its ``size()`` and ``dtype`` go
-    through the deprecated ``__torch_function__`` and warn on every call)."""
-    return tuple(t.metadata().size) if is_sharded(t) else tuple(t.shape)
+    """The whole tensor's shape; a torch ShardedTensor's read from its metadata (its ``size()`` and ``dtype`` go
+    through the deprecated ``__torch_function__`` and warn on every call), another sharded view's (a planner's
+    own, with ``local_shards``, ``gather`` and ``size()``) from ``size()``."""
+    if not is_sharded(t):
+        return tuple(t.shape)
+    return tuple(t.metadata().size) if callable(getattr(t, "metadata", None)) else tuple(t.size())
 
 
 def whole_dtype(t) -> torch.dtype:
-    return t.metadata().tensor_properties.dtype if is_sharded(t) else t.dtype
+    if is_sharded(t) and callable(getattr(t, "metadata", None)):
+        return t.metadata().tensor_properties.dtype
+    return t.dtype
 
 
 def is_dtensor(t) -> bool:
