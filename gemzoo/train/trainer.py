@@ -180,8 +180,18 @@ class Trainer(StepLoop):
         except BaseException:
             if self.run_log is not None:
                 self.run_log.close()
+                self._forget_unstarted_run()
             self.release()  # a run that fails to assemble leaves the folder to the next one
             raise
+
+    def _forget_unstarted_run(self) -> None:
+        """A fresh run that failed before its first step leaves the folder as it found it: the provenance files
+        and train.log it had written go (the terminal showed the error), so the corrected command can run in the
+        same folder. Only files a run writes, and only while there are no metrics or checkpoints."""
+        folder = self.out_dir
+        if self.resume or (folder / run_folder.METRICS).exists() or (folder / run_folder.CHECKPOINTS).exists():
+            return
+        run_folder.clear_run_folder(folder)
 
     def _assemble(self) -> Trainer:
         cfg = self.cfg
