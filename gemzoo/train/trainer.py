@@ -215,6 +215,8 @@ class Trainer(StepLoop):
                    dense_dims(cfg.run.mesh, self.world.world_size), comms=self.comms)
         self.device = pick_device(cfg.run.device, self.world)
         self.peak, self.peak_source = peak_flops(self.device, cfg.run.peak_tflops)  # MFU's denominator, per device
+        if self.world.world_size > 1:
+            dist.barrier()  # every rank has checked the run folder (step 1) before rank 0 writes into it
         if self.world.is_main:
             if self.overwrite and run_folder.clear_run_folder(self.out_dir):
                 print(f"--overwrite: deleted the previous run's files in {self.out_dir}", flush=True)
