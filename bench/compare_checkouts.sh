@@ -29,11 +29,11 @@ Example:
 USAGE
 }
 
-base="" out="" runs="jfa,bf16" repeat=2 steps="" ablation=configs/ablations/gem-bench.toml py=${PYTHON:-python3}
+base="" out_dir="" runs="jfa,bf16" repeat=2 steps="" ablation=configs/ablations/gem-bench.toml py=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
   case "$1" in
     --base) base=${2:?--base needs a checkout}; shift ;;
-    --out) out=${2:?--out needs a folder}; shift ;;
+    --out) out_dir=${2:?--out needs a folder}; shift ;;
     --runs) runs=${2:?--runs needs row names}; shift ;;
     --repeat) repeat=${2:?--repeat needs a number}; shift ;;
     --steps) steps=${2:?--steps needs a number}; shift ;;
@@ -44,18 +44,18 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$base" ] && [ -n "$out" ] || { echo "compare_checkouts.sh: --base and --out are required (see --help)" >&2; exit 2; }
+[ -n "$base" ] && [ -n "$out_dir" ] || { echo "compare_checkouts.sh: --base and --out are required (see --help)" >&2; exit 2; }
 this=$(cd "$(dirname "$0")/.." && pwd)
 base=$(cd "$base" 2>/dev/null && pwd) || { echo "compare_checkouts.sh: no checkout at --base" >&2; exit 2; }
 [ -f "$base/pyproject.toml" ] || { echo "compare_checkouts.sh: $base is not a gemzoo checkout" >&2; exit 2; }
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-[ -z "$(ls -A "$out")" ] || { echo "compare_checkouts.sh: $out is not empty; give a new folder" >&2; exit 2; }
+mkdir -p "$out_dir" && out_dir=$(cd "$out_dir" && pwd)
+[ -z "$(ls -A "$out_dir")" ] || { echo "compare_checkouts.sh: $out_dir is not empty; give a new folder" >&2; exit 2; }
 
 install() {  # install CHECKOUT: gemzoo and every plugin of that checkout, editable, offline
   local tree=$1 args=()
   for p in "$tree"/plugins/gemzoo-*/; do args+=(-e "${p%/}"); done
   GEMZOO_NO_EXTENSION=1 "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e "$tree" "${args[@]}" \
-    > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; return 1; }
+    > "$out_dir/install.log" 2>&1 || { tail -20 "$out_dir/install.log"; return 1; }
 }
 
 IFS=';' read -r -a rows <<< "$runs"
@@ -63,7 +63,7 @@ for i in $(seq 1 "$repeat"); do
   for side in base this; do
     tree=$base; [ "$side" = this ] && tree=$this
     install "$tree" || exit 1
-    dest="$out/$side-$i"
+    dest="$out_dir/$side-$i"
     args=(ablate "$ablation" --out "$dest" --runs "${rows[@]}")
     [ -n "$steps" ] && args+=(--steps "$steps")
     echo "== $side pass $i ($(git -C "$tree" rev-parse --short HEAD 2>/dev/null || echo "$tree"))"
@@ -72,7 +72,7 @@ for i in $(seq 1 "$repeat"); do
   done
 done
 
-"$py" - "$out" "$repeat" "$base" "$this" <<'PY'
+"$py" - "$out_dir" "$repeat" "$base" "$this" <<'PY'
 import json, statistics, subprocess, sys
 from pathlib import Path
 

@@ -30,10 +30,10 @@ Examples:
 USAGE
 }
 
-out="" cache="" setup=0 offline=0 suite_s="" test_s=300 py=${PYTHON:-python3} pytest_args=()
+out_dir="" cache="" setup=0 offline=0 suite_s="" test_s=300 py=${PYTHON:-python3} pytest_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --out) out=${2:?--out needs a folder}; shift ;;
+    --out) out_dir=${2:?--out needs a folder}; shift ;;
     --cache) cache=${2:?--cache needs a folder}; shift ;;
     --setup) setup=1 ;;
     --offline) offline=1 ;;
@@ -46,8 +46,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$out" ] || { echo "gpu_suite.sh: --out DIR is required (see --help)" >&2; exit 2; }
-mkdir -p "$out" && out=$(cd "$out" && pwd)
+[ -n "$out_dir" ] || { echo "gpu_suite.sh: --out DIR is required (see --help)" >&2; exit 2; }
+mkdir -p "$out_dir" && out_dir=$(cd "$out_dir" && pwd)
 [ -z "$cache" ] || { mkdir -p "$cache" && cache=$(cd "$cache" && pwd); }
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/.."
@@ -59,7 +59,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 t0=$(date +%s)
 
 if [ "$setup" = 1 ]; then
-  setup_args=(--python "$py" --log "$out/install.log")
+  setup_args=(--python "$py" --log "$out_dir/install.log")
   [ "$offline" = 1 ] && setup_args+=(--offline)
   bash "$here/gpu_setup.sh" "${setup_args[@]}" || exit 1
 fi
@@ -81,13 +81,13 @@ timeout_opt=()
 "$py" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout="$test_s")
 limit=()
 [ -n "$suite_s" ] && limit=(timeout "$suite_s")
-rm -f "$out/progress.txt" "$out/failures.txt"
-GEMZOO_TEST_LOG=$out "${limit[@]}" "$py" -m pytest -q -c pyproject.toml -p gemzoo.testing.eager_log \
-  "${timeout_opt[@]}" -rfE "${pytest_args[@]}" > "$out/pytest.log" 2>&1
+rm -f "$out_dir/progress.txt" "$out_dir/failures.txt"
+GEMZOO_TEST_LOG=$out_dir "${limit[@]}" "$py" -m pytest -q -c pyproject.toml -p gemzoo.testing.eager_log \
+  "${timeout_opt[@]}" -rfE "${pytest_args[@]}" > "$out_dir/pytest.log" 2>&1
 rc=$?
-count() { grep -c " $1 " "$out/progress.txt" 2>/dev/null; }
+count() { grep -c " $1 " "$out_dir/progress.txt" 2>/dev/null; }
 summary="$(count passed) passed, $(count failed) failed, $(count skipped) skipped in $(( $(date +%s) - t0 )) s (pytest rc=$rc)"
-echo "$summary" | tee "$out/summary.txt"
+echo "$summary" | tee "$out_dir/summary.txt"
 [ -z "$cache" ] || "$py" "$here/triton_cache.py" pack "$cache" 2>&1 | tail -3
-tail -15 "$out/pytest.log"
+tail -15 "$out_dir/pytest.log"
 exit $rc

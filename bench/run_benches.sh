@@ -46,10 +46,10 @@ Examples:
 USAGE
 }
 
-out="" cache="" only="" step_s=1800 py=${PYTHON:-python3}
+out_dir="" cache="" only="" step_s=1800 py=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --out) out=${2:?--out needs a folder}; shift ;;
+    --out) out_dir=${2:?--out needs a folder}; shift ;;
     --cache) cache=${2:?--cache needs a folder}; shift ;;
     --only) only=${2:?--only needs step names}; shift ;;
     --step-timeout) step_s=${2:?--step-timeout needs seconds}; shift ;;
@@ -60,12 +60,12 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$out" ] || { echo "run_benches.sh: --out DIR is required (see --help)" >&2; exit 2; }
+[ -n "$out_dir" ] || { echo "run_benches.sh: --out DIR is required (see --help)" >&2; exit 2; }
 for name in ${only//,/ }; do
   [[ " ${STEPS[*]} " == *" $name "* ]] || {
     echo "run_benches.sh: unknown step '$name' in --only; the steps are: ${STEPS[*]}" >&2; exit 2; }
 done
-mkdir -p "$out/logs" && out=$(cd "$out" && pwd)
+mkdir -p "$out_dir/logs" && out_dir=$(cd "$out_dir" && pwd)
 [ -z "$cache" ] || { mkdir -p "$cache" && cache=$(cd "$cache" && pwd); }
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/.."
@@ -82,26 +82,26 @@ step() {  # step NAME CMD...: run CMD under the step limit, its output in logs/N
   wanted "$name" || return 0
   local s0; s0=$(date +%s)
   echo "== $name"
-  timeout "$step_s" "$@" > "$out/logs/$name.log" 2>&1
+  timeout "$step_s" "$@" > "$out_dir/logs/$name.log" 2>&1
   local rc=$?
   [ "$rc" = 0 ] || failed=$((failed + 1))
-  echo "$name rc=$rc $(( $(date +%s) - s0 )) s" | tee -a "$out/steps.txt"
-  tail -5 "$out/logs/$name.log"
+  echo "$name rc=$rc $(( $(date +%s) - s0 )) s" | tee -a "$out_dir/steps.txt"
+  tail -5 "$out_dir/logs/$name.log"
 }
 
-step jfa "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --sweep fused_dq --checks 2 --out "$out/jfa"
+step jfa "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --sweep fused_dq --checks 2 --out "$out_dir/jfa"
 step jfa-short "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --workloads short --checks 1 \
-  --methods jfa,jfa_nobuckets,fa_varlen,flex --sweep short --out "$out/jfa-short"
-step gdpa "$py" plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$out/gdpa"
-step block-attention "$py" plugins/gemzoo-block-attention/bench/bench_block_attention.py --out "$out/block-attention"
-step host "$py" plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$out/host"
+  --methods jfa,jfa_nobuckets,fa_varlen,flex --sweep short --out "$out_dir/jfa-short"
+step gdpa "$py" plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$out_dir/gdpa"
+step block-attention "$py" plugins/gemzoo-block-attention/bench/bench_block_attention.py --out "$out_dir/block-attention"
+step host "$py" plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$out_dir/host"
 # bench_mxfp8.py writes into bench_out/ under its working folder
-step mxfp8 bash -c 'mkdir -p "$1" && cd "$1" && exec "$2" "$3"' _ "$out/mxfp8" "$py" "$root/plugins/gemzoo-mxfp8/bench/bench_mxfp8.py"
-step auto-ac "$py" plugins/gemzoo-auto-ac/bench/bench_memory.py --steps 50 --warmup 10 --json "$out/auto-ac.json"
+step mxfp8 bash -c 'mkdir -p "$1" && cd "$1" && exec "$2" "$3"' _ "$out_dir/mxfp8" "$py" "$root/plugins/gemzoo-mxfp8/bench/bench_mxfp8.py"
+step auto-ac "$py" plugins/gemzoo-auto-ac/bench/bench_memory.py --steps 50 --warmup 10 --json "$out_dir/auto-ac.json"
 step act-quant "$py" plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml --steps 10 \
-  --profile 3 --out "$out/act-quant.json"
+  --profile 3 --out "$out_dir/act-quant.json"
 step step-profile "$py" plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml \
-  --sets "jfa,bf16" --steps 8 --profile 2 --out "$out/step-profile.json" --trace "$out"
+  --sets "jfa,bf16" --steps 8 --profile 2 --out "$out_dir/step-profile.json" --trace "$out_dir"
 step batch-shuffle bash -c '
   "$1" plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml --plugins jfa,bf16 \
     --steps 45 --warmup 5 --worlds 8,64,512 --workers process --set run.compile=false --out "$2/batch-shuffle.json" &&
@@ -109,16 +109,16 @@ step batch-shuffle bash -c '
     "$1" plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml --plugins jfa,bf16 \
       --steps 25 --warmup 5 --worlds 8192 --workers process --depth $depth --set run.compile=false \
       --out "$2/batch-shuffle-8192-d$depth.json" || exit 1
-  done' _ "$py" "$out"
-step ncclx "$py" plugins/gemzoo-ncclx/bench/bench_overlap.py --out "$out/ncclx.json"
+  done' _ "$py" "$out_dir"
+step ncclx "$py" plugins/gemzoo-ncclx/bench/bench_overlap.py --out "$out_dir/ncclx.json"
 step sharding-2d bash -c '
   mkdir -p "$2/sharding-2d"
   for wg in 8:8 64:8 1024:64 8192:64; do
     "$1" -m gemzoo.cli plan --config configs/gem-bench.toml --world "${wg%:*}" --group "${wg#*:}" --json \
       > "$2/sharding-2d/plan-${wg%:*}.json" || exit 1
-  done' _ "$py" "$out"
-step e2e "$py" -m gemzoo.cli ablate configs/ablations/gem-bench.toml --out "$out/e2e"
+  done' _ "$py" "$out_dir"
+step e2e "$py" -m gemzoo.cli ablate configs/ablations/gem-bench.toml --out "$out_dir/e2e"
 
 [ -z "$cache" ] || "$py" "$here/triton_cache.py" pack "$cache" 2>&1 | tail -3
-echo "done in $(( $(date +%s) - t0 )) s; $failed step(s) failed (see $out/steps.txt and $out/logs/)"
+echo "done in $(( $(date +%s) - t0 )) s; $failed step(s) failed (see $out_dir/steps.txt and $out_dir/logs/)"
 [ "$failed" = 0 ]
