@@ -35,8 +35,10 @@ from gemzoo.attention import (
     attention_sites,
     check_inputs,
     kernels_that_serve,
+    materialize_relative_bias,
     pair_allowed,
     reference_attention,
+    relative_bias_block,
     validated_longest,
 )
 from gemzoo.embedding import TableConfig, torchrec_available
@@ -50,7 +52,14 @@ from gemzoo.errors import (
     TrainingError,
 )
 from gemzoo.flops import attention_flops, attention_pairs, linear_flops
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionKernel, AttentionRequest
+from gemzoo.interfaces.attention import (
+    ACTIVATIONS,
+    TIME_BUCKET_DIVISOR,
+    AttentionCapabilities,
+    AttentionKernel,
+    AttentionRequest,
+    RelativeAttentionBias,
+)
 from gemzoo.interfaces.batching import BatchingPolicy, DataParallelGroup, overlap_depth, overlap_worker, overlaps
 from gemzoo.interfaces.comms import COLLECTIVES, CommsBackend, CommsCapabilities
 from gemzoo.interfaces.memory import MemoryPolicy
@@ -136,6 +145,7 @@ __all__ = [
     "ACTIVATIONS", "ACTIVATION_CODES", "AttentionCapabilities", "AttentionKernel", "AttentionRequest",
     "FunctionKernel", "JaggedAttention", "allowed_mask", "apply_activation", "apply_rope", "attention_sites",
     "check_inputs", "kernels_that_serve", "pair_allowed", "reference_attention", "validated_longest",
+    "RelativeAttentionBias", "TIME_BUCKET_DIVISOR", "materialize_relative_bias", "relative_bias_block",
     # jagged tensors
     "TensorCache", "jagged_to_padded", "lengths_to_offsets", "max_length", "offsets_to_lengths",
     "padded_to_jagged", "positions", "seq_ids", "validate_offsets",

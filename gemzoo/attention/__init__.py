@@ -11,13 +11,16 @@ from gemzoo.attention.semantics import (
     allowed_mask,
     apply_activation,
     apply_rope,
+    materialize_relative_bias,
     pair_allowed,
     reference_attention,
+    relative_bias_block,
 )
 from gemzoo.attention.sites import FunctionKernel, JaggedAttention, attention_sites, check_kernel_output
 
 __all__ = [
     "ACTIVATION_CODES", "REFERENCE_CAPABILITIES", "FunctionKernel", "JaggedAttention", "allowed_mask",
     "apply_activation", "apply_rope", "attention_sites", "check_inputs", "check_kernel_output",
-    "kernels_that_serve", "pair_allowed", "reference_attention", "validated_longest",
+    "kernels_that_serve", "materialize_relative_bias", "pair_allowed", "reference_attention",
+    "relative_bias_block", "validated_longest",
 ]

@@ -13,7 +13,7 @@ import torch
 
 from gemzoo import registry
 from gemzoo.errors import JaggedShapeError, PluginError
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest, RelativeAttentionBias
 from gemzoo.jagged import TensorCache, max_length, validate_offsets
 
 
@@ -83,9 +83,40 @@ def _check_bias(bias, q, q_offsets, longest: tuple[int, int] | None) -> None:
                                f"{longest[0]}, Lk {longest[1]}); pad it to at least those")
 
 
+def _check_relative_bias(rb, q, k) -> None:
+    """``rb`` is a :class:`RelativeAttentionBias` whose tables are floating 1-D tensors on q's device, with
+    int64 [Tq] and [Tk] timestamps exactly when it has time weights."""
+    if not isinstance(rb, RelativeAttentionBias):
+        raise TypeError(f"relative_bias must be a gemzoo RelativeAttentionBias, got {type(rb).__name__}")
+    for name, t in (("positions", rb.positions), ("time_weights", rb.time_weights)):
+        if t is None and name == "time_weights":
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 1 or t.numel() < 1:
+            raise JaggedShapeError(f"relative_bias.{name} must be a non-empty floating 1-D tensor, got "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.device != q.device:
+            raise ValueError(f"relative_bias.{name} is on {t.device} but q is on {q.device}; move the module "
+                             "that owns it to q's device")
+    timed = rb.time_weights is not None
+    for name, t, rows in (("q_times", rb.q_times, q.shape[0]), ("k_times", rb.k_times, k.shape[0])):
+        if not timed:
+            if t is not None:
+                raise ValueError(f"relative_bias.{name} is given without time_weights; pass both or neither")
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != (rows,):
+            raise JaggedShapeError(f"relative_bias.{name} must be an int64 tensor [{rows}] (one timestamp per row), "
+                                   f"got {getattr(t, 'dtype', type(t).__name__)} "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
+        if t.device != q.device:
+            raise ValueError(f"relative_bias.{name} is on {t.device} but q is on {q.device}; move it with .to()")
+    d = rb.bucket_divisor
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0 or d == float("inf"):
+        raise ValueError(f"relative_bias.bucket_divisor must be a finite number > 0, got {d!r}")
+
+
 def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax", *, capabilities=None,
                  kernel=None, causal: bool = True, scale=None, norm=None, max_q_len=None, max_k_len=None,
-                 block_size=None, window=None, rope_theta=None, bias=None):
+                 block_size=None, window=None, rope_theta=None, bias=None, relative_bias=None):
     """The one input check of every attention kernel; returns ``(q_offsets, k_offsets)``, contiguous, with
     ``k_offsets`` defaulting to ``q_offsets``.
 
@@ -144,7 +175,7 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
         req = AttentionRequest(
             activation, bool(causal), asymmetric, window is not None, block_size is not None, q.dtype,
             q.device.type, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)), q.shape[2],
-            rope_theta is not None, bias is not None,
+            rope_theta is not None, bias is not None, relative_bias is not None,
         )
         missing = capabilities.missing(req)
         if missing:
@@ -158,6 +189,9 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
         raise PluginError(f"attention kernel {_kernel_name(kernel)!r} does not support rope_theta (rotary)")
     elif bias is not None:
         raise PluginError(f"attention kernel {_kernel_name(kernel)!r} does not support bias (additive attention bias)")
+    elif relative_bias is not None:
+        raise PluginError(f"attention kernel {_kernel_name(kernel)!r} does not support relative_bias "
+                          "(fused relative position/time bias)")
     for name, off, t in (("q_offsets", q_offsets, q), ("k_offsets", k_offsets, k)):
         if not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or off.dim() != 1:
             raise JaggedShapeError(f"{name} must be a 1-D int64 tensor, got "
@@ -180,6 +214,8 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
                 )
     if bias is not None:
         _check_bias(bias, q, q_offsets, longest)
+    if relative_bias is not None:
+        _check_relative_bias(relative_bias, q, k)
     same = k_offsets is q_offsets
     q_offsets = q_offsets if q_offsets.is_contiguous() else q_offsets.contiguous()
     k_offsets = q_offsets if same else (k_offsets if k_offsets.is_contiguous() else k_offsets.contiguous())

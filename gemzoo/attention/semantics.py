@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from gemzoo.attention.checks import check_inputs
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, RelativeAttentionBias
 
 # Activation name -> the integer code of the compiled kernels (gemzoo's C++/CUDA ops and the Triton kernels of
 # the jfa family): one table, whose numbering the C++ kernels (csrc/) are compiled against.
@@ -72,24 +72,51 @@ def apply_activation(scores: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
 
 
+def relative_bias_block(rb: RelativeAttentionBias, qs: int, lq: int, ks: int, lk: int) -> torch.Tensor:
+    """[Lq, Lk]: the bias of ``rb`` over one sequence whose queries are rows [qs, qs + lq) and keys rows
+    [ks, ks + lk) (the definition in :class:`RelativeAttentionBias`), differentiable in its tables."""
+    device = rb.positions.device
+    i = torch.arange(lq, device=device).view(-1, 1) + (lk - lq)
+    j = torch.arange(lk, device=device).view(1, -1)
+    bias = rb.positions[(i - j).clamp(0, rb.positions.numel() - 1)]
+    if rb.time_weights is not None:
+        gap = (rb.q_times[qs:qs + lq].view(-1, 1) - rb.k_times[ks:ks + lk].view(1, -1)).abs().clamp(min=1)
+        bucket = (gap.float().log() / rb.bucket_divisor).long().clamp(0, rb.time_weights.numel() - 1)
+        bias = bias + rb.time_weights[bucket]
+    return bias
+
+
+def materialize_relative_bias(rb: RelativeAttentionBias, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+                              max_q_len: int, max_k_len: int) -> torch.Tensor:
+    """[B, 1, max_q_len, max_k_len]: ``rb`` as a padded additive ``bias`` (zero outside each sequence), for
+    kernels that take a materialised bias only. O(B L^2) memory: the fused kernels never build it."""
+    qo, ko = q_offsets.tolist(), k_offsets.tolist()
+    out = rb.positions.new_zeros(len(qo) - 1, 1, max_q_len, max_k_len)
+    rows = [torch.nn.functional.pad(relative_bias_block(rb, qo[b], qo[b + 1] - qo[b], ko[b], ko[b + 1] - ko[b]),
+                                    (0, max_k_len - (ko[b + 1] - ko[b]), 0, max_q_len - (qo[b + 1] - qo[b])))
+            for b in range(len(qo) - 1)]
+    return torch.stack(rows).unsqueeze(1) if rows else out
+
+
 # ------------------------------------------------------------------------------------------ the reference
 # The executable definition of the semantics above: the ``reference`` kernel (registered by
 # gemzoo.builtin.attention) and the oracle every kernel's tests compare against.
 
 REFERENCE_CAPABILITIES = AttentionCapabilities(
-    activations=frozenset(ACTIVATIONS), window=True, block=True, rotary=True, bias=True,
+    activations=frozenset(ACTIVATIONS), window=True, block=True, rotary=True, bias=True, relative_bias=True,
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}))
 
 
 def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
                         norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
-                        bias=None):
+                        bias=None, relative_bias=None):
     """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct.
-    ``bias`` [B, 1 or H, >= Lq, >= Lk] is added to the scaled scores before the mask and the activation."""
+    ``bias`` [B, 1 or H, >= Lq, >= Lk] and ``relative_bias`` (a :class:`RelativeAttentionBias`) are added to
+    the scaled scores before the mask and the activation."""
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=REFERENCE_CAPABILITIES, kernel="reference",
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
-        window=window, rope_theta=rope_theta, bias=bias)
+        window=window, rope_theta=rope_theta, bias=bias, relative_bias=relative_bias)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
@@ -112,6 +139,8 @@ def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, acti
         s = scale * qb @ kb.transpose(1, 2)  # [H, Lq, Lk]
         if bias is not None:
             s = s + bias[b, :, :lq, :lk].to(compute)
+        if relative_bias is not None:
+            s = s + relative_bias_block(relative_bias, qs, lq, ks, lk).to(compute)
         mask = allowed_mask(lq, lk, causal=causal, window=window, block_size=block_size, device=q.device)
         has_key = mask.any(-1, keepdim=True)  # [Lq, 1]
         if activation == "softmax":

@@ -26,6 +26,33 @@ import torch
 ACTIVATIONS = ("softmax", "silu", "gelu", "gelu_tanh", "relu", "relu2", "leaky_relu", "hardswish", "identity")
 
 
+# HSTU's time buckets: floor(ln(gap in seconds) / 0.301), about log base 1.35 of the gap
+TIME_BUCKET_DIVISOR = 0.301
+
+
+@dataclass(frozen=True)
+class RelativeAttentionBias:
+    """A learned relative attention bias that a kernel computes inside its tiles, never as a [B, L, L] tensor
+    (HSTU's relative position and time-bucket bias). For query i and key j of one sequence (shift s = Lk - Lq):
+
+        bias(i, j) = positions[clamp(i + s - j, 0, P - 1)]
+                   + time_weights[clamp(trunc(log(float32(max(|q_times[i] - k_times[j]|, 1))) / bucket_divisor),
+                                        0, NB)]
+
+    added to the scaled score of every head before the mask and the activation. ``positions`` is [P] and
+    ``time_weights`` [NB + 1] (or None: positions only), both floating and differentiable; ``q_times`` [Tq] and
+    ``k_times`` [Tk] are int64 timestamps (seconds), given exactly when ``time_weights`` is. HSTU compares
+    each query at the time of the item that follows it (q_times = next_times) with each key's own time.
+    The log is taken in float32, as HSTU's reference implementation takes it.
+    """
+
+    positions: torch.Tensor
+    time_weights: torch.Tensor | None = None
+    q_times: torch.Tensor | None = None
+    k_times: torch.Tensor | None = None
+    bucket_divisor: float = TIME_BUCKET_DIVISOR
+
+
 @dataclass(frozen=True)
 class AttentionCapabilities:
     activations: frozenset[str] = frozenset({"softmax"})
@@ -40,6 +67,7 @@ class AttentionCapabilities:
     head_dims: tuple[int, ...] | None = None  # None: any
     rotary: bool = False  # rope_theta
     bias: bool = False  # an additive score bias, bias= [B, 1 or H, >= Lq, >= Lk] padded
+    relative_bias: bool = False  # relative_bias= a RelativeAttentionBias, computed inside the tiles
 
     def missing(self, req: AttentionRequest) -> list[str]:
         """Human-readable list of what ``req`` needs that this kernel lacks."""
@@ -68,6 +96,8 @@ class AttentionCapabilities:
             out.append("rope_theta (rotary)")
         if req.bias and not self.bias:
             out.append("bias (additive attention bias)")
+        if req.relative_bias and not self.relative_bias:
+            out.append("relative_bias (fused relative position/time bias)")
         return out
 
 
@@ -86,6 +116,7 @@ class AttentionRequest:
     head_dim: int | None = None
     rotary: bool = False
     bias: bool = False
+    relative_bias: bool = False
 
     def replace(self, **kw) -> AttentionRequest:
         return dataclasses.replace(self, **kw)
@@ -112,4 +143,5 @@ class AttentionKernel(Protocol):
         block_size: int | None = None,
         window: int | None = None,
         rope_theta: float | None = None,
+        relative_bias: RelativeAttentionBias | None = None,
     ) -> torch.Tensor: ...

@@ -25,7 +25,7 @@ from torch import nn
 from gemzoo.attention import JaggedAttention
 from gemzoo.errors import ConfigError
 from gemzoo.flops import attention_flops, linear_flops, sample_pairs
-from gemzoo.interfaces.attention import AttentionRequest
+from gemzoo.interfaces.attention import TIME_BUCKET_DIVISOR, AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
 from gemzoo.interfaces.options import bounded
 from gemzoo.models.common import init_weights, self_attention_options, self_attention_pairs
@@ -48,10 +48,6 @@ class HSTUConfig(RetrievalConfig):
     # plus the 10 it reserves and the next item (211 for ML-1M's 200); the LayerNorm after A V does not cancel it
     # at initialisation (A V / n is far below its eps), so the value matters
     attention_norm: float = bounded(0.0, min=0)
-
-
-# the reference's time bucketing: floor(ln(|dt|) / 0.301), i.e. about log base 1.35 of the gap in seconds
-TIME_BUCKET_DIVISOR = 0.301
 
 
 class RelativeBias(nn.Module):
