@@ -435,11 +435,12 @@ def relative_bias_args(positions, time_weights=None, q_times=None, k_times=None,
 
 def _rel_table_grads(buf, rel, grad_scale):
     """(d positions, d time_weights or None) in the tables' dtypes from the [REL_SLOTS, width] partial sums."""
-    total = buf.sum(0).mul_(grad_scale)
-    n_pos = rel["n_pos"]
-    d_pos = total[:n_pos].to(rel["RB_POS"].dtype)
-    d_tw = total[n_pos:].to(rel["RB_TW"].dtype) if rel["REL"] == 2 else None
-    return d_pos, d_tw
+    n_pos = rel["n_pos"]  # one sum per table: two fresh tensors, no views of one buffer
+
+    def table(cols, like):
+        return buf[:, cols].sum(0).mul_(grad_scale).to(like.dtype)
+
+    return table(slice(0, n_pos), rel["RB_POS"]), table(slice(n_pos, None), rel["RB_TW"]) if rel["REL"] == 2 else None
 
 
 def _launch_preprocess(out, do):
@@ -573,6 +574,39 @@ def run_attention(op, fwd, bwd, q, k, v, q_offsets, k_offsets, *args) -> torch.T
         return _EagerAttention.apply(fwd, bwd, q, k, v, q_offsets, k_offsets, *args)
     return fwd(q, k, v, q_offsets, k_offsets, *args)[0]
 
+class _EagerRelAttention(torch.autograd.Function):
+    """_EagerAttention with a relative bias: also differentiable in its tables (positions, time_weights)."""
+
+    @staticmethod
+    def forward(ctx, fwd, bwd, q, k, v, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args):
+        out, lse = fwd(q, k, v, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args)
+        ctx.bwd, ctx.args = bwd, args
+        ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets, positions, time_weights, q_times, k_times)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_offsets, k_offsets, positions, time_weights, q_times, k_times = ctx.saved_tensors
+        dq, dk, dv, d_pos, d_tw = ctx.bwd(dout, q, k, v, out, lse, q_offsets, k_offsets, positions, time_weights,
+                                          q_times, k_times, *ctx.args)
+        return (None, None, dq, dk, dv, None, None, d_pos, None if time_weights is None else d_tw, None,
+                None) + (None,) * len(ctx.args)
+
+
+def run_attention_rel(op, fwd, bwd, q, k, v, q_offsets, k_offsets, rb, *args) -> torch.Tensor:
+    """run_attention with a relative bias ``rb`` (a ``gemzoo.api.RelativeAttentionBias``): ``fwd`` and ``op``
+    take (q, k, v, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args), ``bwd`` (do, q, k,
+    v, out, lse, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args) and returns (dq, dk,
+    dv, d positions, d time_weights); ``args`` end with ``rb.bucket_divisor`` where the bodies take it."""
+    tensors = (rb.positions, rb.time_weights, rb.q_times, rb.k_times)
+    if torch.compiler.is_compiling() or q.device.type == "meta" or is_fake(q):
+        return op(q, k, v, q_offsets, k_offsets, *tensors, *args)
+    grads = [t is not None and t.requires_grad for t in (q, k, v, rb.positions, rb.time_weights)]
+    if torch.is_grad_enabled() and any(grads):
+        return _EagerRelAttention.apply(fwd, bwd, q, k, v, q_offsets, k_offsets, *tensors, *args)
+    return fwd(q, k, v, q_offsets, k_offsets, *tensors, *args)[0]
+
+
 def check_triton_inputs(kernel, name: str, q, k, v, q_offsets, k_offsets, **options):
     """The input check of every Triton path on this kernel family (jfa, gdpa, block-attention): the shared
     one (gemzoo.api.check_inputs) against ``kernel``'s declared capabilities, so an option it
@@ -595,4 +629,4 @@ __all__ = ["ACTIVATION_CODES", "Bucket", "Configs", "DEFAULT_OPTIONS", "DTYPES",
            "KernelOptions", "MAX_HEAD_DIM", "ORDERS", "SHORT_AVERAGE", "BUCKETS_BY_DEFAULT", "backward",
            "check_triton_inputs", "default_buckets", "default_configs", "last_dim_contiguous", "launch_bwd",
            "launch_fwd", "length_buckets", "options_at", "options_index", "relative_bias_args", "REL_SLOTS",
-           "run_attention", "short_buckets", "split_plan"]
+           "run_attention", "run_attention_rel", "short_buckets", "split_plan"]
