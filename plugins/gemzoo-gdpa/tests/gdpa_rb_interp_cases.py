@@ -100,10 +100,47 @@ def entry():
     return res
 
 
+def entry_jfa():
+    """jfa_triton(relative_bias=...) (softmax on the same kernels): eager autograd against the reference,
+    torch.compile(fullgraph) against eager, opcheck of its custom op."""
+    from gemzoo_jfa import jfa_triton
+    from gemzoo_jfa.ops import jfa_fwd_rb
+
+    from gemzoo.api import RelativeAttentionBias
+    from gemzoo.testing.interpreter import compiled_matches_eager
+
+    gen = torch.Generator().manual_seed(12)
+    q, k, v, grad, q_off, k_off, rb = make_inputs(gen, [7, 0, 19], [9, 3, 19], 2, 16, 16, torch.float32, 12, 30,
+                                                  True)
+    want = reference(q, k, v, grad, q_off, k_off, rb, "softmax", True, None, 0.5, None)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, rb.positions, rb.time_weights)]
+    out = jfa_triton(*leaves[:3], q_off, k_off, scale=0.5,
+                     relative_bias=RelativeAttentionBias(leaves[3], leaves[4], rb.q_times, rb.k_times))
+    out.backward(grad)
+    res = {"eager": {n: rel_err(g, w) for n, g, w in zip(("out", "dq", "dk", "dv", "dpos", "dtw"),
+                                                            [out.detach()] + [t.grad for t in leaves], want,
+                                                            strict=True)}}
+    for t in leaves:
+        t.grad = None
+
+    def loss(q, k, v, pos, tw):
+        timed = RelativeAttentionBias(pos, tw, rb.q_times, rb.k_times)
+        return (jfa_triton(q, k, v, q_off, k_off, relative_bias=timed).square().sum()
+                + jfa_triton(q, k, v, q_off, k_off, causal=False, relative_bias=RelativeAttentionBias(pos)).sum())
+
+    res["compile"] = compiled_matches_eager(loss, *leaves)
+    torch.library.opcheck(jfa_fwd_rb, (*leaves[:3], q_off, k_off, leaves[3], leaves[4], rb.q_times, rb.k_times,
+                                       True, 0.25, -1, 0.301, 0),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    res["opcheck"] = True
+    return res
+
+
 def main(which: str) -> None:
     from gemzoo.testing.interpreter import print_group
 
-    print_group({"cases": lambda: {name: run_case(*args) for name, args in CASES.items()}, "entry": entry}, which)
+    print_group({"cases": lambda: {name: run_case(*args) for name, args in CASES.items()}, "entry": entry,
+                 "entry_jfa": entry_jfa}, which)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from gemzoo.testing.interpreter import interpreter_results
 pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).with_name("gdpa_rb_interp_cases.py")
-INTERPRETER_GROUPS = ("cases", "entry")  # started in the background when collection ends (gemzoo.testing.interpreter)
+INTERPRETER_GROUPS = ("cases", "entry", "entry_jfa")  # started in the background when collection ends (gemzoo.testing.interpreter)
 sys.path.insert(0, str(SCRIPT.parent))
 from gdpa_rb_interp_cases import CASES  # noqa: E402
 
@@ -53,10 +53,17 @@ def test_gdpa_triton_eager_autograd_and_no_grad():
     assert res["no_grad_out"] <= 1e-5
 
 
-def test_torch_compile_fullgraph_and_opcheck():
-    res = _results("entry")
+@pytest.mark.parametrize("group", ["entry", "entry_jfa"])
+def test_torch_compile_fullgraph_and_opcheck(group):
+    res = _results(group)
     assert res["compile"], "torch.compile(fullgraph=True) with relative_bias differs from eager"
     assert res["opcheck"]
+
+
+def test_jfa_triton_softmax_with_relative_bias():
+    res = _results("entry_jfa")
+    for key in GRADS:
+        assert res["eager"][key] <= 1e-5, f"jfa_triton(relative_bias=...): {key} {res['eager'][key]:.2e}"
 
 
 def _inputs():
@@ -80,9 +87,8 @@ def test_bad_relative_bias_is_a_clear_error(bad, message):
         gdpa_triton(q, k, v, off, activation="silu", relative_bias=bad())
 
 
-def test_gdpa_declares_relative_bias_and_jfa_does_not():
+def test_gdpa_and_jfa_declare_relative_bias():
     from gemzoo_gdpa.ops import KERNEL
     from gemzoo_jfa.ops import KERNEL as JFA
 
-    assert KERNEL.capabilities.relative_bias
-    assert not JFA.capabilities.relative_bias
+    assert KERNEL.capabilities.relative_bias and JFA.capabilities.relative_bias
