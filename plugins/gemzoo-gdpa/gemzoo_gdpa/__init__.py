@@ -3,8 +3,11 @@ Triton, forward and backward on jagged q/k/v + offsets.
 
     from gemzoo_gdpa import gdpa_triton
     out = gdpa_triton(q, k, v, q_offsets, k_offsets=None, causal=True, activation="silu", norm=None)
+    out = gdpa_triton(q, k, v, q_offsets, activation="silu", norm=211.0,
+                      relative_bias=RelativeAttentionBias(positions, time_weights, next_times, times))
 
-The kernels are gemzoo-jfa's family (one tile loop for softmax and pointwise activations). Importing
+The kernels are gemzoo-jfa's family (one tile loop for softmax and pointwise activations); a relative
+attention bias (``gemzoo.api.RelativeAttentionBias``, HSTU's) is computed inside their tiles. Importing
 this package does not import Triton; the kernels load on first use.
 """
 

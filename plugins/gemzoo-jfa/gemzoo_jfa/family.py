@@ -347,11 +347,11 @@ def _rope_c(rope_theta: float, head_dim: int) -> float:
 
 
 def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, activation=0, inv_norm=1.0,
-               block=-1, rope_theta=0.0, options: KernelOptions = DEFAULT_OPTIONS):
+               block=-1, rope_theta=0.0, options: KernelOptions = DEFAULT_OPTIONS, rel: dict | None = None):
     """out (and, for softmax, the base-2 lse [H, Tq]) of the forward pass; ``activation`` is a code of
     ACTIVATION_CODES. Pointwise short-Q/long-K batches take the split-K path (see split_plan). ``block``
     > 0 is block_size, ``rope_theta`` > 0 fuses RoPE (-1 and 0: off); ``options`` the tiles, order, TMA,
-    split and buckets (KernelOptions)."""
+    split and buckets (KernelOptions); ``rel`` a relative bias's kernel arguments (``relative_bias_args``)."""
     from gemzoo_jfa import kernels
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
@@ -370,7 +370,7 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
             H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
             CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=use_tma,
             ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
-            **_block_rope(block, rope_theta, d),
+            **_block_rope(block, rope_theta, d), **(rel or {}),
         )
         if target is not out:
             out.copy_(target)
@@ -387,8 +387,11 @@ def _block_rope(block, rope_theta, head_dim) -> dict:
 
 
 def launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv_, activation=0,
-               inv_norm=1.0, block=-1, rope_theta=0.0, options: KernelOptions = DEFAULT_OPTIONS):
-    """dq, dk, dv. Softmax needs out and lse (delta preprocess); pointwise ignores both.
+               inv_norm=1.0, block=-1, rope_theta=0.0, options: KernelOptions = DEFAULT_OPTIONS,
+               rel: dict | None = None):
+    """dq, dk, dv. Softmax needs out and lse (delta preprocess); pointwise ignores both. With ``rel`` (a
+    relative bias's kernel arguments, ``relative_bias_args``) returns the gradients of its tables
+    (positions, time_weights or None), from the dk/dv kernel's per-program partial sums (``REL_SLOTS`` rows).
 
     With ``KernelOptions(fused_dq=True)`` the dk/dv kernel also adds each (key block, query block) pair's share of dQ to
     an fp32 buffer with atomics, FA2-style: 5 matmuls a pair instead of the 7 of a separate dq kernel (which
@@ -397,13 +400,47 @@ def launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, windo
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     delta = _launch_preprocess(out, do) if activation == 0 else None
     acc = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if options.fused_dq else None
+    rel_grad = None
+    if rel is not None:
+        rel_grad = torch.zeros(REL_SLOTS, rel["n_pos"] + (rel["n_tw"] if rel["REL"] == 2 else 0), device=q.device,
+                               dtype=torch.float32)
+        rel = dict(rel, RB_GRAD=rel_grad, rb_slots=REL_SLOTS, rb_width=rel_grad.shape[1])
     _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm,
-                 block, rope_theta, options, dq_acc=acc)
+                 block, rope_theta, options, dq_acc=acc, rel=rel)
     if acc is not None:
         dq.copy_(acc.mul_(scale * (1.0 if activation == 0 else inv_norm)))
-        return
-    _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm, block,
-               rope_theta, options)
+    else:
+        dq_rel = None if rel is None else {n: a for n, a in rel.items() if n not in ("RB_GRAD", "rb_slots", "rb_width")}
+        _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm,
+                   block, rope_theta, options, rel=dq_rel)
+    if rel_grad is None:
+        return None
+    return _rel_table_grads(rel_grad, rel, 1.0 if activation == 0 else inv_norm)
+
+
+# Rows of the relative bias's table-gradient buffer: dk/dv program p adds into row p % REL_SLOTS (no atomics
+# shared by every program), and one sum over rows reduces it.
+REL_SLOTS = 512
+
+
+def relative_bias_args(positions, time_weights=None, q_times=None, k_times=None, bucket_divisor=1.0) -> dict:
+    """The kernels' arguments for a relative bias (``gemzoo.api.RelativeAttentionBias``'s fields): REL 1
+    (positions) or 2 (positions + time buckets), the contiguous tables and timestamps, their sizes."""
+    kw = dict(RB_POS=positions.contiguous(), n_pos=positions.numel(), REL=1)
+    if time_weights is not None:
+        kw.update(RB_TW=time_weights.contiguous(), RB_QT=q_times.contiguous(), RB_KT=k_times.contiguous(),
+                  n_tw=time_weights.numel(), rb_div=float(bucket_divisor), REL=2)
+    return kw
+
+
+def _rel_table_grads(buf, rel, grad_scale):
+    """(d positions, d time_weights or None) in the tables' dtypes from the [REL_SLOTS, width] partial sums."""
+    n_pos = rel["n_pos"]  # one sum per table: two fresh tensors, no views of one buffer
+
+    def table(cols, like):
+        return buf[:, cols].sum(0).mul_(grad_scale).to(like.dtype)
+
+    return table(slice(0, n_pos), rel["RB_POS"]), table(slice(n_pos, None), rel["RB_TW"]) if rel["REL"] == 2 else None
 
 
 def _launch_preprocess(out, do):
@@ -428,7 +465,7 @@ def _common(q, v, causal, window, activation):
 
 
 def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm,
-                 block, rope_theta, options: KernelOptions, dq_acc=None):
+                 block, rope_theta, options: KernelOptions, dq_acc=None, rel=None):
     from gemzoo_jfa import kernels
     from gemzoo_jfa.schedule import build_schedule
 
@@ -454,12 +491,12 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
             BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=use_tma,
             **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
             **({} if dq_acc is None else dict(DQACC=dq_acc, stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1),
-                                              FUSED_DQ=True)),
+                                              FUSED_DQ=True)), **(rel or {}),
         )
 
 
 def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm, block,
-               rope_theta, options: KernelOptions):
+               rope_theta, options: KernelOptions, rel=None):
     from gemzoo_jfa import kernels
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
@@ -476,25 +513,27 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
             do.stride(0), do.stride(1), target.stride(0), target.stride(1),
             BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=use_tma,
             SPLIT=split_n > 0, **_common(q, v, causal, window, activation),
-            **_block_rope(block, rope_theta, q.shape[2]),
+            **_block_rope(block, rope_theta, q.shape[2]), **(rel or {}),
         )
         if target is not dq:
             dq.copy_(target)
 
 
 def backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, activation=0, inv_norm=1.0,
-             block=-1, rope_theta=0.0, options: KernelOptions = DEFAULT_OPTIONS):
+             block=-1, rope_theta=0.0, options: KernelOptions = DEFAULT_OPTIONS, rel: dict | None = None):
     """(dq, dk, dv) in fresh tensors, empty batches included (the body of jfa's, gdpa's and block-attention's
-    bwd ops)."""
+    bwd ops); with ``rel`` (``relative_bias_args``) followed by the gradients of its tables (positions,
+    time_weights or None)."""
     do = do.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.shape[0] == 0 or q.shape[1] == 0:  # no queries: nothing reaches k or v
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    if k.shape[0] == 0:
-        return dq.zero_(), dk, dv
-    launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv, activation, inv_norm,
-               block, rope_theta, options)
-    return dq, dk, dv
+    if q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0:  # no pair: nothing reaches k, v or the tables
+        grads = dq.zero_(), dk.zero_(), dv.zero_()
+        if rel is None:
+            return grads
+        return grads + (torch.zeros_like(rel["RB_POS"]), torch.zeros_like(rel["RB_TW"]) if rel["REL"] == 2 else None)
+    table_grads = launch_bwd(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window, dq, dk, dv,
+                             activation, inv_norm, block, rope_theta, options, rel=rel)
+    return (dq, dk, dv) if rel is None else (dq, dk, dv) + table_grads
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -535,6 +574,39 @@ def run_attention(op, fwd, bwd, q, k, v, q_offsets, k_offsets, *args) -> torch.T
         return _EagerAttention.apply(fwd, bwd, q, k, v, q_offsets, k_offsets, *args)
     return fwd(q, k, v, q_offsets, k_offsets, *args)[0]
 
+class _EagerRelAttention(torch.autograd.Function):
+    """_EagerAttention with a relative bias: also differentiable in its tables (positions, time_weights)."""
+
+    @staticmethod
+    def forward(ctx, fwd, bwd, q, k, v, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args):
+        out, lse = fwd(q, k, v, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args)
+        ctx.bwd, ctx.args = bwd, args
+        ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets, positions, time_weights, q_times, k_times)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_offsets, k_offsets, positions, time_weights, q_times, k_times = ctx.saved_tensors
+        dq, dk, dv, d_pos, d_tw = ctx.bwd(dout, q, k, v, out, lse, q_offsets, k_offsets, positions, time_weights,
+                                          q_times, k_times, *ctx.args)
+        return (None, None, dq, dk, dv, None, None, d_pos, None if time_weights is None else d_tw, None,
+                None) + (None,) * len(ctx.args)
+
+
+def run_attention_rel(op, fwd, bwd, q, k, v, q_offsets, k_offsets, rb, *args) -> torch.Tensor:
+    """run_attention with a relative bias ``rb`` (a ``gemzoo.api.RelativeAttentionBias``): ``fwd`` and ``op``
+    take (q, k, v, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args), ``bwd`` (do, q, k,
+    v, out, lse, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args) and returns (dq, dk,
+    dv, d positions, d time_weights); ``args`` end with ``rb.bucket_divisor`` where the bodies take it."""
+    tensors = (rb.positions, rb.time_weights, rb.q_times, rb.k_times)
+    if torch.compiler.is_compiling() or q.device.type == "meta" or is_fake(q):
+        return op(q, k, v, q_offsets, k_offsets, *tensors, *args)
+    grads = [t is not None and t.requires_grad for t in (q, k, v, rb.positions, rb.time_weights)]
+    if torch.is_grad_enabled() and any(grads):
+        return _EagerRelAttention.apply(fwd, bwd, q, k, v, q_offsets, k_offsets, *tensors, *args)
+    return fwd(q, k, v, q_offsets, k_offsets, *tensors, *args)[0]
+
+
 def check_triton_inputs(kernel, name: str, q, k, v, q_offsets, k_offsets, **options):
     """The input check of every Triton path on this kernel family (jfa, gdpa, block-attention): the shared
     one (gemzoo.api.check_inputs) against ``kernel``'s declared capabilities, so an option it
@@ -556,5 +628,5 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 __all__ = ["ACTIVATION_CODES", "Bucket", "Configs", "DEFAULT_OPTIONS", "DTYPES", "FAMILY_CAPABILITIES", "KernelConfig",
            "KernelOptions", "MAX_HEAD_DIM", "ORDERS", "SHORT_AVERAGE", "BUCKETS_BY_DEFAULT", "backward",
            "check_triton_inputs", "default_buckets", "default_configs", "last_dim_contiguous", "launch_bwd",
-           "launch_fwd", "length_buckets", "options_at", "options_index", "run_attention", "short_buckets",
-           "split_plan"]
+           "launch_fwd", "length_buckets", "options_at", "options_index", "relative_bias_args", "REL_SLOTS",
+           "run_attention", "run_attention_rel", "short_buckets", "split_plan"]

@@ -24,6 +24,14 @@ ACT (constexpr) picks the activation, a code of gemzoo's one table (``gemzoo.api
     no preprocess. Because the sum over keys is plain addition, a query block's key range may be split
     across programs (SPLIT: items carry a key-split index) whose fp32 partials are added atomically.
 
+REL (constexpr) adds a relative attention bias (``gemzoo.api.RelativeAttentionBias``) to the scaled scores,
+computed in the tiles from two small tables: 1 positions[clamp(i + s - j, 0, P - 1)], 2 that plus
+time_weights[bucket of |q_times[i] - k_times[j]|] (int64 gap, at least 1, natural log in fp32 (libdevice's
+on CUDA), divided by ``rb_div``, truncated, clamped to [0, NB]); 0 (the default) compiles as without it.
+Softmax adds it times log2(e) (its scores are base 2). The dk/dv kernel also adds dS per table entry
+into row ``pid % rb_slots`` of an fp32 [slots, P + NB + 1] buffer (``RB_GRAD``), one row per program up
+to the slot count, which the launcher sums over rows: no table-wide atomics across programs.
+
 UPCAST converts loaded tiles to fp32 before any arithmetic: the Triton interpreter gets bf16 wrong.
 With TMA, rows past a sequence's end belong to the next sequence; boundary blocks zero them, so a NaN
 there never reaches this sequence (0 * NaN would).
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -141,6 +150,53 @@ def _act_fwd_grad(x, ACT: tl.constexpr, FAST: tl.constexpr):
         y = x
         g = tl.full(x.shape, 1.0, tl.float32)
     return y, g
+
+
+@triton.jit
+def _rel_times(base, start, idx, L, REL: tl.constexpr):
+    """[len(idx)] int64 timestamps at ``base + start + idx`` (0 at idx >= L); zeros without time buckets."""
+    if REL == 2:
+        t = tl.load(base + start + idx, mask=idx < L, other=0)
+    else:
+        t = tl.zeros(idx.shape, tl.int64)
+    return t
+
+
+@triton.jit
+def _rel_slots(dist, q_t, k_t, n_pos, n_tw, rb_div, REL: tl.constexpr, FAST: tl.constexpr):
+    """Table indices of the relative bias for pairs at distance ``dist`` = i + s - j, with query and key
+    timestamps ``q_t`` and ``k_t`` (broadcast against it): (position index, time bucket; the position index
+    again without time buckets). FAST (CUDA): libdevice's logf, the same as torch's on CUDA."""
+    pidx = tl.minimum(tl.maximum(dist, 0), n_pos - 1)
+    tidx = pidx
+    if REL == 2:
+        gap = tl.maximum(tl.abs(q_t - k_t), 1).to(tl.float32)
+        if FAST:
+            lg = libdevice.log(gap)
+        else:
+            lg = tl.log(gap)
+        # log(gap) >= 0, so truncation is the floor; clamping in fp32 first keeps the conversion in range
+        tidx = tl.minimum(tl.math.div_rn(lg, rb_div), (n_tw - 1) * 1.0).to(tl.int32)
+    return pidx, tidx
+
+
+@triton.jit
+def _rel_bias(RB_POS, RB_TW, pidx, tidx, ACT: tl.constexpr, REL: tl.constexpr):
+    """The relative bias at table indices (pidx, tidx) in fp32, in the scores' units (base 2 for softmax)."""
+    b = tl.load(RB_POS + pidx).to(tl.float32)
+    if REL == 2:
+        b += tl.load(RB_TW + tidx).to(tl.float32)
+    if ACT == 0:
+        b = b * 1.4426950408889634
+    return b
+
+
+@triton.jit
+def _rel_grad(G, ds, ok, pidx, tidx, n_pos, REL: tl.constexpr):
+    """Add dS of the allowed pairs ``ok`` to this program's row ``G`` of the table-gradient buffer."""
+    tl.atomic_add(G + pidx, ds, mask=ok, sem="relaxed")
+    if REL == 2:
+        tl.atomic_add(G + n_pos + tidx, ds, mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -379,7 +435,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
                qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-               USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr):
+               USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr,
+               RB_POS, RB_TW, rb_qt, RB_KT, rb_k0, n_pos, n_tw, rb_div, REL: tl.constexpr):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
@@ -389,6 +446,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
             if UPCAST:
                 kt = kt.to(tl.float32)
         qk = tl.dot(q, kt) * qk_scale
+        if REL > 0:
+            pidx, tidx = _rel_slots(rows[:, None] + shift - cols[None, :], rb_qt[:, None],
+                                    _rel_times(RB_KT, rb_k0, cols, Lk, REL)[None, :], n_pos, n_tw, rb_div, REL, not UPCAST)
+            qk += _rel_bias(RB_POS, RB_TW, pidx, tidx, ACT, REL)
         if ACT == 0:
             if MASKED:
                 qk = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), qk,
@@ -420,8 +481,10 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
                     BM: tl.constexpr, BN: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
-                    BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False):
-    """Forward. Softmax writes O and LSE; pointwise writes O (or, with SPLIT, adds to fp32 O)."""
+                    BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False, RB_POS=None, RB_TW=None, RB_QT=None,
+                    RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0):
+    """Forward. Softmax writes O and LSE; pointwise writes O (or, with SPLIT, adds to fp32 O). REL > 0 adds
+    the relative bias of the tables RB_POS [n_pos] and RB_TW [n_tw] (timestamps RB_QT [Tq], RB_KT [Tk])."""
     b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
         return
@@ -447,19 +510,22 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
         if hi <= lo:  # this key split holds no allowed key: the zeroed fp32 output needs nothing
             return
 
+    rb_qt = _rel_times(RB_QT, q_start, rows, Lq, REL)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
-                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
+                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE,
+                               RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows,
                                Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV,
                                BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED,
-                               ROPE)
+                               ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
-                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
+                               BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE,
+                               RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
 
     o_ptrs = O + (q_start + m_lo) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
     o_mask = (rows[:, None] < Lq) & (offs_dv[None, :] < DV)
@@ -501,7 +567,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
                 D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
                 USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr,
-                FUSED_DQ: tl.constexpr):
+                FUSED_DQ: tl.constexpr, RB_POS, RB_TW, rb_kt, RB_QT, rb_q0, n_pos, n_tw, rb_div, rb_grad, kvalid,
+                REL: tl.constexpr):
     for m in range(start, end, BM):
         m = tl.multiple_of(m, BM)
         rows = m + offs_m
@@ -513,6 +580,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             qt = qt.to(tl.float32)
             do = do.to(tl.float32)
         qkt = tl.dot(k, qt)  # [BN, BM]
+        st = qkt * qk_scale
+        if REL > 0:
+            pidx, tidx = _rel_slots(rows[None, :] + shift - cols[:, None],
+                                    _rel_times(RB_QT, rb_q0, rows, Lq, REL)[None, :], rb_kt[:, None], n_pos, n_tw,
+                                    rb_div, REL, not UPCAST)
+            st += _rel_bias(RB_POS, RB_TW, pidx, tidx, ACT, REL)
         if MASKED:  # [BN, BM]
             ok = rows[None, :] < Lq
             if CAUSAL:
@@ -529,14 +602,14 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             else:
                 lse = tl.load(lse_base + rows)
                 delta = tl.load(delta_base + rows)
-            pt = tl.math.exp2(qkt * qk_scale - lse[None, :])
+            pt = tl.math.exp2(st - lse[None, :])
             if MASKED:
                 pt = tl.where(ok, pt, 0.0)
             dv = tl.dot(pt.to(do.dtype), do, dv)
             dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
             dst = pt * (dpt - delta[None, :])
         else:
-            pt, gt = _act_fwd_grad(qkt * qk_scale, ACT, not UPCAST)
+            pt, gt = _act_fwd_grad(st, ACT, not UPCAST)
             if MASKED:
                 pt = tl.where(ok, pt, 0.0)
             dv = tl.dot(pt.to(do.dtype), do, dv)
@@ -544,6 +617,11 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             dst = dpt * gt
             if MASKED:
                 dst = tl.where(ok, dst, 0.0)
+        if REL > 0:  # dS of the allowed pairs into this program's row of table gradients
+            okg = kvalid[:, None] & (pidx >= 0)
+            if MASKED:
+                okg = okg & ok
+            _rel_grad(rb_grad, dst, okg, pidx, tidx, n_pos, REL)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
         if FUSED_DQ:  # this key block's share of dQ, added in fp32 (the launcher scales it): 5 matmuls, not 7
             dq_part = tl.dot(tl.trans(dst).to(k.dtype), k)  # [BM, BD]
@@ -565,9 +643,12 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                          ACT: tl.constexpr = 0, block=1, rope_c=0.0, BLOCKED: tl.constexpr = False,
                          ROPE: tl.constexpr = False, DQACC=None, stride_dqt=0, stride_dqh=0,
-                         FUSED_DQ: tl.constexpr = False):
+                         FUSED_DQ: tl.constexpr = False, RB_POS=None, RB_TW=None, RB_QT=None, RB_KT=None, n_pos=1,
+                         n_tw=1, rb_div=1.0, RB_GRAD=None, rb_slots=1, rb_width=1, REL: tl.constexpr = 0):
     """dK, dV of one key block, looping over the queries that see it (no atomics). With FUSED_DQ also this
-    block's share of dQ, added atomically to the fp32 ``DQACC`` [Tq, H, D] (unscaled, so no dq kernel runs)."""
+    block's share of dQ, added atomically to the fp32 ``DQACC`` [Tq, H, D] (unscaled, so no dq kernel runs).
+    With REL > 0 the relative bias, and dS added per table entry to row pid % rb_slots of ``RB_GRAD``
+    [rb_slots, rb_width] (positions at [0, n_pos), time buckets at [n_pos, n_pos + n_tw)), unscaled."""
     b, h, nblk, _, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, False)
     if b < 0:
         return
@@ -600,20 +681,27 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
     if FUSED_DQ:
         dq_base = DQACC + q_start * stride_dqt + h * stride_dqh
     q_row0 = q_start.to(tl.int32)
+    rb_kt = _rel_times(RB_KT, k_start, cols, Lk, REL)
+    rb_grad = RB_GRAD
+    if REL > 0:
+        rb_grad = RB_GRAD + (tl.program_id(0) % rb_slots).to(tl.int64) * rb_width
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BDV], tl.float32)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, full_lo,
                          cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
                          stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
-                         BLOCKED, ROPE, FUSED_DQ)
+                         BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div, rb_grad,
+                         cols < Lk, REL)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_lo,
                          full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
                          dq_base, stride_dqt, D, DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block,
-                         rope_c, BLOCKED, ROPE, FUSED_DQ)
+                         rope_c, BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div,
+                         rb_grad, cols < Lk, REL)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_hi, hi,
                          cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
                          stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
-                         BLOCKED, ROPE, FUSED_DQ)
+                         BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div, rb_grad,
+                         cols < Lk, REL)
     dk = dk * dk_scale
     dv = dv * dv_scale
     if ROPE:
@@ -631,7 +719,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
               qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
-              USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr):
+              USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr,
+              RB_POS, RB_TW, rb_qt, RB_KT, rb_k0, n_pos, n_tw, rb_div, REL: tl.constexpr):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
@@ -643,13 +732,19 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
             vt = vt.to(tl.float32)
         qk = tl.dot(q, kt)
         dp = tl.dot(do, vt)
+        s = qk * qk_scale
+        if REL > 0:
+            pidx, tidx = _rel_slots(rows[:, None] + shift - cols[None, :], rb_qt[:, None],
+                                    _rel_times(RB_KT, rb_k0, cols, Lk, REL)[None, :], n_pos, n_tw, rb_div, REL,
+                                    not UPCAST)
+            s += _rel_bias(RB_POS, RB_TW, pidx, tidx, ACT, REL)
         if ACT == 0:
-            p = tl.math.exp2(qk * qk_scale - lse[:, None])
+            p = tl.math.exp2(s - lse[:, None])
             if MASKED:
                 p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), p, 0.0)
             ds = p * (dp - delta[:, None])
         else:
-            _, g = _act_fwd_grad(qk * qk_scale, ACT, not UPCAST)
+            _, g = _act_fwd_grad(s, ACT, not UPCAST)
             ds = dp * g
             if MASKED:
                 ds = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), ds, 0.0)
@@ -666,8 +761,10 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
                        BM: tl.constexpr, BN: tl.constexpr,
                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                        ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
-                       BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False):
-    """dQ of one query block, looping over its keys (with SPLIT: one key split, added to fp32 dQ)."""
+                       BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False, RB_POS=None, RB_TW=None,
+                       RB_QT=None, RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0):
+    """dQ of one query block, looping over its keys (with SPLIT: one key split, added to fp32 dQ); REL > 0
+    recomputes the scores with the relative bias (its table gradients come from the dk/dv kernel)."""
     b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
         return
@@ -699,16 +796,20 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
         if hi <= lo:  # this key split holds no allowed key: the zeroed fp32 output needs nothing
             return
 
+    rb_qt = _rel_times(RB_QT, q_start, rows, Lq, REL)
     dq = tl.zeros([BM, BD], tl.float32)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
-                   UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
+                   UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos,
+                   n_tw, rb_div, REL)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows, Lk, shift,
                    window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, False, CAUSAL,
-                   WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
+                   WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start,
+                   n_pos, n_tw, rb_div, REL)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
-                   UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE)
+                   UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos,
+                   n_tw, rb_div, REL)
     dq = tl.where(_has_key(rows, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED)[:, None], dq * dq_scale, 0.0)
     dq_ptrs = DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
     dq_mask = rmask[:, None] & (offs_d[None, :] < D)
