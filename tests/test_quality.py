@@ -345,3 +345,45 @@ def test_optim_betas_reach_adamw(tmp_path):
     if torch.cuda.is_available():  # plain CUDA parameters: the fused kernel
         cfg.optim.betas = [0.9, 0.98]
         assert build_optimizers(torch.nn.Linear(2, 2).cuda(), cfg)["dense"].defaults["fused"] is True
+
+
+def _train_first_losses(tmp_path, plugins: str | None) -> tuple[list[float], dict[str, str]]:
+    """The first 3 logged losses of configs/hstu-ml1m.toml on synthetic MovieLens files (CPU, fp32), and the
+    kernel each attention site ran."""
+    from gemzoo import registry
+    from gemzoo.train.trainer import train
+
+    data = write_ml(tmp_path / "ml", users=24, items=40, extra_movies=5)
+    built = {}
+
+    class Capture:
+        @gemzoo.hookimpl
+        def gemzoo_model_built(self, model, config):
+            built["model"] = model
+
+    plugin = Capture()
+    registry.host().register(plugin, name=f"capture-hstu-{len(registry.host().pm.get_plugins())}")
+    try:
+        cfg = load_config(ROOT / "configs" / "hstu-ml1m.toml", plugins=plugins, overrides=[
+            f"data.path='{data}'", "run.device='cpu'", "run.steps=3", "run.log_every=1", "data.batch_size=8",
+            f"run.out_dir='{tmp_path / (plugins or 'own')}'", "eval.every=0", "checkpoint.every=0"])
+        result = train(cfg, progress=False)
+    finally:
+        registry.host().pm.unregister(plugin)
+    kernels = {name: site.kernel_name for name, site in attention_sites(built["model"]).items()}
+    return [h["loss"] for h in result.history], kernels
+
+
+def test_hstu_ml1m_trains_on_the_fused_relative_bias(tmp_path):
+    """configs/hstu-ml1m.toml with its own plugins trains on a kernel that computes the relative bias in its tiles
+    (gdpa; on CPU its fallback, the C++ cpu kernel), never a padded or reference one, and its first losses are
+    those of --plugins reference."""
+    fused, kernels = _train_first_losses(tmp_path, None)
+    assert kernels and not set(kernels.values()) & {"sdpa-padded", "reference", "flex"}, kernels
+    for site in kernels:
+        kernel = gemzoo.registry.get("attention", kernels[site])
+        assert kernel.capabilities.relative_bias, (site, kernels[site])
+    reference, ref_kernels = _train_first_losses(tmp_path, "reference")
+    assert set(ref_kernels.values()) == {"reference"}
+    assert len(fused) == len(reference) == 3
+    assert fused == pytest.approx(reference, rel=1e-4)
