@@ -22,13 +22,19 @@ TORCH_LIBRARY(gemzoo, m) {
   // attention/jagged_attention.cpp): 0 softmax, 1 silu, 2 gelu, 3 relu, 4 identity, 5 gelu_tanh, 6 relu2,
   // 7 leaky_relu (slope 0.01), 8 hardswish. scale: None in Python is passed as 1/sqrt(D); norm divides the
   // pointwise activations (1.0 = none); window / block_size: -1 = off.
+  // rel_positions [P] / rel_time_weights [NB + 1] / q_times [Tq] / k_times [Tk] (int64) / bucket_divisor: the
+  // fused relative bias (gemzoo.interfaces.attention.RelativeAttentionBias); None: no bias, or positions only.
   // Returns out [Tq, H, Dv] in fp32 whatever q's dtype, and the logsumexp [H, Tq] (fp32; zeros for pointwise
-  // activations) that the backward takes back.
+  // activations) that the backward takes back. The backward returns dq, dk, dv and the gradients of the two
+  // bias tables (empty when absent).
   m.def("jagged_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor k_offsets, bool causal, "
-        "int activation, float scale, float norm, int window, int block_size) -> (Tensor, Tensor)");
+        "int activation, float scale, float norm, int window, int block_size, Tensor? rel_positions=None, "
+        "Tensor? rel_time_weights=None, Tensor? q_times=None, Tensor? k_times=None, float bucket_divisor=0.301) "
+        "-> (Tensor, Tensor)");
   m.def("jagged_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor q_offsets, Tensor k_offsets, bool causal, int activation, float scale, float norm, int window, "
-        "int block_size) -> (Tensor, Tensor, Tensor)");
+        "int block_size, Tensor? rel_positions=None, Tensor? rel_time_weights=None, Tensor? q_times=None, "
+        "Tensor? k_times=None, float bucket_divisor=0.301) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 static struct PyModuleDef gemzoo_module = {PyModuleDef_HEAD_INIT, "_C",

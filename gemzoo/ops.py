@@ -19,8 +19,9 @@ import torch
 
 from gemzoo import mx
 from gemzoo.attention.checks import check_inputs
-from gemzoo.attention.semantics import ACTIVATION_CODES, reference_attention
+from gemzoo.attention.semantics import ACTIVATION_CODES, REFERENCE_CAPABILITIES, reference_attention
 from gemzoo.errors import JaggedShapeError
+from gemzoo.interfaces.attention import TIME_BUCKET_DIVISOR
 from gemzoo.jagged import max_length, positions, seq_ids
 
 __all__ = [
@@ -274,20 +275,26 @@ def _reference_eager(*args, **kwargs):
 
 
 def jagged_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                     norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None):
-    """Jagged attention (the semantics of gemzoo.attention) with the C++ CPU kernel; other devices use ``reference``."""
+                     norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, relative_bias=None):
+    """Jagged attention (the semantics of gemzoo.attention) with the C++ CPU kernel; other devices use ``reference``.
+    ``relative_bias`` (a RelativeAttentionBias) is computed per (query, key) pair inside the kernel's tiles."""
+    # the reference's capabilities: what the op does not compute itself (fp64, other devices) runs the reference
     q_offsets, k_offsets = check_inputs(q, k, v, q_offsets, k_offsets, activation, causal=causal, scale=scale,
                                         norm=norm, max_q_len=max_q_len, max_k_len=max_k_len,
-                                        block_size=block_size, window=window)
+                                        block_size=block_size, window=window, relative_bias=relative_bias,
+                                        capabilities=REFERENCE_CAPABILITIES, kernel="cpu")
     if not _use_extension("jagged_attention_fwd", q) or q.dtype == torch.float64:
         return _reference_eager(q, k, v, q_offsets, k_offsets, causal=causal, activation=activation,
                                 scale=scale, norm=norm, block_size=block_size, window=window,
-                                max_q_len=max_q_len, max_k_len=max_k_len)
+                                max_q_len=max_q_len, max_k_len=max_k_len, relative_bias=relative_bias)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    rb = relative_bias
+    bias_args = () if rb is None else (rb.positions, rb.time_weights, rb.q_times, rb.k_times,
+                                       float(rb.bucket_divisor))
     out, _ = torch.ops.gemzoo.jagged_attention_fwd(
         q, k, v, q_offsets, k_offsets, causal, ACTIVATION_CODES[activation], scale,
         1.0 if norm is None else float(norm), -1 if window is None else int(window),
-        -1 if block_size is None else int(block_size))
+        -1 if block_size is None else int(block_size), *bias_args)
     return out.to(q.dtype)  # the op returns fp32, which its backward keeps for rowsum(dO * O)
 
 
@@ -354,25 +361,37 @@ def _register_fakes_and_autograd() -> None:
     torch.library.register_autograd(lib + "hadamard_transform", had_backward, setup_context=had_setup)
 
     @torch.library.register_fake(lib + "jagged_attention_fwd")
-    def _(q, k, v, q_offsets, k_offsets, causal, activation, scale, norm, window, block_size):
+    def _(q, k, v, q_offsets, k_offsets, causal, activation, scale, norm, window, block_size, rel_positions=None,
+          rel_time_weights=None, q_times=None, k_times=None, bucket_divisor=0.301):
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)  # fp32 whatever q is
         return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake(lib + "jagged_attention_bwd")
-    def _(grad_out, q, k, v, out, lse, q_offsets, k_offsets, causal, activation, scale, norm, window, block_size):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def _(grad_out, q, k, v, out, lse, q_offsets, k_offsets, causal, activation, scale, norm, window, block_size,
+          rel_positions=None, rel_time_weights=None, q_times=None, k_times=None, bucket_divisor=0.301):
+        def table(t):
+            return q.new_empty((0,)) if t is None else torch.empty_like(t)
+
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), table(rel_positions),
+                table(rel_time_weights))
 
     def attn_setup(ctx, inputs, output):
+        # inputs: q, k, v, q_offsets, k_offsets, 6 options, then the bias tables, timestamps and divisor
         q, k, v, q_offsets, k_offsets, *rest = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
-        ctx.rest = rest
-        ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets)
+        ctx.options, bias = rest[:6], (rest[6:] + [None] * 5)[:5]
+        ctx.divisor = TIME_BUCKET_DIVISOR if bias[4] is None else bias[4]
+        ctx.has_bias = [t is not None for t in bias[:4]]
+        ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets, *(t for t in bias[:4] if t is not None))
 
     def attn_backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse, q_offsets, k_offsets = ctx.saved_tensors
-        dq, dk, dv = torch.ops.gemzoo.jagged_attention_bwd(grad_out.contiguous(), q, k, v, out, lse,
-                                                            q_offsets, k_offsets, *ctx.rest)
-        return (dq, dk, dv) + (None,) * 8
+        q, k, v, out, lse, q_offsets, k_offsets, *saved = ctx.saved_tensors
+        it = iter(saved)
+        bias = [next(it) if has else None for has in ctx.has_bias]
+        dq, dk, dv, dpos, dtime = torch.ops.gemzoo.jagged_attention_bwd(
+            grad_out.contiguous(), q, k, v, out, lse, q_offsets, k_offsets, *ctx.options, *bias, ctx.divisor)
+        return ((dq, dk, dv) + (None,) * 8 + (dpos if bias[0] is not None else None,
+                                               dtime if bias[1] is not None else None, None, None, None))
 
     torch.library.register_autograd(lib + "jagged_attention_fwd", attn_backward, setup_context=attn_setup)

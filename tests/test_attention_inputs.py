@@ -222,3 +222,56 @@ def test_good_kernel_output_is_checked_once():
     q, k, v, qo, _ = _inputs((3, 0, 5))
     site(q, k, v, qo)
     assert site._output_checked
+
+
+def _relative_bias_inputs():
+    from gemzoo.interfaces.attention import RelativeAttentionBias
+
+    torch.manual_seed(0)
+    off = lengths_to_offsets(torch.tensor([5, 0, 9, 3]))
+    q, k, v = (torch.randn(17, 2, 8) for _ in range(3))
+    times = torch.randint(0, 10 ** 6, (17,))
+    rb = RelativeAttentionBias(torch.randn(6, requires_grad=True), torch.randn(40, requires_grad=True),
+                               times + 77, times)
+    return q, k, v, off, rb
+
+
+@pytest.mark.parametrize("name", ["cpu", "reference", "sdpa-padded"])
+def test_site_passes_relative_bias_or_materialises_it(name):
+    """A site passes a RelativeAttentionBias to a kernel that declares relative_bias, and to one that declares
+    only bias (sdpa-padded) the padded [B, 1, Lq, Lk] bias it materialises; output and the tables' gradients
+    match the reference either way."""
+    from gemzoo.attention import JaggedAttention, site_missing
+    from gemzoo.interfaces.attention import AttentionRequest
+
+    q, k, v, off, rb = _relative_bias_inputs()
+    req = AttentionRequest(activation="silu", relative_bias=True)
+    site = JaggedAttention(req, norm=9.0, scale=1.0)
+    kernel = gemzoo.registry.get("attention", name)
+    assert not site_missing(kernel.capabilities, req)
+    site.set_kernel(name, kernel)
+    out = site(q, k, v, off, relative_bias=rb)
+    grads = torch.autograd.grad(out.square().sum(), [rb.positions, rb.time_weights])
+    ref = gemzoo.registry.get("attention", "reference")(q, k, v, off, activation="silu", norm=9.0, scale=1.0,
+                                                        relative_bias=rb)
+    want = torch.autograd.grad(ref.square().sum(), [rb.positions, rb.time_weights])
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_relative_bias_without_a_kernel_for_it_is_a_clear_error():
+    from gemzoo.attention import JaggedAttention, site_kernels_that_serve, site_missing
+    from gemzoo.interfaces.attention import AttentionRequest
+
+    req = AttentionRequest(relative_bias=True)
+    flex = gemzoo.registry.get("attention", "flex")
+    assert site_missing(flex.capabilities, req) == [
+        "relative_bias (fused relative position/time bias) or bias (additive attention bias)"]
+    able = site_kernels_that_serve(req)
+    assert {"cpu", "reference", "sdpa-padded"} <= set(able) and "flex" not in able
+    q, k, v, off, rb = _relative_bias_inputs()
+    site = JaggedAttention(req)
+    site.set_kernel("flex", flex)
+    with pytest.raises(PluginError, match="does not support relative_bias"):
+        site(q, k, v, off, relative_bias=rb)

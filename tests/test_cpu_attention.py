@@ -80,6 +80,61 @@ def test_opcheck(activation, window, block):
     torch.library.opcheck(torch.ops.gemzoo.jagged_attention_fwd.default, args)
 
 
+def _relative_bias_cases():
+    cases = []
+    for rel in ("position", "position_time"):
+        for act, causal, asym in (("softmax", True, False), ("silu", True, True), ("relu", False, True)):
+            cases.append(AttentionCase(act, causal, asym, norm=None if act == "softmax" else 100.0, batch=4,
+                                       max_len=150, head_dim=16, relative_bias=rel, seed=400 + len(cases)))
+    cases.append(AttentionCase("softmax", True, False, window=70, block_size=64, batch=4, max_len=160,
+                               relative_bias="position_time", seed=420))
+    return cases
+
+
+@pytest.mark.parametrize("case", _relative_bias_cases(), ids=str)
+def test_relative_bias_over_many_tiles(case):
+    """The fused relative bias over sequences of several 64x64 tiles (and the position table's clamp): output,
+    dq, dk, dv and both tables' gradients against the fp64 reference."""
+    check_attention(KERNEL, case, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_relative_bias_reduced_precision_inputs(dtype):
+    check_attention(KERNEL, AttentionCase("silu", True, False, norm=64.0, max_len=90, relative_bias="position_time",
+                                          seed=11), dtype=dtype)
+
+
+def test_relative_bias_time_buckets_match_the_reference_formula():
+    """The kernel's bucket, log taken in float32, for 200,000 random gaps and one at every bucket edge: with
+    zero scores, identity activation and v = 1, the output of one query against one key is its bias, here
+    time_weights[bucket] = bucket."""
+    from gemzoo.api import RelativeAttentionBias
+
+    gen = torch.Generator().manual_seed(0)
+    gaps = torch.cat([torch.randint(1, 10 ** 9, (200_000,), generator=gen),
+                      torch.round(torch.exp(torch.arange(1, 60) * 0.301)).long(), torch.tensor([0, -5])])
+    n = gaps.numel()
+    q, v = torch.zeros(n, 1, 4), torch.ones(n, 1, 4)
+    rb = RelativeAttentionBias(torch.zeros(1), torch.arange(1001, dtype=torch.float32), gaps, torch.zeros_like(gaps))
+    out = KERNEL(q, q, v, torch.arange(n + 1), activation="identity", scale=1.0, norm=1.0, relative_bias=rb)
+    want = (torch.log(torch.abs(gaps).clamp(min=1)) / 0.301).long()
+    assert torch.equal(out[:, 0, 0].long(), want)
+
+
+@needs_ext
+def test_relative_bias_opcheck():
+    q_off = lengths_to_offsets(torch.tensor([3, 0, 6]))
+    k_off = lengths_to_offsets(torch.tensor([4, 2, 6]))
+    q = torch.randn(9, 2, 8, requires_grad=True)
+    k = torch.randn(12, 2, 8, requires_grad=True)
+    v = torch.randn(12, 2, 4, requires_grad=True)
+    pos, tw = torch.randn(5, requires_grad=True), torch.randn(9, requires_grad=True)
+    qt, kt = torch.randint(0, 5000, (9,)), torch.randint(0, 5000, (12,))
+    for bias in ((pos,), (pos, tw, qt, kt, 0.301)):
+        args = (q, k, v, q_off, k_off, True, 1, 0.3, 5.0, -1, -1, *bias)
+        torch.library.opcheck(torch.ops.gemzoo.jagged_attention_fwd.default, args)
+
+
 def test_bad_arguments_are_named():
     q = torch.randn(4, 1, 8)
     with pytest.raises(ValueError, match="window must be an int >= 1"):

@@ -94,13 +94,12 @@ def _blocks_under_tp() -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     offsets = torch.tensor([0, 3, 7])
-    i = torch.arange(4)
-    distance = (i.view(-1, 1) - i.view(1, -1)).clamp(0, 7).expand(2, -1, -1)
+    times = torch.tensor([0, 5, 5, 90, 1000, 1000, 4000])
     makers = {
         "sasrec": (lambda: SASRecReferenceBlock(16, 4, 4, 32, request=AttentionRequest(activation="softmax",
                    causal=True), dropout=0.0, attn_dropout=0.0, affine=True), "reference", {}),
-        "hstu": (lambda: HSTUBlock(16, 4, 4, 6, 8, 0.0, relative_bias="position"), "reference",
-                 {"relative": (distance, None)}),
+        "hstu": (lambda: HSTUBlock(16, 4, 4, 6, 8, 0.0, relative_bias="position_time", time_buckets=8), "cpu",
+                 {"times": times, "next_times": times + 30}),
     }
     out = {}
     for name, (make, kernel, extra) in makers.items():

@@ -18,7 +18,8 @@ from gemzoo.config import load_config
 from gemzoo.data.movielens import MovieLensConfig, MovieLensDataset
 from gemzoo.errors import ConfigError, PluginError
 from gemzoo.jagged import lengths_to_offsets
-from gemzoo.models.hstu import time_buckets
+from gemzoo.attention import relative_bias_block
+from gemzoo.interfaces.attention import RelativeAttentionBias
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(embedding_dim=16, num_layers=2, num_heads=2, num_negatives=8, dropout=0.0)
@@ -175,25 +176,37 @@ def test_loss_is_cosine_over_temperature_with_drawn_targets_masked(tmp_path):
 
 
 # -- relative attention bias -------------------------------------------------------------------------
+def _buckets(q_times: torch.Tensor, k_times: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """[Lq, Lk] time buckets of the relative bias's definition: a table whose weight is its bucket index."""
+    rb = RelativeAttentionBias(torch.zeros(1, dtype=torch.float64),
+                               torch.arange(num_buckets + 1, dtype=torch.float64), q_times, k_times)
+    return relative_bias_block(rb, 0, q_times.numel(), 0, k_times.numel()).long()
+
+
 def test_time_buckets_follow_the_reference_formula():
     times = torch.tensor([0, 0, 0, 0, 0], dtype=torch.long)
     next_times = torch.tensor([1, 2, 10, 1000, 10 ** 9], dtype=torch.long)
-    offsets = torch.tensor([0, 5])
-    b = time_buckets(times, next_times, offsets, 5, num_buckets=64)
+    b = _buckets(next_times, times, num_buckets=64)
     # floor(ln(gap) / 0.301) for query i against key 0 (gap = next_times[i]); clamped at num_buckets
-    assert b[0, :, 0].tolist() == [0, 2, 7, 22, 64]
+    assert b[:, 0].tolist() == [0, 2, 7, 22, 64]
+
+
+def _edge_gaps() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.cat([torch.randint(1, 10 ** 9, (200_000,), generator=gen),
+                      torch.round(torch.exp(torch.arange(1, 60) * 0.301)).long()])  # gaps at every bucket edge
 
 
 def test_time_buckets_take_the_log_in_float32_as_the_reference():
     """The reference buckets int64 gaps with torch.log, which computes in float32; in float64 some gaps near a
     bucket edge land one bucket apart (343 of 1.34e8 on MovieLens-1M)."""
-    gen = torch.Generator().manual_seed(0)
-    gaps = torch.cat([torch.randint(1, 10 ** 9, (200_000,), generator=gen),
-                      torch.round(torch.exp(torch.arange(1, 60) * 0.301)).long()])  # gaps at every bucket edge
-    times = torch.zeros_like(gaps)  # one sequence of one item per gap: query 0 against key 0
-    got = time_buckets(times, gaps, torch.arange(gaps.numel() + 1), 1, num_buckets=1000)[:, 0, 0]
+    gaps = _edge_gaps()
+    rb = RelativeAttentionBias(torch.zeros(1, dtype=torch.float64), torch.arange(1001, dtype=torch.float64),
+                               gaps, torch.zeros_like(gaps))
+    # one sequence of one item per gap: query 0 against key 0
+    got = torch.stack([relative_bias_block(rb, i, 1, i, 1)[0, 0] for i in range(0, gaps.numel(), 997)]).long()
     want = (torch.log(torch.abs(gaps).clamp(min=1)) / 0.301).long()
-    assert torch.equal(got, want)
+    assert torch.equal(got, want[::997])
     in_float64 = (gaps.double().log() / 0.301).long()
     assert not torch.equal(in_float64, want)  # the case the float32 log is there for
 
@@ -249,8 +262,8 @@ def test_hstu_relative_bias_is_learned_per_block_and_refused_by_kernels_without_
     plain = build("hstu", ds.info)
     biased = build("hstu", ds.info, relative_bias="position_time")
     sites = attention_sites(biased)
-    assert all(s.request.bias for s in sites.values()) and not any(s.request.bias for s in
-                                                                  attention_sites(plain).values())
+    assert all(s.request.relative_bias for s in sites.values()) and not any(
+        s.request.relative_bias or s.request.bias for s in attention_sites(plain).values())
     rel = [blk.rel_bias for blk in biased.blocks]
     assert len({id(r) for r in rel}) == 2 and rel[0].pos.numel() == 8 and rel[0].time.numel() == 129
     biased(batch).loss.backward()
@@ -264,11 +277,15 @@ def test_hstu_relative_bias_is_learned_per_block_and_refused_by_kernels_without_
     padded.load_state_dict(biased.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(padded.encode(batch), biased.encode(batch), rtol=1e-4, atol=1e-5)
-    cfg = load_config(ROOT / "configs" / "hstu-ml1m.toml", plugins="cpu",
+    fused = build("hstu", ds.info, relative_bias="position_time", kernel="cpu")
+    fused.load_state_dict(biased.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fused.encode(batch), biased.encode(batch), rtol=1e-4, atol=1e-5)
+    cfg = load_config(ROOT / "configs" / "hstu-ml1m.toml", plugins="flex",
                       overrides=[f"data.path='{tmp_path / 'ratings.dat'}'", "run.device=cpu"])
     from gemzoo.train.trainer import build_on_meta
 
-    with pytest.raises(PluginError, match="lacks bias.*Kernels that can: .*sdpa-padded"):
+    with pytest.raises(PluginError, match="lacks .*relative_bias .* or bias .*Kernels that can: .*cpu.*sdpa-padded"):
         build_on_meta(cfg)
 
 
@@ -328,3 +345,45 @@ def test_optim_betas_reach_adamw(tmp_path):
     if torch.cuda.is_available():  # plain CUDA parameters: the fused kernel
         cfg.optim.betas = [0.9, 0.98]
         assert build_optimizers(torch.nn.Linear(2, 2).cuda(), cfg)["dense"].defaults["fused"] is True
+
+
+def _train_first_losses(tmp_path, plugins: str | None) -> tuple[list[float], dict[str, str]]:
+    """The first 3 logged losses of configs/hstu-ml1m.toml on synthetic MovieLens files (CPU, fp32), and the
+    kernel each attention site ran."""
+    from gemzoo import registry
+    from gemzoo.train.trainer import train
+
+    data = write_ml(tmp_path / "ml", users=24, items=40, extra_movies=5)
+    built = {}
+
+    class Capture:
+        @gemzoo.hookimpl
+        def gemzoo_model_built(self, model, config):
+            built["model"] = model
+
+    plugin = Capture()
+    registry.host().register(plugin, name=f"capture-hstu-{len(registry.host().pm.get_plugins())}")
+    try:
+        cfg = load_config(ROOT / "configs" / "hstu-ml1m.toml", plugins=plugins, overrides=[
+            f"data.path='{data}'", "run.device='cpu'", "run.steps=3", "run.log_every=1", "data.batch_size=8",
+            f"run.out_dir='{tmp_path / (plugins or 'own')}'", "eval.every=0", "checkpoint.every=0"])
+        result = train(cfg, progress=False)
+    finally:
+        registry.host().pm.unregister(plugin)
+    kernels = {name: site.kernel_name for name, site in attention_sites(built["model"]).items()}
+    return [h["loss"] for h in result.history], kernels
+
+
+def test_hstu_ml1m_trains_on_the_fused_relative_bias(tmp_path):
+    """configs/hstu-ml1m.toml with its own plugins trains on a kernel that computes the relative bias in its tiles
+    (gdpa; on CPU its fallback, the C++ cpu kernel), never a padded or reference one, and its first losses are
+    those of --plugins reference."""
+    fused, kernels = _train_first_losses(tmp_path, None)
+    assert kernels and not set(kernels.values()) & {"sdpa-padded", "reference", "flex"}, kernels
+    for site in kernels:
+        kernel = gemzoo.registry.get("attention", kernels[site])
+        assert kernel.capabilities.relative_bias, (site, kernels[site])
+    reference, ref_kernels = _train_first_losses(tmp_path, "reference")
+    assert set(ref_kernels.values()) == {"reference"}
+    assert len(fused) == len(reference) == 3
+    assert fused == pytest.approx(reference, rel=1e-4)

@@ -1,6 +1,8 @@
 // CPU jagged attention, forward and backward, with the full semantics of docs/attention.md:
 // softmax / silu / gelu / gelu_tanh / relu / relu2 / leaky_relu / hardswish / identity (÷ norm), causal
-// bottom-right, window, block, Lq != Lk.
+// bottom-right, window, block, Lq != Lk, and the fused relative bias (RelativeAttentionBias: a position
+// table and an optional log-time-bucket table, looked up per (i, j) inside the tiles; their gradients are
+// summed per worker thread and reduced at the end, with no shared atomics).
 //
 // FlashAttention-style blocking: each work item is (sequence, head[, query tile]); it walks tiles of
 // BQ queries x BK keys, skipping tiles with no allowed pair, with tile matmuls in BLAS (MKL's sgemm
@@ -99,6 +101,96 @@ struct Seq {
   int64_t qs, lq, ks, lk;
   int64_t shift() const { return lk - lq; }
 };
+
+// The relative bias of gemzoo.interfaces.attention.RelativeAttentionBias for query row i (shifted
+// position ii = i + Lk - Lq) and key j of one sequence:
+//   pos[clamp(ii - j, 0, P - 1)] + time[clamp(trunc(log(float(max(|qt[i] - kt[j]|, 1))) / divisor), 0, NB)]
+// The log is taken in float32, as the contract (and HSTU's reference) takes it. Off when pos is null.
+struct RelBias {
+  const float* pos = nullptr;
+  int64_t P = 0;
+  const float* time = nullptr;  // null: positions only
+  int64_t NB = 0;               // the last time bucket
+  const int64_t* qt = nullptr;  // [Tq] timestamps
+  const int64_t* kt = nullptr;  // [Tk]
+  float divisor = 1.0f;
+  bool on() const { return pos != nullptr; }
+  int64_t pos_index(int64_t ii, int64_t j) const { return std::min(std::max(ii - j, int64_t(0)), P - 1); }
+  int64_t bucket(int64_t qrow, int64_t krow) const {
+    const int64_t d = qt[qrow] - kt[krow];
+    const int64_t gap = std::max(d < 0 ? -d : d, int64_t(1));
+    const float x = std::min(std::log(static_cast<float>(gap)) / divisor, static_cast<float>(NB));
+    return std::max(static_cast<int64_t>(x), int64_t(0));  // trunc: x >= 0
+  }
+};
+
+// Adds the bias to columns [a, b) of one tile row: query row qrow (global) at shifted position ii, keys
+// j0 + c at global rows krow0 + c. ``buckets`` (optional) receives each column's time bucket for backward.
+inline void add_bias_row(const RelBias& rb, float* row, int64_t a, int64_t b, int64_t ii, int64_t j0,
+                         int64_t qrow, int64_t krow0, int32_t* buckets) {
+  for (int64_t c = a; c < b; ++c) {
+    float x = rb.pos[rb.pos_index(ii, j0 + c)];
+    if (rb.time != nullptr) {
+      const int64_t t = rb.bucket(qrow, krow0 + c);
+      x += rb.time[t];
+      if (buckets != nullptr) buckets[c] = static_cast<int32_t>(t);
+    }
+    row[c] += x;
+  }
+}
+
+// Accumulates dS over columns [a, b) of one tile row into this worker's partial sums of the tables'
+// gradients (dpos [P], then dtime [NB + 1]); ``buckets`` are the row's time buckets from add_bias_row.
+inline void bias_grad_row(const RelBias& rb, const float* grow, int64_t a, int64_t b, int64_t ii, int64_t j0,
+                          const int32_t* buckets, double* dpos, double* dtime) {
+  for (int64_t c = a; c < b; ++c) {
+    const double g = grow[c];
+    dpos[rb.pos_index(ii, j0 + c)] += g;
+    if (rb.time != nullptr) dtime[buckets[c]] += g;
+  }
+}
+
+// The bias tables and timestamps as fp32 / int64 contiguous tensors (kept alive by the caller) and the view
+// the loops read. Shapes and dtypes are checked again here: the op may be called without the Python checks.
+struct RelBiasInputs {
+  at::Tensor pos, time, qt, kt;
+  RelBias view;
+};
+
+RelBiasInputs rel_bias_inputs(const c10::optional<at::Tensor>& pos, const c10::optional<at::Tensor>& time,
+                              const c10::optional<at::Tensor>& q_times, const c10::optional<at::Tensor>& k_times,
+                              double divisor, int64_t tq, int64_t tk) {
+  RelBiasInputs in;
+  const bool timed = time.has_value() && time->defined();
+  if (!pos.has_value() || !pos->defined()) {
+    TORCH_CHECK(!timed, "relative bias time weights were given without position weights");
+    return in;
+  }
+  for (const auto* t : {&*pos, timed ? &*time : &*pos}) {
+    TORCH_CHECK(t->dim() == 1 && t->numel() >= 1 && t->is_floating_point() && t->device().is_cpu(),
+                "relative bias tables must be non-empty floating 1-D CPU tensors, got ", t->sizes());
+  }
+  in.pos = pos->to(at::kFloat).contiguous();
+  in.view.pos = in.pos.const_data_ptr<float>();
+  in.view.P = in.pos.numel();
+  if (timed) {
+    TORCH_CHECK(q_times.has_value() && k_times.has_value() && q_times->defined() && k_times->defined(),
+                "relative bias time weights need q_times and k_times");
+    TORCH_CHECK(q_times->scalar_type() == at::kLong && q_times->sizes() == at::IntArrayRef({tq}) &&
+                    k_times->scalar_type() == at::kLong && k_times->sizes() == at::IntArrayRef({tk}),
+                "q_times and k_times must be int64 [Tq] and [Tk]");
+    TORCH_CHECK(divisor > 0.0 && std::isfinite(divisor), "bucket_divisor must be finite and > 0, got ", divisor);
+    in.time = time->to(at::kFloat).contiguous();
+    in.qt = q_times->contiguous();
+    in.kt = k_times->contiguous();
+    in.view.time = in.time.const_data_ptr<float>();
+    in.view.NB = in.time.numel() - 1;
+    in.view.qt = in.qt.const_data_ptr<int64_t>();
+    in.view.kt = in.kt.const_data_ptr<int64_t>();
+    in.view.divisor = static_cast<float>(divisor);
+  }
+  return in;
+}
 
 // Keys [lo, hi) that some query in [i0, i1) may see.
 inline void key_range(const Seq& s, int64_t i0, int64_t i1, const Params& p, int64_t& lo, int64_t& hi) {
@@ -304,13 +396,17 @@ void act_grad_row(const float* srow, float* grow, int64_t a, int64_t b, int64_t 
 
 // Run work(item) over items (sorted by decreasing cost) with dynamic hand-out across threads. MKL
 // (GNU OpenMP threading) runs the tile GEMMs sequentially inside this parallel region.
+// work(item, slot): slot, in [0, item_workers(n)), is unique among the calls running at once (for per-worker
+// partial sums).
+inline int64_t item_workers(int64_t n) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)); }
+
 template <typename F>
 void run_items(int64_t n, const F& work) {
   if (n == 0) return;
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t it = next.fetch_add(1); it < n; it = next.fetch_add(1)) work(it);
+  const int64_t threads = item_workers(n);
+  at::parallel_for(0, threads, 1, [&](int64_t slot, int64_t) {
+    for (int64_t it = next.fetch_add(1); it < n; it = next.fetch_add(1)) work(it, slot);
   });
 }
 
@@ -361,8 +457,14 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
                                                             const at::Tensor& v_in, const at::Tensor& q_offsets,
                                                             const at::Tensor& k_offsets, bool causal, int64_t act,
                                                             double scale, double norm, int64_t window,
-                                                            int64_t block) {
+                                                            int64_t block, const c10::optional<at::Tensor>& rel_pos,
+                                                            const c10::optional<at::Tensor>& rel_time,
+                                                            const c10::optional<at::Tensor>& q_times,
+                                                            const c10::optional<at::Tensor>& k_times,
+                                                            double bucket_divisor) {
   check_qkv(q_in, k_in, v_in);
+  const auto rel = rel_bias_inputs(rel_pos, rel_time, q_times, k_times, bucket_divisor, q_in.size(0), k_in.size(0));
+  const RelBias& bias = rel.view;
   const auto seqs = sequences(q_offsets, k_offsets, q_in.size(0), k_in.size(0));
   const Params p = make_params(q_in, v_in, causal, act, scale, norm, window, block);
   const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat).contiguous(),
@@ -391,7 +493,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
   float* lp = lse.data_ptr<float>();
   const int64_t ldq = H * D, ldv = H * Dv;
 
-  run_items(static_cast<int64_t>(items.size()), [&](int64_t it) {
+  run_items(static_cast<int64_t>(items.size()), [&](int64_t it, int64_t) {
     thread_local std::vector<float> S;
     S.resize(BQ * BK);
     float m_run[BQ], l_run[BQ];
@@ -416,6 +518,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
         int64_t a, b;
         row_interval(w.i0 + r + s.shift(), j0, cols, p, a, b);
         any_key[r] = any_key[r] || b > a;
+        if (bias.on()) add_bias_row(bias, row, a, b, w.i0 + r + s.shift(), j0, s.qs + w.i0 + r, s.ks + j0, nullptr);
         if (p.act == SOFTMAX) {
           float alpha;
           const float sum = softmax_row(row, a, b, &m_run[r], &alpha);
@@ -448,11 +551,15 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
     const at::Tensor& grad_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& q_offsets, const at::Tensor& k_offsets,
-    bool causal, int64_t act, double scale, double norm, int64_t window, int64_t block) {
+    bool causal, int64_t act, double scale, double norm, int64_t window, int64_t block,
+    const c10::optional<at::Tensor>& rel_pos, const c10::optional<at::Tensor>& rel_time,
+    const c10::optional<at::Tensor>& q_times, const c10::optional<at::Tensor>& k_times, double bucket_divisor) {
   check_qkv(q_in, k_in, v_in);
+  const auto rel = rel_bias_inputs(rel_pos, rel_time, q_times, k_times, bucket_divisor, q_in.size(0), k_in.size(0));
+  const RelBias& bias = rel.view;
   const auto seqs = sequences(q_offsets, k_offsets, q_in.size(0), k_in.size(0));
   const Params p = make_params(q_in, v_in, causal, act, scale, norm, window, block);
   const auto q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat).contiguous(),
@@ -487,9 +594,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
   const int64_t ldq = H * D, ldv = H * Dv;
+  // the bias tables' gradients: one partial sum per worker (fp64), reduced after the loop
+  const int64_t nb = bias.time != nullptr ? bias.NB + 1 : 0, width = bias.P + nb;
+  std::vector<double> partial(bias.on() ? item_workers(static_cast<int64_t>(items.size())) * width : 0, 0.0);
 
-  run_items(static_cast<int64_t>(items.size()), [&](int64_t it) {
+  run_items(static_cast<int64_t>(items.size()), [&](int64_t it, int64_t slot) {
     thread_local std::vector<float> P, dP, S, delta;
+    thread_local std::vector<int32_t> buckets;  // the tile's time buckets, from the bias to its gradient
+    double* dpos = bias.on() ? partial.data() + slot * width : nullptr;
+    if (bias.time != nullptr) buckets.resize(BQ * BK);
     P.resize(BQ * BK);
     dP.resize(BQ * BK);
     S.resize(BQ * BK);
@@ -526,6 +639,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
         int64_t ra[BQ], rb[BQ];
         for (int64_t r = 0; r < rows; ++r) {
           row_interval(i0 + r + s.shift(), j0, cols, p, ra[r], rb[r]);
+          if (bias.on())
+            add_bias_row(bias, S.data() + r * BK, ra[r], rb[r], i0 + r + s.shift(), j0, s.qs + i0 + r, s.ks + j0,
+                         bias.time != nullptr ? buckets.data() + r * BK : nullptr);
           if (p.act == SOFTMAX)
             softmax_probs_row(S.data() + r * BK, P.data() + r * BK, ra[r], rb[r], lp[h * tq + s.qs + i0 + r]);
           else
@@ -539,6 +655,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
             softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, delta[i0 + r]);
           else
             act_grad_row(S.data() + r * BK, dP.data() + r * BK, ra[r], rb[r], p.act, p.inv_norm);
+          if (bias.on())
+            bias_grad_row(bias, dP.data() + r * BK, ra[r], rb[r], i0 + r + s.shift(), j0,
+                          bias.time != nullptr ? buckets.data() + r * BK : nullptr, dpos, dpos + bias.P);
         }
         // dQ += scale dS K ; dK += scale dS^T Q
         gemm(false, false, rows, D, cols, p.scale, dP.data(), BK, K, ldq, 1.0f, dQ, ldq);
@@ -546,8 +665,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
       }
     }
   });
+  // the tables' gradients: the workers' partial sums reduced in order (deterministic for one thread count)
+  at::Tensor dpos_t = at::zeros({bias.on() ? bias.P : 0}, q.options()), dtime_t = at::zeros({nb}, q.options());
+  if (bias.on()) {
+    float* dp = dpos_t.data_ptr<float>();
+    float* dt = dtime_t.data_ptr<float>();
+    const int64_t slots = static_cast<int64_t>(partial.size()) / width;
+    for (int64_t c = 0; c < width; ++c) {
+      double acc = 0.0;
+      for (int64_t w = 0; w < slots; ++w) acc += partial[w * width + c];
+      (c < bias.P ? dp[c] : dt[c - bias.P]) = static_cast<float>(acc);
+    }
+    dpos_t = dpos_t.to(rel_pos->scalar_type());
+    if (nb) dtime_t = dtime_t.to(rel_time->scalar_type());
+  }
   const auto dt = q_in.scalar_type();
-  return {dq.to(dt), dk.to(k_in.scalar_type()), dv.to(v_in.scalar_type())};
+  return {dq.to(dt), dk.to(k_in.scalar_type()), dv.to(v_in.scalar_type()), dpos_t, dtime_t};
 }
 
 }  // namespace

@@ -16,11 +16,19 @@ from gemzoo.attention.semantics import (
     reference_attention,
     relative_bias_block,
 )
-from gemzoo.attention.sites import FunctionKernel, JaggedAttention, attention_sites, check_kernel_output
+from gemzoo.attention.sites import (
+    FunctionKernel,
+    JaggedAttention,
+    attention_sites,
+    check_kernel_output,
+    served_request,
+    site_kernels_that_serve,
+    site_missing,
+)
 
 __all__ = [
     "ACTIVATION_CODES", "REFERENCE_CAPABILITIES", "FunctionKernel", "JaggedAttention", "allowed_mask",
     "apply_activation", "apply_rope", "attention_sites", "check_inputs", "check_kernel_output",
     "kernels_that_serve", "materialize_relative_bias", "pair_allowed", "reference_attention",
-    "relative_bias_block", "validated_longest",
+    "relative_bias_block", "served_request", "site_kernels_that_serve", "site_missing", "validated_longest",
 ]

@@ -5,6 +5,11 @@ A model calls attention only through :class:`JaggedAttention` modules, its named
 each site a kernel ([plugins.attention_sites], else [plugins] attention), and policies (mxfp8's attention,
 act-quant) find them with :func:`attention_sites`. :class:`FunctionKernel` wraps a plain function as a
 registrable kernel, with an optional CPU fallback looked up in the registry.
+
+A site whose request has ``relative_bias`` passes its :class:`RelativeAttentionBias` to a kernel that declares
+``relative_bias`` (computed inside the kernel's tiles); to a kernel that declares only ``bias`` (e.g.
+``sdpa-padded``) it passes the bias materialised as a padded [B, 1, Lq, Lk] tensor
+(:func:`materialize_relative_bias`). :func:`site_missing` is the assembly-time check that accepts either.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from torch import nn
 
 from gemzoo import registry
 from gemzoo.attention.checks import check_inputs
+from gemzoo.attention.semantics import materialize_relative_bias
 from gemzoo.errors import PluginError
 from gemzoo.interfaces.attention import AttentionCapabilities, AttentionRequest
+from gemzoo.jagged import max_length
 
 
 @dataclass
@@ -47,6 +54,27 @@ class FunctionKernel:
             name = self.cpu_fallback if self.cpu_fallback in registry.names("attention") else "reference"
             self._cpu_kernel = registry.get("attention", name)
         return self._cpu_kernel
+
+
+def served_request(req: AttentionRequest, capabilities: AttentionCapabilities) -> AttentionRequest:
+    """``req`` as a site passes it to a kernel with ``capabilities``: a relative bias goes materialised, as
+    ``bias``, to a kernel that declares ``bias`` but not ``relative_bias``."""
+    if req.relative_bias and not capabilities.relative_bias and capabilities.bias:
+        return req.replace(relative_bias=False, bias=True)
+    return req
+
+
+def site_missing(capabilities: AttentionCapabilities, req: AttentionRequest) -> list[str]:
+    """What a site's ``req`` needs that a kernel with ``capabilities`` lacks, given what the site adapts (a
+    relative bias is served by ``relative_bias`` or, materialised, by ``bias``)."""
+    missing = capabilities.missing(served_request(req, capabilities))
+    return [("relative_bias (fused relative position/time bias) or bias (additive attention bias)"
+             if m.startswith("relative_bias") else m) for m in missing]
+
+
+def site_kernels_that_serve(req: AttentionRequest) -> list[str]:
+    """Registered attention kernels that can serve a site's ``req`` (for error messages)."""
+    return [n for n in registry.names("attention") if not site_missing(registry.get("attention", n).capabilities, req)]
 
 
 # A model calls attention only through JaggedAttention modules, its named *sites*; the trainer gives each site
@@ -94,11 +122,29 @@ class JaggedAttention(nn.Module):
 
     def forward(self, q, k, v, q_offsets, k_offsets=None, **overrides) -> torch.Tensor:
         kw = {"causal": self.request.causal, "activation": self.request.activation, **self.options, **overrides}
+        if kw.get("relative_bias") is not None:
+            kw = self._serve_relative_bias(kw, q_offsets, k_offsets)
         out = self.kernel(q, k, v, q_offsets, k_offsets, **kw)
         if not self._output_checked:  # a plugin's kernel returning the wrong thing fails here, by name
             check_kernel_output(out, q, v, self.kernel_name)
             self._output_checked = True
         return out
+
+    def _serve_relative_bias(self, kw: dict, q_offsets, k_offsets) -> dict:
+        """A kernel that declares ``relative_bias`` takes it as it is; one that declares only ``bias`` gets it
+        materialised; any other gets it as it is and raises, naming what it lacks."""
+        caps = self.kernel.capabilities
+        if caps.relative_bias or not caps.bias:
+            return kw
+        if kw.get("bias") is not None:
+            raise PluginError(f"attention kernel {self.kernel_name!r} takes one additive bias: this site passes "
+                              "both bias and relative_bias; choose a kernel that declares relative_bias")
+        kw = dict(kw)
+        k_offsets = q_offsets if k_offsets is None else k_offsets
+        lq = kw.get("max_q_len") if kw.get("max_q_len") is not None else max_length(q_offsets)
+        lk = kw.get("max_k_len") if kw.get("max_k_len") is not None else max_length(k_offsets)
+        kw["bias"] = materialize_relative_bias(kw.pop("relative_bias"), q_offsets, k_offsets, lq, lk)
+        return kw
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel_name}, request={self.request}"

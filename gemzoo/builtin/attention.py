@@ -36,14 +36,15 @@ def _padded_mask(q_lens, k_lens, lq_max, lk_max, causal, window, block_size, dev
 
 def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
                           norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
-                          bias=None):
+                          bias=None, relative_bias=None):
     """Pad to [B, H, Lmax, D], run SDPA (or pointwise attention) with a mask, unpad. The naive baseline.
-    ``bias`` (padded [B, 1 or H, >= Lq, >= Lk]) is added to the scaled scores."""
+    ``bias`` (padded [B, 1 or H, >= Lq, >= Lk]) is added to the scaled scores. A ``relative_bias`` is not
+    declared (it raises here); an attention site materialises it into ``bias`` for this kernel."""
 
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=SDPA_PADDED.capabilities, kernel=SDPA_PADDED,
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
-        window=window, rope_theta=rope_theta, bias=bias)
+        window=window, rope_theta=rope_theta, bias=bias, relative_bias=relative_bias)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     lq_max = max_q_len if max_q_len is not None else max_length(q_offsets)
     lk_max = max_k_len if max_k_len is not None else max_length(k_offsets)
@@ -93,7 +94,8 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
 
 @torch.compiler.disable
 def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
-                          norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None):
+                          norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None,
+                          relative_bias=None):
     """FlexAttention over the concatenated batch with a document (+causal/window/block) mask.
 
     Never traced by an enclosing ``torch.compile`` (``run.compile``'s per-block graphs): there the block mask's
@@ -105,7 +107,7 @@ def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=FLEX.capabilities, kernel=FLEX,
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
-        window=window, rope_theta=rope_theta)
+        window=window, rope_theta=rope_theta, relative_bias=relative_bias)  # relative_bias: not declared, raises
     tq, tk = q.shape[0], k.shape[0]
     if tq == 0:
         return q.new_zeros(0, q.shape[1], v.shape[2])

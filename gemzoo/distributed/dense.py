@@ -33,6 +33,7 @@ Works on gloo (CPU) and NCCL alike: the ops are matmuls, all-gathers, reduce-sca
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import math
@@ -331,12 +332,25 @@ class _FeatureShardedNorm(_style_base()):
 
 class _SumGradOverTP(_style_base()):
     """A module whose output every rank computes whole and uses with its local heads only (hstu's relative
-    attention bias): its gradient is summed over tp, so its (replicated) parameters get the whole gradient."""
+    attention bias): its gradient is summed over tp, so its (replicated) parameters get the whole gradient.
+    The output is a tensor, or a dataclass (a RelativeAttentionBias) whose floating tensor fields are each
+    such an output."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         group = device_mesh.get_group()
-        module.register_forward_hook(lambda m, args, out: _SumGradBackward.apply(out, group))
+        module.register_forward_hook(lambda m, args, out: _sum_grad_over(out, group))
         return module
+
+
+def _sum_grad_over(out, group):
+    if isinstance(out, torch.Tensor):
+        return _SumGradBackward.apply(out, group)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{
+            f.name: _SumGradBackward.apply(getattr(out, f.name), group) for f in dataclasses.fields(out)
+            if isinstance(getattr(out, f.name), torch.Tensor) and getattr(out, f.name).is_floating_point()})
+    raise TypeError(f"the 'sum_grad' tensor-parallel style takes a module whose output is a tensor or a "
+                    f"dataclass of tensors, got {type(out).__name__}")
 
 
 def mark_rank_rows(plans, tp: int) -> None:

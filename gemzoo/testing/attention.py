@@ -4,7 +4,9 @@ Each case has a ``check``: ``match`` (forward and gradients against ``reference`
 than a real length raise, exact or larger ones change nothing), ``unsupported`` (every option outside the
 declared capabilities raises PluginError; window=0 and block_size=0 raise ValueError), ``nan`` (a NaN in
 one sequence's q, k or v reaches the rows that see it, never another sequence; rows with no allowed key
-stay exactly 0). docs/attention.md is the contract these test.
+stay exactly 0). Kernels that declare ``relative_bias`` also get ``match`` cases with a
+:class:`RelativeAttentionBias` (positions only, and positions + time buckets), whose tables' gradients are
+compared too. docs/attention.md is the contract these test.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from gemzoo import registry
 from gemzoo.attention import allowed_mask, reference_attention
 from gemzoo.errors import JaggedShapeError, PluginError
-from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionRequest
+from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionRequest, RelativeAttentionBias
 from gemzoo.jagged import lengths_to_offsets, max_length
 
 # bf16/fp16 kernels land under 1e-2 (docs/benchmarks.md); fp32 kernels may use tf32 dots on GPU.
@@ -39,11 +41,12 @@ class AttentionCase:
     max_len: int = 24
     seed: int = 0
     check: str = "match"  # match | hints | unsupported | nan
+    relative_bias: str | None = None  # None, "position" or "position_time": a RelativeAttentionBias
 
     def request(self, dtype=None, device=None, backward=True) -> AttentionRequest:
         return AttentionRequest(self.activation, self.causal, self.asymmetric, self.window is not None,
                                 self.block_size is not None, dtype, device, backward, self.head_dim,
-                                self.rope_theta is not None)
+                                self.rope_theta is not None, relative_bias=self.relative_bias is not None)
 
     def __str__(self) -> str:
         parts = [] if self.check == "match" else [self.check]
@@ -56,6 +59,8 @@ class AttentionCase:
             parts.append(f"blk{self.block_size}")
         if self.rope_theta is not None:
             parts.append(f"rope{self.rope_theta:g}")
+        if self.relative_bias is not None:
+            parts.append({"position": "relpos", "position_time": "reltime"}[self.relative_bias])
         parts.append(f"d{self.head_dim}s{self.seed}")
         return "-".join(parts)
 
@@ -115,7 +120,53 @@ def attention_cases(caps: AttentionCapabilities, *, head_dims=(16,), quick: bool
         masked = next((c for c in cases if c.window is not None or c.block_size is not None), None)
         if masked is not None:
             cases.append(replace(masked, check="nan", seed=230))
-    return cases
+    return cases + relative_bias_cases(caps)
+
+
+def relative_bias_cases(caps: AttentionCapabilities) -> list[AttentionCase]:
+    """``match`` cases with a relative bias, for a kernel that declares it: positions only and with time
+    buckets, softmax and pointwise, causal and not, Lq != Lk and a window where declared; sequences longer
+    than the position table, so its clamp is exercised."""
+    if not caps.relative_bias:
+        return []
+    pointwise = sorted(caps.activations - {"softmax"})
+    act = "silu" if "silu" in caps.activations else (pointwise[0] if pointwise else "softmax")
+    norm = None if act == "softmax" else 16.0
+    cases = [AttentionCase("softmax", True, False, relative_bias="position", seed=300),
+             AttentionCase(act, True, False, norm=norm, relative_bias="position_time", seed=301),
+             AttentionCase("softmax", True, False, relative_bias="position_time", max_len=90, seed=302),
+             AttentionCase(act, True, False, norm=norm, relative_bias="position_time", max_len=150, batch=3,
+                           seed=303),
+             AttentionCase("softmax", False, caps.asymmetric, relative_bias="position_time", seed=304),
+             AttentionCase(act, caps.causal, caps.asymmetric, norm=norm, relative_bias="position", seed=305)]
+    if caps.window:
+        cases.append(AttentionCase(act, True, False, window=9, norm=norm, relative_bias="position_time", seed=306))
+    return [c for c in cases if not caps.missing(c.request())]
+
+
+def make_relative_bias(case: AttentionCase, q_off: torch.Tensor, k_off: torch.Tensor | None, dtype, device: str,
+                       generator: torch.Generator) -> RelativeAttentionBias | None:
+    """A random :class:`RelativeAttentionBias` for ``case`` (None without one): a position table shorter than
+    the longest sequences (the clamp), 17 time buckets, and per-sequence increasing timestamps whose gaps
+    (repeats included: a gap of 0 is bucket 0) cover every bucket and beyond (the last one's clamp)."""
+    if case.relative_bias is None:
+        return None
+    positions = torch.randn(max(case.max_len // 2, 1), generator=generator).to(device=device, dtype=dtype)
+    if case.relative_bias == "position":
+        return RelativeAttentionBias(positions)
+    time_weights = torch.randn(17, generator=generator).to(device=device, dtype=dtype)
+
+    def times(offsets: torch.Tensor) -> torch.Tensor:
+        rows = int(offsets[-1])
+        steps = torch.randint(0, 40, (rows,), generator=generator) * torch.randint(0, 2, (rows,), generator=generator)
+        return (1_600_000_000 + steps.cumsum(0)).to(device)
+
+    q_times = times(q_off.cpu())
+    k_times = q_times.clone() if k_off is None else times(k_off.cpu())
+    # the item after each query is seen later than the query's own key (HSTU's next_times)
+    if k_off is None:
+        q_times = q_times + torch.randint(0, 200, q_times.shape, generator=generator).to(device)
+    return RelativeAttentionBias(positions, time_weights, q_times, k_times)
 
 
 def unsupported_options(caps: AttentionCapabilities) -> list[tuple[str, dict]]:
@@ -134,6 +185,8 @@ def unsupported_options(caps: AttentionCapabilities) -> list[tuple[str, dict]]:
         out.append(("rope_theta", {"rope_theta": 10000.0}))
     if not caps.asymmetric:
         out.append(("asymmetric", {"asymmetric": True}))
+    if not caps.relative_bias:
+        out.append(("relative_bias", {"relative_bias": "position"}))
     for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.float32):
         if dtype not in caps.dtypes:
             out.append((f"dtype {dtype}", {"dtype": dtype}))
@@ -192,15 +245,30 @@ def check_attention(kernel, case: AttentionCase, *, device: str = "cpu", dtype: 
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
     kw = _case_kw(case)
+    # the tables as a model keeps them: fp32 (fp64 with fp64 inputs, whose table gradients are fp64 then)
+    rb = make_relative_bias(case, q_off, k_off, torch.float64 if dtype == torch.float64 else torch.float32,
+                            device, gen)
+    tables = [] if rb is None else [("positions", rb.positions)] + (
+        [("time_weights", rb.time_weights)] if rb.time_weights is not None else [])
+
+    def with_bias(kwargs, leaves, times_device):
+        if rb is None:
+            return kwargs
+        pos, tw = leaves[0], (leaves[1] if len(leaves) > 1 else None)
+        qt, kt = ((rb.q_times.to(times_device), rb.k_times.to(times_device)) if tw is not None else (None, None))
+        return {**kwargs, "relative_bias": RelativeAttentionBias(pos, tw, qt, kt, rb.bucket_divisor)}
 
     leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    out = kernel(*leaves, q_off, k_off, **kw)
+    table_leaves = [t.detach().clone().requires_grad_(backward) for _, t in tables]
+    out = kernel(*leaves, q_off, k_off, **with_bias(kw, table_leaves, device))
     assert out.shape == (q.shape[0], q.shape[1], v.shape[2]), f"output shape {tuple(out.shape)}"
     assert out.dtype == q.dtype, f"output dtype {out.dtype} != input dtype {q.dtype}"
     assert torch.isfinite(out).all(), "output has NaN/Inf (rows with no allowed key must be 0)"
 
     ref_leaves = [t.detach().cpu().double().requires_grad_(backward) for t in (q, k, v)]
-    ref = reference(*ref_leaves, q_off.cpu(), None if k_off is None else k_off.cpu(), **kw)
+    ref_tables = [t.detach().cpu().double().requires_grad_(backward) for _, t in tables]
+    ref = reference(*ref_leaves, q_off.cpu(), None if k_off is None else k_off.cpu(),
+                    **with_bias(kw, ref_tables, "cpu"))
     errors = {"out": _rel(out.detach().cpu(), ref.detach())}
     if backward:
         grad = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
@@ -208,6 +276,9 @@ def check_attention(kernel, case: AttentionCase, *, device: str = "cpu", dtype: 
         ref.backward(grad.cpu().double())
         for name, mine, theirs in zip("qkv", leaves, ref_leaves, strict=True):
             assert mine.grad is not None, f"d{name} was not computed"
+            errors[f"d{name}"] = _rel(mine.grad.cpu(), theirs.grad)
+        for (name, _), mine, theirs in zip(tables, table_leaves, ref_tables, strict=True):
+            assert mine.grad is not None, f"the gradient of relative_bias.{name} was not computed"
             errors[f"d{name}"] = _rel(mine.grad.cpu(), theirs.grad)
     bad = {n: e for n, e in errors.items() if not e <= tol}  # `not <=` also catches NaN
     assert not bad, f"{case}: relative error over {tol:g} in {bad} (all: {errors})"
@@ -264,10 +335,13 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
     for what, options in unsupported_options(caps):
         options = dict(options)
         in_dtype = options.pop("dtype", dtype)
-        c = replace(case, asymmetric=options.pop("asymmetric", case.asymmetric))
+        c = replace(case, asymmetric=options.pop("asymmetric", case.asymmetric),
+                    relative_bias=options.pop("relative_bias", case.relative_bias))
         gen = torch.Generator().manual_seed(1234 + case.seed)
         q, k, v, q_off, k_off = make_inputs(c, in_dtype, device, gen)
         kw = {**_case_kw(c), **options}
+        if c.relative_bias is not None:
+            kw["relative_bias"] = make_relative_bias(c, q_off, k_off, torch.float32, device, gen)
         if kw["activation"] == "softmax":
             kw["norm"] = None
         msg = _raises(partial(kernel, q, k, v, q_off, k_off, **kw), PluginError,

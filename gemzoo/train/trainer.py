@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gemzoo import kinds, registry
-from gemzoo.attention import attention_sites, kernels_that_serve
+from gemzoo.attention import attention_sites, site_kernels_that_serve, site_missing
 from gemzoo.config import Config
 from gemzoo.data.lookahead import Lookahead
 from gemzoo.distributed import World, build_mesh, init_distributed, is_fsdp_shard, pick_device, shard_dense_blocks
@@ -102,9 +102,9 @@ def select_attention(model: nn.Module, cfg: Config, device: torch.device, dtype:
         name = site_kernel(site_name, cfg)
         kernel = configured("attention", name, cfg)
         req = site.request.replace(dtype=dtype, device=device.type, backward=True)
-        missing = kernel.capabilities.missing(req)
+        missing = site_missing(kernel.capabilities, req)  # a relative bias: relative_bias, or bias materialised
         if missing:
-            able = kernels_that_serve(req)
+            able = site_kernels_that_serve(req)
             raise PluginError(
                 f"attention kernel {name!r} cannot serve {site_name}: it lacks {', '.join(missing)}. "
                 f"Kernels that can: {', '.join(able) or '(none)'}. Choose one for this site with "

@@ -10,8 +10,11 @@ The attention is ``JaggedAttention`` with ``activation="silu"``, ``norm=max_len`
 has no 1/sqrt(d)). ``relative_bias`` adds the paper's relative attention bias to QK^T before the SiLU, each
 block with its own weights: ``"position"`` a learned w[i - j]; ``"position_time"`` also a learned weight per
 time bucket floor(ln(max(|t_next(i) - t_j|, 1)) / 0.301), clamped to [0, time_buckets], where t_next(i) is
-the timestamp of the item that follows query i (the batch's ``next_times``). The site then requests the
-``bias`` capability. The retrieval head and evaluation are shared with sasrec (gemzoo.models.retrieval).
+the timestamp of the item that follows query i (the batch's ``next_times``). Each block passes its tables and
+the batch's timestamps as a :class:`RelativeAttentionBias`, which the kernel computes inside its tiles (no
+[B, L, L] tensor); the site requests ``relative_bias``, served by a kernel that declares it (``cpu``, ``gdpa``,
+``reference``) or, materialised, by one that declares ``bias`` (``sdpa-padded``). The retrieval head and
+evaluation are shared with sasrec (gemzoo.models.retrieval).
 """
 
 from __future__ import annotations
@@ -25,12 +28,11 @@ from torch import nn
 from gemzoo.attention import JaggedAttention
 from gemzoo.errors import ConfigError
 from gemzoo.flops import attention_flops, linear_flops, sample_pairs
-from gemzoo.interfaces.attention import TIME_BUCKET_DIVISOR, AttentionRequest
+from gemzoo.interfaces.attention import AttentionRequest, RelativeAttentionBias
 from gemzoo.interfaces.models import ModelSpec
 from gemzoo.interfaces.options import bounded
 from gemzoo.models.common import init_weights, self_attention_options, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel, trunc_normal
-from gemzoo.ops import jagged_to_padded
 
 
 @dataclass
@@ -51,7 +53,9 @@ class HSTUConfig(RetrievalConfig):
 
 
 class RelativeBias(nn.Module):
-    """One block's learned relative attention bias: ``pos[i - j]`` (+ ``time[bucket]``)."""
+    """One block's learned relative attention bias: ``pos[i - j]`` (+ ``time[bucket]``), as the
+    :class:`RelativeAttentionBias` the attention kernel computes (gemzoo.attention.relative_bias_block is its
+    definition: i - j clamped to [0, max_len - 1], the bucket's log in float32, clamped to [0, time_buckets])."""
 
     def __init__(self, max_len: int, time_buckets: int | None):
         super().__init__()
@@ -63,23 +67,15 @@ class RelativeBias(nn.Module):
             for p in self.parameters():
                 p.normal_(0.0, 0.02)
 
-    def forward(self, distance: torch.Tensor, bucket: torch.Tensor | None) -> torch.Tensor:
-        """[B, 1, L, L] from relative distances and time buckets (both [B, L, L], int64)."""
-        bias = self.pos[distance]
-        if self.time is not None:
-            bias = bias + self.time[bucket]
-        return bias.unsqueeze(1)
-
-
-def time_buckets(times: torch.Tensor, next_times: torch.Tensor, offsets: torch.Tensor, longest: int,
-                 num_buckets: int) -> torch.Tensor:
-    """[B, L, L] bucket of t_next(i) - t_j for query i and key j of each sequence (padding: bucket 0)."""
-    t = jagged_to_padded(times.unsqueeze(1).double(), offsets, longest).squeeze(-1)  # [B, L]
-    tn = jagged_to_padded(next_times.unsqueeze(1).double(), offsets, longest).squeeze(-1)
-    gap = (tn.unsqueeze(2) - t.unsqueeze(1)).abs().clamp(min=1.0)  # float64: exact for integer timestamps
-    # the log in float32, as the reference takes it (torch.log of an int64 tensor): in float64 a few gaps whose
-    # log lands next to a bucket edge fall one bucket apart
-    return (gap.float().log() / TIME_BUCKET_DIVISOR).long().clamp(0, num_buckets)
+    def forward(self, times: torch.Tensor | None = None, next_times: torch.Tensor | None = None
+                ) -> RelativeAttentionBias:
+        """The bias for a batch: query i is compared at ``next_times[i]`` (the item after it) with each key's
+        own time ``times[j]`` (both int64 [T], jagged like the batch); positions only without time buckets."""
+        if self.time is None:
+            return RelativeAttentionBias(self.pos)
+        if times is None or next_times is None:
+            raise ValueError("this relative bias has time buckets: pass the batch's times and next_times")
+        return RelativeAttentionBias(self.pos, self.time, q_times=next_times.long(), k_times=times.long())
 
 
 class HSTUBlock(nn.Module):
@@ -94,7 +90,7 @@ class HSTUBlock(nn.Module):
         self.norm = nn.LayerNorm(d_model, eps=eps, elementwise_affine=affine)
         self.uvqk = nn.Linear(d_model, num_heads * (2 * v_dim + 2 * qk_dim), bias=uvqk_bias)
         self.attn = JaggedAttention(AttentionRequest(activation="silu", causal=True, head_dim=qk_dim,
-                                                     bias=relative_bias != "none"),
+                                                     relative_bias=relative_bias != "none"),
                                     norm=float(attention_norm or max_len), scale=1.0)
         self.attn_norm = nn.LayerNorm(num_heads * v_dim, eps=eps, elementwise_affine=affine)
         self.dropout = nn.Dropout(dropout)
@@ -103,17 +99,15 @@ class HSTUBlock(nn.Module):
                          if relative_bias != "none" else None)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None,
-                relative: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """``relative``: (distance, bucket) for this batch when the block has a relative bias."""
+                times: torch.Tensor | None = None, next_times: torch.Tensor | None = None) -> torch.Tensor:
+        """``times``, ``next_times``: the batch's int64 [T] timestamps, for a relative bias with time buckets."""
         uvqk = F.silu(self.uvqk(self.norm(x)))
         # heads from the projection's output width: this rank's under run.mesh tp
         t, h = x.shape[0], uvqk.shape[1] // (2 * self.v_dim + 2 * self.qk_dim)
         u, v, q, k = uvqk.split([h * self.v_dim, h * self.v_dim, h * self.qk_dim, h * self.qk_dim], dim=1)
         extra = {}
         if self.rel_bias is not None:
-            if relative is None:
-                raise ValueError("this HSTU block has a relative attention bias: pass relative=(distance, bucket)")
-            extra["bias"] = self.rel_bias(*relative)
+            extra["relative_bias"] = self.rel_bias(times, next_times)
         a = self.attn(q.reshape(t, h, self.qk_dim), k.reshape(t, h, self.qk_dim), v.reshape(t, h, self.v_dim),
                       offsets, max_q_len=max_len, max_k_len=max_len, **extra)
         y = self.attn_norm(a.reshape(t, h * self.v_dim).to(x.dtype)) * u.to(x.dtype)
@@ -208,20 +202,14 @@ class HSTUModel(RetrievalModel):
                     block.rel_bias.reset_parameters()
 
     def run_blocks(self, x: torch.Tensor, batch, longest: int) -> torch.Tensor:
-        relative = None
-        if self._bias_modules():
-            i = torch.arange(longest, device=x.device)
-            distance = (i.view(-1, 1) - i.view(1, -1)).clamp(0, self.max_len - 1)  # [L, L]: i - j, causal part
-            distance = distance.expand(batch.offsets.numel() - 1, -1, -1)  # [B, L, L]
-            bucket = None
-            if self.cfg.relative_bias == "position_time":
-                if batch.times is None or batch.next_times is None:
-                    raise ConfigError("[model] (hstu): relative_bias = 'position_time' needs batches with times "
-                                      "and next_times; use relative_bias = 'position'")
-                bucket = time_buckets(batch.times, batch.next_times, batch.offsets, longest, self.cfg.time_buckets)
-            relative = (distance, bucket)
+        times = next_times = None
+        if self.cfg.relative_bias == "position_time":
+            if batch.times is None or batch.next_times is None:
+                raise ConfigError("[model] (hstu): relative_bias = 'position_time' needs batches with times "
+                                  "and next_times; use relative_bias = 'position'")
+            times, next_times = batch.times, batch.next_times
         for block in self.blocks:
-            x = block(x, batch.offsets, longest, relative)
+            x = block(x, batch.offsets, longest, times, next_times)
         return x
 
 
