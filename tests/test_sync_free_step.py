@@ -39,7 +39,7 @@ def _shape_probe(q, k, v, q_offsets, k_offsets=None, **kw):
 
 
 PROBE = FunctionKernel(_shape_probe, AttentionCapabilities(
-    activations=frozenset({"softmax", "silu"}), window=True, block=True, bias=True, rotary=True,
+    activations=frozenset({"softmax", "silu"}), window=True, block=True, bias=True, relative_bias=True, rotary=True,
     devices=frozenset({"meta"}), backward_devices=frozenset({"meta"})), "shapes only, for meta-device steps")
 
 

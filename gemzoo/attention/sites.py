@@ -14,6 +14,7 @@ A site whose request has ``relative_bias`` passes its :class:`RelativeAttentionB
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -41,12 +42,36 @@ class FunctionKernel:
     description: str = ""
     cpu_fallback: str | None = None
     _cpu_kernel: object = field(default=None, init=False, repr=False, compare=False)
+    _accepts: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _undeclared: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._accepts = accepted_keywords(self.fn)
+        self._undeclared = tuple(name for name, flag in CAPABILITY_OF_OPTION.items()
+                                 if not getattr(self.capabilities, flag))
 
     def __call__(self, q, k, v, q_offsets, k_offsets=None, **kw):
         if self.cpu_fallback is not None and q.device.type == "cpu":
             check_inputs(q, k, v, q_offsets, k_offsets, capabilities=self.capabilities, kernel=self, **kw)
             return self._fallback()(q, k, v, q_offsets, k_offsets, **kw)
+        if any(kw.get(name) is not None for name in self._undeclared):  # raises PluginError naming who can
+            check_inputs(q, k, v, q_offsets, k_offsets, capabilities=self.capabilities, kernel=self, **kw)
+        if self._accepts is not None and any(name not in self._accepts for name in kw):
+            kw = self._known_options(q, k, v, q_offsets, k_offsets, kw)
         return self.fn(q, k, v, q_offsets, k_offsets, **kw)
+
+    def _known_options(self, q, k, v, q_offsets, k_offsets, kw: dict) -> dict:
+        """``kw`` without the options ``fn`` does not take, so that a kernel written before an option existed
+        keeps working: an option left at ``None`` (off) is dropped; one that is set is checked against the
+        declared capabilities, which raises :class:`PluginError` naming the kernels that can serve it."""
+        unknown = [name for name in kw if name not in self._accepts]
+        if any(kw[name] is not None for name in unknown):
+            check_inputs(q, k, v, q_offsets, k_offsets, capabilities=self.capabilities, kernel=self, **kw)
+            taken = ", ".join(name for name in unknown if kw[name] is not None)
+            name = getattr(self.fn, "__name__", type(self.fn).__name__)
+            raise PluginError(f"attention kernel function {name}() takes no {taken} argument, though its "
+                              "capabilities declare it; add it to the function's signature or drop the capability")
+        return {name: value for name, value in kw.items() if name in self._accepts}
 
     def _fallback(self):
         """The CPU kernel, looked up in the registry once."""
@@ -54,6 +79,24 @@ class FunctionKernel:
             name = self.cpu_fallback if self.cpu_fallback in registry.names("attention") else "reference"
             self._cpu_kernel = registry.get("attention", name)
         return self._cpu_kernel
+
+
+# the options a kernel may take only with the capability beside them; FunctionKernel refuses them otherwise,
+# whether or not its function would accept the argument
+CAPABILITY_OF_OPTION = {"bias": "bias", "relative_bias": "relative_bias", "rope_theta": "rotary",
+                        "window": "window", "block_size": "block"}
+
+
+def accepted_keywords(fn) -> frozenset[str] | None:
+    """The keyword arguments ``fn`` takes, or ``None`` when it takes any (``**kwargs``) or has no signature."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C++ function without a Python signature
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params
+                     if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
 
 
 def served_request(req: AttentionRequest, capabilities: AttentionCapabilities) -> AttentionRequest:
