@@ -174,11 +174,12 @@ def tensor_parallel_plans(model: nn.Module, tp: int) -> list[tuple[str, nn.Modul
 
 def _checked_plan(name: str, unit: nn.Module, plan: dict[str, str], tp: int) -> dict[str, tuple[str, int]]:
     for sub_name, sub in unit.named_modules():
-        heads = getattr(sub, "num_heads", None)
-        if isinstance(heads, int) and heads % tp:
-            where = f"{name}.{sub_name}" if sub_name else name
-            raise ConfigError(f"run.mesh tp={tp} does not divide the attention heads: {where} has num_heads="
-                              f"{heads}; choose tp among {_divisors(heads)} or change model.num_heads")
+        for attr in ("num_heads", "num_kv_heads"):  # each rank keeps whole heads, and whole k/v head groups
+            heads = getattr(sub, attr, None)
+            if isinstance(heads, int) and heads % tp:
+                where = f"{name}.{sub_name}" if sub_name else name
+                raise ConfigError(f"run.mesh tp={tp} does not divide the attention heads: {where} has {attr}="
+                                  f"{heads}; choose tp among {_divisors(heads)} or change model.{attr}")
     out = {}
     for module_name, style in plan.items():
         where = f"{name}.{module_name}"
@@ -210,7 +211,7 @@ def _checked_plan(name: str, unit: nn.Module, plan: dict[str, str], tp: int) -> 
         if sum(sizes) != size:
             raise ConfigError(f"{where}: the parts {list(sizes)} of its plan add up to {sum(sizes)}, not its {size} "
                               "output features")
-        if size % (len(sizes) * tp) or any(n % tp for n in sizes):
+        if any(n % tp for n in sizes):  # parts of their own sizes (q | k | v with grouped k/v) need not be equal
             what = "output" if kind == "colwise" else "input"
             raise ConfigError(f"run.mesh tp={tp} does not divide {where}'s {what} features ({size}"
                               f"{f' in parts of {list(sizes)}' if len(sizes) > 1 else ''}); choose tp among "

@@ -74,37 +74,69 @@ def check_heads(d_model: int, num_heads: int, head_dim: int | None, where: str) 
     return head_dim
 
 
-class SelfAttention(nn.Module):
-    """Fused qkv projection, jagged attention, output projection: ``qkv``, ``attn``, ``out``."""
+def check_kv_heads(num_heads: int, num_kv_heads: int, family: str) -> int:
+    """The k/v head count of ``[model] num_kv_heads`` (0: ``num_heads``, multi-head attention; a divisor of
+    ``num_heads``: grouped-query attention, 1 multi-query), checked when the model is built."""
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 0:
+        raise ConfigError(f"[model] ({family}): num_kv_heads must be an int >= 0 (0: num_heads), got {num_kv_heads!r}")
+    kv = num_kv_heads or num_heads
+    if kv > num_heads or num_heads % kv:
+        divisors = ", ".join(str(d) for d in range(1, num_heads + 1) if num_heads % d == 0)
+        raise ConfigError(f"[model] ({family}): num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}; "
+                          f"grouped-query attention needs one of {divisors} (or 0: num_heads)")
+    return kv
 
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, request: AttentionRequest, **options):
+
+class SelfAttention(nn.Module):
+    """Fused qkv projection, jagged attention, output projection: ``qkv``, ``attn``, ``out``. With
+    ``num_kv_heads`` < ``num_heads`` (grouped-query attention) k and v have ``num_kv_heads`` heads: ``qkv`` is
+    [q | k | v] of num_heads, num_kv_heads and num_kv_heads heads."""
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, request: AttentionRequest,
+                 num_kv_heads: int | None = None, **options):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         inner = num_heads * head_dim
-        self.qkv = nn.Linear(d_model, 3 * inner)
-        self.attn = JaggedAttention(request.replace(head_dim=head_dim), **options)
+        self.qkv = nn.Linear(d_model, (num_heads + 2 * self.num_kv_heads) * head_dim)
+        self.attn = JaggedAttention(request.replace(head_dim=head_dim, grouped_kv=self.num_kv_heads != num_heads),
+                                    **options)
         self.out = nn.Linear(inner, d_model)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
         # the head count comes from qkv's output: under tensor parallelism (run.mesh tp) this rank's heads
         t, qkv = x.shape[0], self.qkv(x)
-        heads = qkv.shape[1] // (3 * self.head_dim)
-        q, k, v = qkv.view(t, 3, heads, self.head_dim).unbind(1)
+        if self.num_kv_heads == self.num_heads:
+            heads = qkv.shape[1] // (3 * self.head_dim)
+            q, k, v = qkv.view(t, 3, heads, self.head_dim).unbind(1)
+        else:  # this rank's kv heads: its share of the width, in the ratio num_heads : num_kv_heads : num_kv_heads
+            kv_heads = qkv.shape[1] // self.head_dim * self.num_kv_heads // (self.num_heads + 2 * self.num_kv_heads)
+            heads = kv_heads * (self.num_heads // self.num_kv_heads)
+            q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=1)
+            q, k, v = (z.view(t, -1, self.head_dim) for z in (q, k, v))
         o = self.attn(q, k, v, offsets, max_q_len=max_len, max_k_len=max_len)
         return self.out(o.reshape(t, heads * self.head_dim)).to(x.dtype)
+
+    def tp_style(self) -> str:
+        """The qkv projection's tensor-parallel style: 3 equal parts, or q | k | v of their own sizes (GQA)."""
+        if self.num_kv_heads == self.num_heads:
+            return "colwise:3"
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return f"colwise:{q},{kv},{kv}"
 
     def flops(self, lengths: torch.Tensor) -> int:
         tokens = int(lengths.sum())
         inner = self.num_heads * self.head_dim
         pairs = self_attention_pairs(lengths, causal=self.attn.request.causal, **self.attn.mask_options())
-        return (linear_flops(tokens, self.qkv.in_features, 3 * inner) + linear_flops(tokens, inner, self.out.out_features)
-                + attention_flops(pairs, self.num_heads, self.head_dim))
+        return (linear_flops(tokens, self.qkv.in_features, self.qkv.out_features)
+                + linear_flops(tokens, inner, self.out.out_features) + attention_flops(pairs, self.num_heads, self.head_dim))
 
     def sample_flops(self, lengths: torch.Tensor) -> torch.Tensor:
         """int64 [B]: each sequence's share of ``flops(lengths)``."""
         lengths, inner = lengths.long().cpu(), self.num_heads * self.head_dim
         pairs = sample_pairs(lengths, causal=self.attn.request.causal, **self.attn.mask_options())
-        return (linear_flops(lengths, self.qkv.in_features, 3 * inner) + linear_flops(lengths, inner, self.out.out_features)
+        return (linear_flops(lengths, self.qkv.in_features, self.qkv.out_features)
+                + linear_flops(lengths, inner, self.out.out_features)
                 + attention_flops(pairs, self.num_heads, self.head_dim))
 
 
@@ -131,10 +163,10 @@ class TransformerBlock(nn.Module):
     is_transformer_block = True
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, ffn_hidden: int, *, request: AttentionRequest,
-                 dropout: float = 0.0, activation: str = "gelu"):
+                 dropout: float = 0.0, activation: str = "gelu", num_kv_heads: int | None = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
-        self.attn = SelfAttention(d_model, num_heads, head_dim, request)
+        self.attn = SelfAttention(d_model, num_heads, head_dim, request, num_kv_heads)
         self.norm2 = nn.LayerNorm(d_model)
         self.mlp = FeedForward(d_model, ffn_hidden, activation, dropout)
         self.dropout = nn.Dropout(dropout)
@@ -145,8 +177,9 @@ class TransformerBlock(nn.Module):
 
     def tp_plan(self) -> dict[str, str]:
         """Tensor parallelism (``run.mesh`` tp): Megatron-style, each rank keeps its share of the heads and of
-        the MLP's hidden units; ``colwise:3``: a fused projection of 3 parts (q, k, v), each split by heads."""
-        return {"attn.qkv": "colwise:3", "attn.out": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+        the MLP's hidden units; ``colwise:3``: a fused projection of 3 parts (q, k, v), each split by heads (with
+        grouped k/v the parts' sizes: q's heads, then k's and v's)."""
+        return {"attn.qkv": self.attn.tp_style(), "attn.out": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
 
     def flops(self, lengths: torch.Tensor) -> int:
         return self.attn.flops(lengths) + self.mlp.flops(int(lengths.sum()))
@@ -235,7 +268,7 @@ def log2_discount(rank: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "reverse_positions", "self_attention_pairs", "check_heads", "SelfAttention", "FeedForward",
+    "reverse_positions", "self_attention_pairs", "check_heads", "check_kv_heads", "SelfAttention", "FeedForward",
     "TransformerBlock", "MLP", "init_weights", "binary_auc", "log2_discount",
 ]
 

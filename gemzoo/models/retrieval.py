@@ -44,6 +44,7 @@ class RetrievalConfig:
     embedding_dim: int = 50
     num_layers: int = 2
     num_heads: int = 1
+    num_kv_heads: int = 0  # k/v heads: 0 num_heads; a divisor of it: grouped-query attention (1: multi-query)
     dropout: float = bounded(0.2, min=0, below=1)
     num_negatives: int = 128
     negatives: str = "shared"  # "shared" (one draw per batch) or "per_position"

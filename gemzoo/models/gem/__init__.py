@@ -31,6 +31,7 @@ from gemzoo.models.common import (
     TransformerBlock,
     binary_auc,
     check_heads,
+    check_kv_heads,
     init_weights,
     require_data_info,
     reverse_positions,
@@ -44,6 +45,7 @@ class GemConfig:
     d_model: int = 64
     num_layers: int = 2
     num_heads: int = 2
+    num_kv_heads: int = 0  # k/v heads of the tower and the cross attention: 0 num_heads; a divisor of it: GQA
     head_dim: int = 0  # 0: d_model // num_heads
     ffn_mult: int = 4
     embedding_dim: int = 32  # item and sparse table width
@@ -63,13 +65,14 @@ class GemConfig:
 
 
 class SequenceTower(nn.Module):
-    def __init__(self, cfg: GemConfig, head_dim: int):
+    def __init__(self, cfg: GemConfig, head_dim: int, num_kv_heads: int | None = None):
         super().__init__()
         d = cfg.d_model
         self.input = nn.Linear(cfg.embedding_dim, d)
         request = AttentionRequest(activation="softmax", causal=True)
         self.blocks = nn.ModuleList(
-            TransformerBlock(d, cfg.num_heads, head_dim, cfg.ffn_mult * d, request=request, dropout=cfg.dropout)
+            TransformerBlock(d, cfg.num_heads, head_dim, cfg.ffn_mult * d, request=request, dropout=cfg.dropout,
+                             num_kv_heads=num_kv_heads)
             for _ in range(cfg.num_layers)
         )
         options = self_attention_options(cfg, head_dim, "gem")
@@ -79,16 +82,19 @@ class SequenceTower(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """Each candidate attends to its own user's (encoded) history: non-causal, Lq != Lk."""
+    """Each candidate attends to its own user's (encoded) history: non-causal, Lq != Lk; k and v have
+    ``num_kv_heads`` heads (fewer than ``num_heads``: grouped-query attention)."""
 
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, activation: str = "softmax"):
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, activation: str = "softmax",
+                 num_kv_heads: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         inner = num_heads * head_dim
         self.q = nn.Linear(d_model, inner)
-        self.kv = nn.Linear(d_model, 2 * inner)
+        self.kv = nn.Linear(d_model, 2 * self.num_kv_heads * head_dim)
         self.attn = JaggedAttention(AttentionRequest(activation=activation, causal=False, asymmetric=True,
-                                                     head_dim=head_dim))
+                                                     head_dim=head_dim, grouped_kv=self.num_kv_heads != num_heads))
         self.out = nn.Linear(inner, d_model)
 
     def forward(self, cand, hist, cand_offsets, hist_offsets, max_cand: int, max_hist: int):
@@ -96,7 +102,8 @@ class CrossAttention(nn.Module):
         q = self.q(cand)
         h = q.shape[1] // self.head_dim  # from the projection's output: this rank's heads under run.mesh tp
         q = q.view(c, h, self.head_dim)
-        k, v = self.kv(hist).view(t, 2, h, self.head_dim).unbind(1)
+        kv = self.kv(hist)
+        k, v = kv.view(t, 2, kv.shape[1] // (2 * self.head_dim), self.head_dim).unbind(1)
         extra = {} if self.attn.request.activation == "softmax" else {"norm": float(max(max_hist, 1))}
         o = self.attn(q, k, v, cand_offsets, hist_offsets, max_q_len=max_cand, max_k_len=max_hist, **extra)
         return self.out(o.reshape(c, h * self.head_dim)).to(cand.dtype)
@@ -117,16 +124,17 @@ class GemModel(nn.Module):
         self.cfg = cfg
         d = cfg.d_model
         head_dim = check_heads(d, cfg.num_heads, cfg.head_dim or None, "gem")
+        kv_heads = check_kv_heads(cfg.num_heads, cfg.num_kv_heads, "gem")
         self.max_len = int(data_info["max_len"])
         self.item_emb = nn.Embedding(int(data_info["num_items"]), cfg.embedding_dim)
         self.pos_emb = nn.Embedding(self.max_len, d)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.tower = SequenceTower(cfg, head_dim)
+        self.tower = SequenceTower(cfg, head_dim, kv_heads)
         self.cand_proj = nn.Linear(cfg.embedding_dim, d)
         if cfg.cross_activation not in ACTIVATIONS:
             raise ConfigError(f"[model] cross_activation must be one of {', '.join(ACTIVATIONS)}; "
                               f"got {cfg.cross_activation!r}")
-        self.cross = CrossAttention(d, cfg.num_heads, head_dim, cfg.cross_activation)
+        self.cross = CrossAttention(d, cfg.num_heads, head_dim, cfg.cross_activation, kv_heads)
         self.tables = [
             TableConfig(t["name"], int(t["num_embeddings"]), cfg.embedding_dim, list(t["feature_names"]))
             for t in data_info.get("sparse_tables", [])
@@ -221,7 +229,7 @@ class GemModel(nn.Module):
         f = linear_flops(t, cfg.embedding_dim, d) + sum(blk.flops(lengths) for blk in self.tower.blocks)
         x = self.cross
         inner = x.num_heads * x.head_dim
-        f += linear_flops(c, cfg.embedding_dim, d) + linear_flops(c, d, inner) + linear_flops(t, d, 2 * inner)
+        f += linear_flops(c, cfg.embedding_dim, d) + linear_flops(c, d, inner) + linear_flops(t, d, x.kv.out_features)
         f += linear_flops(c, inner, d) + attention_flops(int((cand_lengths * lengths).sum()), x.num_heads, x.head_dim)
         if self.sparse_proj is not None:
             f += linear_flops(b, self.sparse_proj.in_features, d)
@@ -236,7 +244,7 @@ class GemModel(nn.Module):
         inner = x.num_heads * x.head_dim
         f = linear_flops(lengths, cfg.embedding_dim, d) + sum(blk.sample_flops(lengths) for blk in self.tower.blocks)
         f = f + linear_flops(cands, cfg.embedding_dim, d) + linear_flops(cands, d, inner)
-        f = f + linear_flops(lengths, d, 2 * inner) + linear_flops(cands, inner, d)
+        f = f + linear_flops(lengths, d, x.kv.out_features) + linear_flops(cands, inner, d)
         f = f + attention_flops(cands * lengths, x.num_heads, x.head_dim)
         if self.sparse_proj is not None:
             f = f + linear_flops(1, self.sparse_proj.in_features, d)

@@ -31,7 +31,7 @@ from gemzoo.flops import attention_flops, linear_flops, sample_pairs
 from gemzoo.interfaces.attention import AttentionRequest, RelativeAttentionBias
 from gemzoo.interfaces.models import ModelSpec
 from gemzoo.interfaces.options import bounded
-from gemzoo.models.common import init_weights, self_attention_options, self_attention_pairs
+from gemzoo.models.common import check_kv_heads, init_weights, self_attention_options, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel, trunc_normal
 
 
@@ -83,14 +83,16 @@ class HSTUBlock(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, qk_dim: int, v_dim: int, max_len: int, dropout: float, *,
                  affine: bool = True, uvqk_bias: bool = True, relative_bias: str = "none", time_buckets: int = 128,
-                 attention_norm: float = 0.0):
+                 attention_norm: float = 0.0, num_kv_heads: int | None = None):
         super().__init__()
         self.num_heads, self.qk_dim, self.v_dim = num_heads, qk_dim, v_dim
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads  # of k and v (GQA when fewer)
         eps = 1e-5 if affine else 1e-6  # the reference's F.layer_norm(eps=1e-6) has no affine parameters
         self.norm = nn.LayerNorm(d_model, eps=eps, elementwise_affine=affine)
-        self.uvqk = nn.Linear(d_model, num_heads * (2 * v_dim + 2 * qk_dim), bias=uvqk_bias)
+        self.uvqk = nn.Linear(d_model, sum(self.parts(num_heads)), bias=uvqk_bias)
         self.attn = JaggedAttention(AttentionRequest(activation="silu", causal=True, head_dim=qk_dim,
-                                                     relative_bias=relative_bias != "none"),
+                                                     relative_bias=relative_bias != "none",
+                                                     grouped_kv=self.num_kv_heads != num_heads),
                                     norm=float(attention_norm or max_len), scale=1.0)
         self.attn_norm = nn.LayerNorm(num_heads * v_dim, eps=eps, elementwise_affine=affine)
         self.dropout = nn.Dropout(dropout)
@@ -98,17 +100,23 @@ class HSTUBlock(nn.Module):
         self.rel_bias = (RelativeBias(max_len, time_buckets if relative_bias == "position_time" else None)
                          if relative_bias != "none" else None)
 
+    def parts(self, heads: int) -> list[int]:
+        """Widths of uvqk's parts u | v | q | k for ``heads`` query heads: u and q per query head, v and k per
+        k/v head (heads * num_kv_heads / num_heads of them)."""
+        kv = heads * self.num_kv_heads // self.num_heads
+        return [heads * self.v_dim, kv * self.v_dim, heads * self.qk_dim, kv * self.qk_dim]
+
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None,
                 times: torch.Tensor | None = None, next_times: torch.Tensor | None = None) -> torch.Tensor:
         """``times``, ``next_times``: the batch's int64 [T] timestamps, for a relative bias with time buckets."""
         uvqk = F.silu(self.uvqk(self.norm(x)))
         # heads from the projection's output width: this rank's under run.mesh tp
-        t, h = x.shape[0], uvqk.shape[1] // (2 * self.v_dim + 2 * self.qk_dim)
-        u, v, q, k = uvqk.split([h * self.v_dim, h * self.v_dim, h * self.qk_dim, h * self.qk_dim], dim=1)
+        t, h = x.shape[0], uvqk.shape[1] * self.num_heads // sum(self.parts(self.num_heads))
+        u, v, q, k = uvqk.split(self.parts(h), dim=1)
         extra = {}
         if self.rel_bias is not None:
             extra["relative_bias"] = self.rel_bias(times, next_times)
-        a = self.attn(q.reshape(t, h, self.qk_dim), k.reshape(t, h, self.qk_dim), v.reshape(t, h, self.v_dim),
+        a = self.attn(q.reshape(t, h, self.qk_dim), k.reshape(t, -1, self.qk_dim), v.reshape(t, -1, self.v_dim),
                       offsets, max_q_len=max_len, max_k_len=max_len, **extra)
         y = self.attn_norm(a.reshape(t, h * self.v_dim).to(x.dtype)) * u.to(x.dtype)
         return x + self.out(self.dropout(y)).to(x.dtype)
@@ -117,8 +125,8 @@ class HSTUBlock(nn.Module):
         """Tensor parallelism (``run.mesh`` tp): uvqk column-wise with its four parts (u | v | q | k) each split by
         heads, out row-wise; attn_norm normalises over every head's output, so its statistics are summed over tp;
         the relative bias, added for every head, gets its gradient summed over tp."""
-        h, v, qk = self.num_heads, self.v_dim, self.qk_dim
-        plan = {"uvqk": f"colwise:{h * v},{h * v},{h * qk},{h * qk}", "attn_norm": "layernorm", "out": "rowwise"}
+        plan = {"uvqk": "colwise:" + ",".join(str(n) for n in self.parts(self.num_heads)), "attn_norm": "layernorm",
+                "out": "rowwise"}
         if self.rel_bias is not None:
             plan["rel_bias"] = "sum_grad"
         return plan
@@ -150,6 +158,7 @@ class HSTUModel(RetrievalModel):
                 f"[model] (hstu): embedding_dim={d} is not divisible by num_heads={heads}; set qk_dim and v_dim"
             )
         qk_dim, v_dim = cfg.qk_dim or d // heads, cfg.v_dim or d // heads
+        kv_heads = check_kv_heads(heads, cfg.num_kv_heads, "hstu")
         if qk_dim < 1 or v_dim < 1:
             raise ConfigError(f"[model] (hstu): qk_dim and v_dim must be >= 1, got {qk_dim} and {v_dim}")
         if cfg.relative_bias not in ("none", "position", "position_time"):
@@ -163,7 +172,7 @@ class HSTUModel(RetrievalModel):
         self.blocks = nn.ModuleList(
             HSTUBlock(d, heads, qk_dim, v_dim, self.max_len, cfg.dropout, affine=cfg.norm_affine,
                       uvqk_bias=cfg.uvqk_bias, relative_bias=cfg.relative_bias, time_buckets=cfg.time_buckets,
-                      attention_norm=cfg.attention_norm)
+                      attention_norm=cfg.attention_norm, num_kv_heads=kv_heads)
             for _ in range(cfg.num_layers)
         )
         options = self_attention_options(cfg, qk_dim, "hstu")

@@ -25,7 +25,7 @@ from gemzoo.flops import attention_flops, linear_flops
 from gemzoo.interfaces.attention import AttentionRequest
 from gemzoo.interfaces.models import ModelSpec
 from gemzoo.interfaces.options import bounded
-from gemzoo.models.common import FeedForward, TransformerBlock, check_heads, self_attention_pairs
+from gemzoo.models.common import FeedForward, TransformerBlock, check_heads, check_kv_heads, self_attention_pairs
 from gemzoo.models.retrieval import RetrievalConfig, RetrievalModel, trunc_normal
 
 
@@ -43,14 +43,15 @@ class SASRecReferenceBlock(nn.Module):
     is_transformer_block = True
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, ffn_hidden: int, *, request: AttentionRequest,
-                 dropout: float, attn_dropout: float, affine: bool):
+                 dropout: float, attn_dropout: float, affine: bool, num_kv_heads: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads  # of k and v (GQA when fewer)
         inner = num_heads * head_dim
         self.norm1 = nn.LayerNorm(d_model, eps=1e-8, elementwise_affine=affine)
         self.q = nn.Linear(d_model, inner)
-        self.kv = nn.Linear(d_model, 2 * inner)
-        self.attn = JaggedAttention(request.replace(head_dim=head_dim))
+        self.kv = nn.Linear(d_model, 2 * self.num_kv_heads * head_dim)
+        self.attn = JaggedAttention(request.replace(head_dim=head_dim, grouped_kv=self.num_kv_heads != num_heads))
         self.out = nn.Linear(inner, d_model)
         self.attn_dropout = nn.Dropout(attn_dropout)
         self.norm2 = nn.LayerNorm(d_model, eps=1e-8, elementwise_affine=affine)
@@ -63,7 +64,8 @@ class SASRecReferenceBlock(nn.Module):
         q = self.q(qn)
         h = q.shape[1] // d  # from the projection's output: this rank's heads under run.mesh tp
         q = q.view(t, h, d)
-        k, v = self.kv(x).view(t, 2, h, d).unbind(1)
+        kv = self.kv(x)
+        k, v = kv.view(t, 2, kv.shape[1] // (2 * d), d).unbind(1)
         a = self.attn(q, k, v, offsets, max_q_len=max_len, max_k_len=max_len)
         a = self.out(a.reshape(t, h * d).to(x.dtype)).to(x.dtype)
         z = self.norm2(qn + self.attn_dropout(a))
@@ -78,7 +80,8 @@ class SASRecReferenceBlock(nn.Module):
         tokens = int(lengths.sum())
         inner = self.num_heads * self.head_dim
         pairs = self_attention_pairs(lengths, causal=True)
-        return (linear_flops(tokens, self.q.in_features, inner) + linear_flops(tokens, self.kv.in_features, 2 * inner)
+        return (linear_flops(tokens, self.q.in_features, inner)
+                + linear_flops(tokens, self.kv.in_features, self.kv.out_features)
                 + linear_flops(tokens, inner, self.out.out_features)
                 + attention_flops(pairs, self.num_heads, self.head_dim) + self.mlp.flops(tokens))
 
@@ -94,18 +97,19 @@ class SASRecModel(RetrievalModel):
             raise ConfigError(f"[model] (sasrec): attn_dropout must be in [0, 1), got {cfg.attn_dropout}")
         d = cfg.embedding_dim
         head_dim = check_heads(d, cfg.num_heads, None, "sasrec")
+        kv_heads = check_kv_heads(cfg.num_heads, cfg.num_kv_heads, "sasrec")
         request = AttentionRequest(activation="softmax", causal=True)
         hidden = max(1, cfg.ffn_mult) * d
         if cfg.block == "reference":
             self.blocks = nn.ModuleList(
                 SASRecReferenceBlock(d, cfg.num_heads, head_dim, hidden, request=request, dropout=cfg.dropout,
-                                     attn_dropout=cfg.attn_dropout, affine=cfg.norm_affine)
+                                     attn_dropout=cfg.attn_dropout, affine=cfg.norm_affine, num_kv_heads=kv_heads)
                 for _ in range(cfg.num_layers)
             )
         else:
             self.blocks = nn.ModuleList(
                 TransformerBlock(d, cfg.num_heads, head_dim, hidden, request=request,
-                                 dropout=cfg.dropout, activation="relu")
+                                 dropout=cfg.dropout, activation="relu", num_kv_heads=kv_heads)
                 for _ in range(cfg.num_layers)
             )
             self.output_norm = nn.LayerNorm(d)
@@ -124,9 +128,10 @@ class SASRecModel(RetrievalModel):
                     m.bias.zero_()
             for block in self.blocks:
                 attn = block if isinstance(block, SASRecReferenceBlock) else block.attn
-                inner = attn.num_heads * attn.head_dim
-                std_in = (2.0 / (d + 3 * inner)) ** 0.5  # xavier_normal_ of the fused in-projection
-                for lin in ((attn.q, attn.kv) if hasattr(attn, "q") else (attn.qkv,)):
+                lins = (attn.q, attn.kv) if hasattr(attn, "q") else (attn.qkv,)
+                fused = sum(lin.out_features for lin in lins)  # 3 inner, less with grouped k/v
+                std_in = (2.0 / (d + fused)) ** 0.5  # xavier_normal_ of the fused in-projection
+                for lin in lins:
                     lin.weight.normal_(0.0, std_in)
                     lin.bias.zero_()
                 nn.init.xavier_normal_(attn.out.weight)
