@@ -139,3 +139,33 @@ def test_torch_compile_fullgraph():
     eager = f(q, k, v)
     compiled = torch.compile(f, fullgraph=True)(q, k, v)
     assert torch.allclose(eager, compiled, rtol=1e-3, atol=1e-2)
+
+
+# Grouped k/v (GQA, MQA) on the GPU paths (TMA, buckets, fused dQ where they apply), against the fp64 reference
+LONG_Q, LONG_K = [300, 0, 17, 129, 64, 1], [280, 5, 40, 129, 10, 0]
+SHORT_Q = [5, 0, 37, 16, 3, 20, 64, 1] * 4  # a short batch: length buckets
+GQA_GPU_CASES = {
+    "gqa8x2-block64-d128-bf16": dict(q_lens=LONG_Q, heads=8, kv_heads=2, head_dim=128, block_size=64, dtype=torch.bfloat16),
+    "mqa8x1-block32-silu-asym-bf16": dict(q_lens=LONG_Q, k_lens=LONG_K, heads=8, kv_heads=1, head_dim=64,
+                                          block_size=32, activation="silu", norm=64.0, causal=False, dtype=torch.bfloat16),
+    "gqa4x2-block64-window-rope-d256-bf16": dict(q_lens=LONG_Q, head_dim=256, block_size=64, window=40,
+                                                 rope_theta=10000.0, dtype=torch.bfloat16),
+    "gqa6x3-block16-rope-d50-fp32": dict(q_lens=LONG_Q, heads=6, kv_heads=3, head_dim=50, block_size=16,
+                                         rope_theta=500.0, dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(GQA_GPU_CASES))
+def test_grouped_query_against_fp64_reference(name):
+    from functools import partial
+
+    from gemzoo_block_attention.ops import block_attention_triton
+
+    from gemzoo.testing.attention import grouped_query_errors
+
+    kw = dict(GQA_GPU_CASES[name])
+    dtype = kw.pop("dtype")
+    errors = grouped_query_errors(partial(block_attention_triton, options=kw.pop("options", None)), device="cuda", dtype=dtype, **kw)
+    for key in [k for k in errors if not k.endswith("_finite")]:
+        assert errors[f"{key}_finite"], f"{name}: {key} has NaN/Inf"
+        assert errors[key] <= TOL[dtype], f"{name}: {key} relative error {errors[key]:.2e}"

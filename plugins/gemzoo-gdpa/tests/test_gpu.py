@@ -170,3 +170,36 @@ def test_registered_kernel_autograd_and_compile_on_cuda():
     torch.compile(f, fullgraph=True)(q, k, v).backward()
     for g, t in zip(grads, (q, k, v), strict=True):
         assert _rel(t.grad, g) < 1e-2
+
+
+# Grouped k/v (GQA, MQA) on the GPU paths (TMA, buckets, fused dQ where they apply), against the fp64 reference
+LONG_Q, LONG_K = [300, 0, 17, 129, 64, 1], [280, 5, 40, 129, 10, 0]
+SHORT_Q = [5, 0, 37, 16, 3, 20, 64, 1] * 4  # a short batch: length buckets
+GQA_GPU_CASES = {
+    "gqa8x2-silu-d128-causal-bf16": dict(q_lens=LONG_Q, heads=8, kv_heads=2, head_dim=128, activation="silu",
+                                         norm=256.0, dtype=torch.bfloat16),
+    "mqa8x1-gelu-d64-asym-full-bf16": dict(q_lens=LONG_Q, k_lens=LONG_K, heads=8, kv_heads=1, head_dim=64,
+                                           activation="gelu", causal=False, norm=256.0, dtype=torch.bfloat16),
+    "gqa4x2-silu-d256-bf16": dict(q_lens=LONG_Q, head_dim=256, activation="silu", norm=256.0, dtype=torch.bfloat16),
+    "gqa4x2-relu-d50-window-fp32": dict(q_lens=LONG_Q, head_dim=50, window=33, activation="relu", dtype=torch.float32),
+    "mqa4x1-silu-cross-split-bf16": dict(q_lens=[3, 0, 8, 5] * 8, k_lens=[700, 9, 0, 450] * 8, kv_heads=1,
+                                         head_dim=128, activation="silu", causal=False, norm=700.0, dtype=torch.bfloat16),
+    "gqa4x2-silu-relative-bias-bf16": dict(q_lens=LONG_Q, head_dim=64, activation="silu", norm=256.0,
+                                           relative_bias=True, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(GQA_GPU_CASES))
+def test_grouped_query_against_fp64_reference(name):
+    from functools import partial
+
+    from gemzoo_gdpa.ops import gdpa_triton
+
+    from gemzoo.testing.attention import grouped_query_errors
+
+    kw = dict(GQA_GPU_CASES[name])
+    dtype = kw.pop("dtype")
+    errors = grouped_query_errors(partial(gdpa_triton, options=kw.pop("options", None)), device="cuda", dtype=dtype, **kw)
+    for key in [k for k in errors if not k.endswith("_finite")]:
+        assert errors[f"{key}_finite"], f"{name}: {key} has NaN/Inf"
+        assert errors[key] <= TOL[dtype], f"{name}: {key} relative error {errors[key]:.2e}"

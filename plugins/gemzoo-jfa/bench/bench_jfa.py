@@ -8,7 +8,11 @@ median of triton.testing.do_bench(warmup=25, rep=100); TFLOP/s from useful FLOPs
 fwd+bwd 7*H*D*sum L^2); peak memory above the inputs. Correctness first: jfa against an fp64 reference
 on mixed small shapes (outputs poisoned with NaN), and against Flex on the full workloads.
 
-    PYTHONPATH=.:plugins/gemzoo-jfa python3 plugins/gemzoo-jfa/bench/bench_jfa.py [--sweep] [--out DIR]
+``--gqa HQ,HKV`` (default 32,8) runs grouped-query attention: q with HQ heads, k and v with HKV (the FLOPs count
+q's heads); Flex runs with enable_gqa, padded SDPA and NJT+SDPA with enable_gqa, FlashAttention varlen with its
+native grouped heads; the correctness cases use the same ratio (2 k/v heads). Results go to bench_jfa_gqa.json.
+
+    PYTHONPATH=.:plugins/gemzoo-jfa python3 plugins/gemzoo-jfa/bench/bench_jfa.py [--sweep] [--gqa [HQ,HKV]] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from gemzoo_jfa.schedule import build_schedule
 from gemzoo.api import lengths_to_offsets, reference_attention
 
 H, D, DTYPE = 4, 128, torch.bfloat16
+HKV = H  # k/v heads: H (multi-head) unless --gqa
 RESULTS: dict = {"device": None, "checks": [], "workloads": {}, "sweep": {}}
 # The options every jfa call of this run starts from: pointer loads everywhere once the TMA check fails.
 BASE = KernelOptions()
@@ -75,7 +80,7 @@ def log(msg):
 def save(out_dir):
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_jfa.json"), "w") as f:
+        with open(os.path.join(out_dir, "bench_jfa.json" if HKV == H else "bench_jfa_gqa.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
 
 
@@ -89,11 +94,13 @@ def check_case(i, d, causal, asym, window, options=None):
     k_lens = q_lens + torch.randint(0, 200, (11,), generator=gen) if asym else q_lens
     q_off, k_off = lengths_to_offsets(q_lens).cuda(), lengths_to_offsets(k_lens).cuda()
     tq, tk = int(q_lens.sum()), int(k_lens.sum())
-    q, k, v = (torch.randn(t, 3, d, generator=gen).to("cuda", DTYPE) for t in (tq, tk, tk))
-    grad = torch.randn(tq, 3, d, generator=gen).to("cuda", DTYPE)
+    hq, hkv = (3, 3) if HKV == H else (2 * (H // HKV), 2)  # with --gqa: H / HKV query heads per k/v head
+    q = torch.randn(tq, hq, d, generator=gen).to("cuda", DTYPE)
+    k, v = (torch.randn(tk, hkv, d, generator=gen).to("cuda", DTYPE) for _ in range(2))
+    grad = torch.randn(tq, hq, d, generator=gen).to("cuda", DTYPE)
     scale, win = d ** -0.5, -1 if window is None else window
-    out = torch.full((tq, 3, d), float("nan"), device="cuda", dtype=DTYPE)
-    lse = torch.full((3, tq), float("nan"), device="cuda")
+    out = torch.full((tq, hq, d), float("nan"), device="cuda", dtype=DTYPE)
+    lse = torch.full((hq, tq), float("nan"), device="cuda")
     options = BASE if options is None else options
     launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse, options=options)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
@@ -105,7 +112,7 @@ def check_case(i, d, causal, asym, window, options=None):
             "dv": rel(dv, refs[2].grad)}
     finite = all(bool(torch.isfinite(t).all()) for t in (out, dq, dk, dv))
     passed = finite and all(e < 1e-2 for e in errs.values())
-    log(f"check d={d} causal={causal} asym={asym} window={window} tma={options.tma is not False}: "
+    log(f"check d={d} heads={hq}/{hkv} causal={causal} asym={asym} window={window} tma={options.tma is not False}: "
         + " ".join(f"{k}={e:.1e}" for k, e in errs.items()) + f" finite={finite} {'OK' if passed else 'FAIL'}")
     return {"d": d, "causal": causal, "asym": asym, "window": window, "finite": finite, **errs, "ok": passed}
 
@@ -145,8 +152,8 @@ class Workload:
         self.sum_l2 = float((lens.double() ** 2).sum())
         self.offsets = lengths_to_offsets(lens).cuda()
         gen = torch.Generator(device="cuda").manual_seed(7)
-        self.q, self.k, self.v = (torch.randn(self.T, H, D, device="cuda", dtype=DTYPE, generator=gen)
-                                  .requires_grad_() for _ in range(3))
+        self.q, self.k, self.v = (torch.randn(self.T, heads, D, device="cuda", dtype=DTYPE, generator=gen)
+                                  .requires_grad_() for heads in (H, HKV, HKV))
         self.grad = torch.randn(self.T, H, D, device="cuda", dtype=DTYPE, generator=gen)
 
     def leaves(self):
@@ -184,7 +191,7 @@ def make_flex(w):
 
     def fn():
         out = flex(w.q.transpose(0, 1).unsqueeze(0), w.k.transpose(0, 1).unsqueeze(0),
-                   w.v.transpose(0, 1).unsqueeze(0), block_mask=block_mask)
+                   w.v.transpose(0, 1).unsqueeze(0), block_mask=block_mask, enable_gqa=HKV != H)
         return out.squeeze(0).transpose(0, 1)
 
     return fn, w.leaves(), w.grad
@@ -220,7 +227,7 @@ def make_njt(w):
         return torch.nested.nested_tensor_from_jagged(t, w.offsets, min_seqlen=lmin, max_seqlen=lmax).transpose(1, 2)
 
     def fn():
-        out = F.scaled_dot_product_attention(nt(w.q), nt(w.k), nt(w.v), is_causal=True)
+        out = F.scaled_dot_product_attention(nt(w.q), nt(w.k), nt(w.v), is_causal=True, enable_gqa=HKV != H)
         return out.transpose(1, 2).values()
 
     return fn, w.leaves(), w.grad
@@ -235,7 +242,7 @@ def make_padded(w):
     grad = jagged_to_padded(w.grad, w.offsets, w.Lmax).transpose(1, 2).contiguous()
 
     def fn():
-        return F.scaled_dot_product_attention(*pads, is_causal=True)
+        return F.scaled_dot_product_attention(*pads, is_causal=True, enable_gqa=HKV != H)
 
     return fn, pads, grad
 
@@ -518,7 +525,8 @@ def sweep_short(w, deadline):
 
 
 def table():
-    lines = ["", f"jfa benchmark on {RESULTS['device']} (H={H}, D={D}, bf16; median ms of do_bench)",
+    heads = f"H={H}" if HKV == H else f"H={H} q heads over {HKV} k/v heads"
+    lines = ["", f"jfa benchmark on {RESULTS['device']} ({heads}, D={D}, bf16; median ms of do_bench)",
              f"{'workload':14} {'method':12} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5} {'peak GB':>8} "
              f"{'jfa x fwd':>9} {'jfa x f+b':>9}"]
     for wname, res in RESULTS["workloads"].items():
@@ -543,7 +551,18 @@ def main():
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")
     ap.add_argument("--checks", type=int, default=4, help="how many small correctness cases to run (1-4)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    ap.add_argument("--gqa", nargs="?", const="32,8", default=None, metavar="HQ,HKV",
+                    help="grouped-query attention: HQ query heads over HKV k/v heads (default 32,8)")
     args = ap.parse_args()
+    if args.gqa is not None:
+        global H, HKV
+        try:
+            H, HKV = (int(x) for x in args.gqa.split(","))
+        except ValueError:
+            sys.exit(f"--gqa takes HQ,HKV (e.g. 32,8), got {args.gqa!r}")
+        if HKV < 1 or H % HKV:
+            sys.exit(f"--gqa {args.gqa}: the k/v heads must divide the query heads")
+    RESULTS["heads"] = {"q": H, "kv": HKV}
     if not torch.cuda.is_available():
         sys.exit("bench_jfa needs a CUDA device")
     import triton
@@ -570,7 +589,8 @@ def main():
         sweep(workloads, t0 + args.budget, args.sweep.split(","))
         save(args.out)
     print(table(), flush=True)
-    with open(os.path.join(args.out, "table.txt"), "w") if args.out else open(os.devnull, "w") as f:
+    name = "table.txt" if HKV == H else "table_gqa.txt"
+    with open(os.path.join(args.out, name), "w") if args.out else open(os.devnull, "w") as f:
         f.write(table() + "\n")
 
 

@@ -182,3 +182,35 @@ def test_strided_offsets_view_on_cuda():
     ref = reference_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), off.cpu())
     assert _rel(jfa_triton(q, k, v, strided, strided), ref) < 1e-2
     assert _rel(jfa_triton(q, k, v, strided), ref) < 1e-2
+
+
+# Grouped k/v (GQA, MQA) on the GPU paths (TMA, buckets, fused dQ where they apply), against the fp64 reference
+LONG_Q, LONG_K = [300, 0, 17, 129, 64, 1], [280, 5, 40, 129, 10, 0]
+SHORT_Q = [5, 0, 37, 16, 3, 20, 64, 1] * 4  # a short batch: length buckets
+GQA_GPU_CASES = {
+    "gqa8x2-d128-causal-bf16": dict(q_lens=LONG_Q, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16),
+    "mqa8x1-d64-asym-full-bf16": dict(q_lens=LONG_Q, k_lens=LONG_K, heads=8, kv_heads=1, head_dim=64, causal=False,
+                                      dtype=torch.bfloat16),
+    "gqa4x2-d256-bf16": dict(q_lens=LONG_Q, head_dim=256, dtype=torch.bfloat16),
+    "gqa4x2-d50-window-fp32": dict(q_lens=LONG_Q, head_dim=50, window=33, dtype=torch.float32),
+    "gqa8x2-fused-dq-bf16": dict(q_lens=LONG_Q, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                                 options=KernelOptions(fused_dq=True)),
+    "gqa8x2-short-buckets-bf16": dict(q_lens=SHORT_Q, heads=8, kv_heads=2, head_dim=64, dtype=torch.bfloat16),
+    "gqa4x2-relative-bias-bf16": dict(q_lens=LONG_Q, head_dim=64, relative_bias=True, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(GQA_GPU_CASES))
+def test_grouped_query_against_fp64_reference(name):
+    from functools import partial
+
+    from gemzoo_jfa import jfa_triton
+
+    from gemzoo.testing.attention import grouped_query_errors
+
+    kw = dict(GQA_GPU_CASES[name])
+    dtype = kw.pop("dtype")
+    errors = grouped_query_errors(partial(jfa_triton, options=kw.pop("options", None)), device="cuda", dtype=dtype, **kw)
+    for key in [k for k in errors if not k.endswith("_finite")]:
+        assert errors[f"{key}_finite"], f"{name}: {key} has NaN/Inf"
+        assert errors[key] <= TOL[dtype], f"{name}: {key} relative error {errors[key]:.2e}"
