@@ -241,3 +241,85 @@ def test_tensor_parallel_plans_split_grouped_kv_by_heads(family):
         torch.testing.assert_close(from_rank_rows(to_rank_rows(w, parts, 2), parts, 2), w)
     with pytest.raises(ConfigError, match=r"tp=2 does not divide the attention heads: .* num_kv_heads=1"):
         tensor_parallel_plans(_model(family, num_kv_heads=1), 2)
+
+
+def _gqa_blocks_under_tp(rank: int, port: int, path: str) -> None:
+    """On 2 gloo ranks: each model's GQA block (4 query heads over 2 k/v heads) under its tp_plan against the
+    whole block: output, input gradient and every parameter's gradient (made whole, in the model's row order)."""
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from gemzoo.distributed.dense import from_rank_rows, mark_rank_rows, parallelize_blocks, rank_rows
+    from gemzoo.models.common import TransformerBlock
+    from gemzoo.models.hstu import HSTUBlock
+    from gemzoo.models.sasrec import SASRecReferenceBlock
+    from gemzoo.testing.comms import rank_env
+
+    rank_env(rank, 2, port)
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    offsets = torch.tensor([0, 3, 7])
+    softmax = AttentionRequest(activation="softmax", causal=True)
+    makers = {
+        "transformer": lambda: TransformerBlock(16, 4, 4, 32, request=softmax, num_kv_heads=2),
+        "sasrec": lambda: SASRecReferenceBlock(16, 4, 4, 32, request=softmax, dropout=0.0, attn_dropout=0.0,
+                                               affine=True, num_kv_heads=2),
+        "hstu": lambda: HSTUBlock(16, 4, 4, 6, 8, 0.0, relative_bias="position", num_kv_heads=2),
+    }
+    out = {}
+    for name, make in makers.items():
+        torch.manual_seed(0)
+        blocks = [make() for _ in range(2)]
+        for p in blocks[0].parameters():  # away from torch.empty and the init, so every gradient counts
+            p.data.copy_(torch.randn_like(p) * 0.3)
+        blocks[1].load_state_dict(blocks[0].state_dict())
+        for b in blocks:
+            site = b.attn if isinstance(b.attn, JaggedAttention) else b.attn.attn
+            site.set_kernel("cpu", gemzoo.registry.get("attention", "cpu"))
+        holder = torch.nn.Module()
+        holder.transformer_blocks = lambda blocks=blocks: [blocks[1]]
+        mark_rank_rows(parallelize_blocks(holder, mesh["tp"], 2), 2)
+        x = torch.randn(7, 16, generator=torch.Generator().manual_seed(1))
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        ref, got = blocks[0](xs[0], offsets, 4), blocks[1](xs[1], offsets, 4)
+        ref.square().sum().backward()
+        got.square().sum().backward()
+        worst = 0.0
+        for p, pr in zip(blocks[1].parameters(), blocks[0].parameters(), strict=True):
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            g = from_rank_rows(g, *rank_rows(p)) if rank_rows(p) is not None else g
+            worst = max(worst, float((g - pr.grad).abs().max() / pr.grad.abs().max().clamp_min(1e-12)))
+        out[name] = {"out": float((got - ref).detach().abs().max()), "grad": float((xs[1].grad - xs[0].grad).abs().max()),
+                     "param_grads": worst, "dtensors": sum(isinstance(p, DTensor) for p in blocks[1].parameters())}
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(out, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_gqa_blocks_under_tensor_parallelism_match_the_whole_block(tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from gemzoo.testing.timeouts import hang_guard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = str(tmp_path / "blocks.json")
+    procs = [mp.get_context("spawn").Process(target=_gqa_blocks_under_tp, args=(r, port, path)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=hang_guard(300))
+    assert [p.exitcode for p in procs] == [0, 0]
+    results = json.loads(open(path).read())
+    assert set(results) == {"transformer", "sasrec", "hstu"}
+    for name, block in results.items():
+        assert block["dtensors"] >= 4 and block["out"] < 1e-5 and block["grad"] < 1e-5, (name, block)
+        assert block["param_grads"] < 1e-4, (name, block)
