@@ -139,6 +139,8 @@ GQA_CASES = {
     "gqa4x2-relative-bias": dict(q_lens=Q4, relative_bias=True),
     "gqa4x2-fused-dq": dict(q_lens=Q4, k_lens=K4, options=KernelOptions(fused_dq=True)),
     "gqa4x2-buckets": dict(q_lens=[5, 0, 37, 16, 3, 20], options=KernelOptions(**BUCKETED)),
+    "gqa4x2-tma-asym-window": dict(q_lens=Q4, k_lens=K4, window=5, options=KernelOptions(tma=True)),
+    "mqa4x1-tma-fused-dq": dict(q_lens=Q4, kv_heads=1, options=KernelOptions(tma=True, fused_dq=True)),
 }
 
 
