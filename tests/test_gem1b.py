@@ -58,3 +58,36 @@ def test_gem1b_builds_under_each_fp8_policy(precision):
     low = [name for name, tag in report.items() if tag == precision]
     assert any(name.startswith("tower.blocks.5.") for name in low), sorted(report.items())[:8]
     assert report["head.click"] == "bf16"
+
+
+# -- configs/ablations/gem-1b.toml ---------------------------------------------------------------------------------
+ABLATION = ROOT / "configs" / "ablations" / "gem-1b.toml"
+PRECISIONS = ("bf16", "fp8-rowwise", "mxfp8")
+
+
+def _ablation_rows():
+    from gemzoo.config import load_ablation
+
+    ablation = load_ablation(ABLATION)  # every entry's plugin names and set overrides, against the registries
+    return ablation, {r.name: load_config(ablation.config, overrides=[*ablation.set, *r.set], plugins=r.plugins)
+                      for r in ablation.runs}
+
+
+def test_gem1b_ablation_rows(built):
+    _, rows = _ablation_rows()
+    for p in PRECISIONS:
+        with_ac, with_aq, without = rows[f"jfa,{p}"], rows[f"jfa,{p},act-quant"], rows[f"jfa,{p} b32"]
+        for cfg in (with_ac, with_aq, without):
+            assert cfg.plugins.precision == p and cfg.plugins.attention == "jfa" and cfg.run.compile
+        assert with_ac.plugins.memory == ["auto-ac"] and with_ac.data.batch_size == 64
+        assert with_aq.plugins.memory == ["act-quant", "auto-ac"] and with_aq.data.batch_size == 64
+        assert without.plugins.memory == [] and without.data.batch_size == 32
+
+
+@pytest.mark.slow
+def test_gem1b_ablation_every_entry_builds(built):
+    """What `gemzoo ablate` checks before the first run trains: every entry builds on meta (about 1 s each)."""
+    from gemzoo.cli.ablate import make_plan
+
+    plan = make_plan(str(ABLATION))
+    assert len(plan.runs) == len(_ablation_rows()[1])
