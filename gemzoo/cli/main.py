@@ -61,7 +61,7 @@ PLUGINS_EXAMPLES = """examples:
 
 RUNS_EXAMPLES = """examples:
   gemzoo runs                    # the run folders under runs/
-  gemzoo runs runs/ablations/gem-tiny-cpu
+  gemzoo runs runs/ablations/gem-tiny
   gemzoo runs runs/gem-tiny --json
 """
 
@@ -82,9 +82,9 @@ INFO_EXAMPLES = """examples:
 """
 
 ABLATE_EXAMPLES = """examples:
-  gemzoo ablate configs/ablations/gem-tiny-cpu.toml --steps 40
-  gemzoo ablate configs/ablations/gem-tiny-cpu.toml --runs reference jfa,bf16 --overwrite
-  gemzoo ablate --report runs/ablations/gem-tiny-cpu
+  gemzoo ablate configs/ablations/gem-tiny.toml --steps 40
+  gemzoo ablate configs/ablations/gem-tiny.toml --runs sdpa-padded,fp32 jfa,bf16 --overwrite
+  gemzoo ablate --report runs/ablations/gem-tiny
 
 Every run entry (its plugin names and set overrides) is checked before the first run trains.
 """
