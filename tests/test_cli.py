@@ -210,7 +210,7 @@ def _every_command_parser(fresh_registry) -> dict:
 
 def test_every_command_has_examples_in_its_help(fresh_registry):
     commands = _every_command_parser(fresh_registry)
-    assert {"train", "plan"} <= set(commands)
+    assert {"train", "launch", "plan"} <= set(commands)
     for name, parser in commands.items():
         assert "examples:" in (parser.epilog or ""), f"gemzoo {name} --help has no examples"
 
