@@ -72,6 +72,20 @@ def apply_activation(scores: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Jagged k or v [T, Hkv, D] with each head repeated ``n_rep`` times, [T, Hkv * n_rep, D]: head h of the
+    result is head h // n_rep of ``x``, the k/v head that query head h reads under grouped-query attention.
+    Differentiable (the repeats' gradients sum into their head); ``x`` itself when ``n_rep`` is 1."""
+    if isinstance(n_rep, bool) or not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"n_rep must be an int >= 1 (query heads per k/v head), got {n_rep!r}")
+    if x.dim() != 3:
+        raise ValueError(f"repeat_kv takes a jagged [T, Hkv, D] tensor, got shape {tuple(x.shape)}")
+    if n_rep == 1:
+        return x
+    t, h, d = x.shape
+    return x.unsqueeze(2).expand(t, h, n_rep, d).reshape(t, h * n_rep, d)
+
+
 def relative_bias_block(rb: RelativeAttentionBias, qs: int, lq: int, ks: int, lk: int) -> torch.Tensor:
     """[Lq, Lk]: the bias of ``rb`` over one sequence whose queries are rows [qs, qs + lq) and keys rows
     [ks, ks + lk) (the definition in :class:`RelativeAttentionBias`), differentiable in its tables."""
@@ -117,7 +131,7 @@ def materialize_relative_bias(rb: RelativeAttentionBias, q_offsets: torch.Tensor
 
 REFERENCE_CAPABILITIES = AttentionCapabilities(
     activations=frozenset(ACTIVATIONS), window=True, block=True, rotary=True, bias=True, relative_bias=True,
-    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}))
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}), grouped_kv=True)
 
 
 def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
@@ -125,13 +139,16 @@ def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, acti
                         bias=None, relative_bias=None):
     """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct.
     ``bias`` [B, 1 or H, >= Lq, >= Lk] and ``relative_bias`` (a :class:`RelativeAttentionBias`) are added to
-    the scaled scores before the mask and the activation."""
+    the scaled scores before the mask and the activation. k and v may have fewer heads than q (a divisor of H:
+    grouped-query attention), repeated here with :func:`repeat_kv`."""
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=REFERENCE_CAPABILITIES, kernel="reference",
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
         window=window, rope_theta=rope_theta, bias=bias, relative_bias=relative_bias)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if k.shape[1] != q.shape[1]:  # grouped k/v (checked: Hkv divides H): query head h reads k/v head h // n_rep
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // k.shape[1])
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
     qo, ko = q_offsets.tolist(), k_offsets.tolist()
     pieces = []
