@@ -454,15 +454,16 @@ def run_calls(runs: list[dict], todo: list[dict], out: Path, args, argv: list[st
             run = pending[0]
             need = expected_s(run, done, args, out)
             if deadline is not None:
-                if need is None:
+                spare = deadline - time.monotonic() - args.grace_s
+                if need is None and spare >= MIN_PIECE_S:
                     print(f"ml1m_repro: no time estimate for {run['tag']} (no run of it measured in {out}); "
                           "give --run-budget-s to bound it", file=sys.stderr, flush=True)
-                elif time.monotonic() + need + args.grace_s > deadline:
-                    spare = deadline - time.monotonic() - args.grace_s
-                    if not (args.partial and spare >= MIN_PIECE_S):
+                elif need is None or need > spare:
+                    if not (args.partial and need is not None and spare >= MIN_PIECE_S):
                         left.append(pending.pop(0))
-                        print(f"ml1m_repro: [{run['index']}] {run['tag']} not started: it needs about {need:.0f} s "
-                              f"and {max(spare, 0):.0f} s are left", flush=True)
+                        needs = "an unknown time" if need is None else f"about {need:.0f} s"
+                        print(f"ml1m_repro: [{run['index']}] {run['tag']} not started: it needs {needs} and "
+                              f"{max(spare, 0):.0f} s are left", flush=True)
                         continue
                     print(f"ml1m_repro: [{run['index']}] {run['tag']} needs about {need:.0f} s, {spare:.0f} s are "
                           "left: --partial trains it until --max-wall-s and keeps its checkpoint", flush=True)

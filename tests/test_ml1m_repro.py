@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_list_gives_every_planned_run_an_index_and_only_and_shard_select(capsys,
 def test_bad_arguments_name_the_problem_and_the_fix(capsys, tmp_path, argv, problem):
     code, _, err = _main(capsys, *argv, "--list", "--out", tmp_path)
     assert code == 2 and err.startswith("ml1m_repro: ")
-    assert __import__("re").search(problem, err), err
+    assert re.search(problem, err), err
 
 
 def test_training_needs_the_data_files(capsys, tmp_path):
@@ -187,6 +188,9 @@ def test_max_wall_starts_no_run_that_would_not_finish(capsys, tmp_path, monkeypa
     _main(capsys, "--data", data, "--models", "sasrec", "--out", out, "--max-wall-s", 70, "--run-budget-s", 500,
           "--grace-s", 20, "--partial")
     assert not launched  # under a minute to spare: not worth a start
+    code, text, _ = _main(capsys, "--data", data, "--models", "sasrec", "--out", out, "--max-wall-s", 70,
+                          "--grace-s", 20)
+    assert not launched and code == repro.EXIT_LEFT and re.search(r"needs an unknown time and (49|50) s are left", text)
 
 
 def test_a_run_still_going_at_max_wall_is_cut_off_and_left_for_the_next_call(capsys, tmp_path, monkeypatch):
@@ -208,6 +212,7 @@ def test_a_run_still_going_at_max_wall_is_cut_off_and_left_for_the_next_call(cap
 
     data, out = write_movielens(tmp_path / "ml"), tmp_path / "out"
     monkeypatch.setattr(repro, "launch", Hangs)
+    monkeypatch.setattr(repro, "MIN_PIECE_S", 0.1)  # a half-second call may start a run here
     code, _, err = _main(capsys, "--data", data, "--models", "hstu", "--out", out, "--max-wall-s", 0.5,
                          "--grace-s", 0)
     assert code == repro.EXIT_LEFT and signals == [repro.signal.SIGTERM]
