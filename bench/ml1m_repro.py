@@ -53,7 +53,7 @@ LIMITS = {"kernel": 0.005, "precision": 0.01}  # |variant / shipped - 1| of ever
 BASE = "shipped"  # the variant name of the configs as shipped
 RECORD = "ml1m-repro-run"  # the "kind" of a per-run JSON
 EXIT_LEFT = 3  # some selected runs were not started (or were cut off) for lack of time: call again
-MIN_PIECE_S = 60.0  # --partial starts a run only with at least this long left (start-up takes a good part of it)
+MIN_PIECE_S = 60.0  # an unestimated or --partial run starts only with this long left (start-up takes part of it)
 
 
 class UsageError(Exception):
