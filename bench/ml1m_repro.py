@@ -6,7 +6,9 @@ beside the paper's, with the wall-clock time per run and the kernel and precisio
 The work is a plan of runs (model, seed, variant), each with an index (``--list``). A call trains a selection of
 them (``--only``, ``--shard``), each in its own process, ``--jobs`` side by side, and writes each run's result
 to its own JSON under --out as it finishes; a run already complete there is skipped, so a call that was cut off
-resumes where it stopped. ``--max-wall-s`` bounds a call: no run starts that would not finish in time.
+resumes where it stopped. ``--max-wall-s`` bounds a call: no run starts that would not finish in time, and a run
+still going then stops with a checkpoint (also written every ``--checkpoint-every`` steps) that the next call with
+the same --out continues from (``--partial`` starts such runs on purpose, for runs longer than one call).
 ``--merge DIR...`` builds the table from the per-run JSONs of several folders (pieces run apart).
 
     python bench/ml1m_repro.py --data data/ml-1m --seeds 0 1 2 --list                 # the plan: 9 runs
@@ -51,6 +53,7 @@ LIMITS = {"kernel": 0.005, "precision": 0.01}  # |variant / shipped - 1| of ever
 BASE = "shipped"  # the variant name of the configs as shipped
 RECORD = "ml1m-repro-run"  # the "kind" of a per-run JSON
 EXIT_LEFT = 3  # some selected runs were not started (or were cut off) for lack of time: call again
+MIN_PIECE_S = 60.0  # an unestimated or --partial run starts only with this long left (start-up takes part of it)
 
 
 class UsageError(Exception):
@@ -156,47 +159,74 @@ def stored(run: dict, out: Path, args) -> dict | None:
 
 
 # -- one run ---------------------------------------------------------------------------------------------------
+def checkpointed_step(run: dict, out: Path) -> int:
+    """The step of the newest checkpoint in ``run``'s folder under ``out`` (0: none): a run cut off there."""
+    steps = [int(p.name[5:]) for p in (out / run["tag"] / "checkpoints").glob("step-*") if p.name[5:].isdigit()]
+    return max(steps, default=0)
+
+
+def segments_path(run: dict, out: Path) -> Path:
+    return out / f".{run['tag']}.segments.json"
+
+
 def train_one(run: dict, out: Path, args, jobs: int) -> dict:
-    """Train one planned run in this process; returns its record (final metrics, timings, settings)."""
+    """Train one planned run in this process, from the checkpoint it was cut off at if its folder has one;
+    returns its record (final metrics, timings over every piece it ran in, settings)."""
     import torch
 
     from gemzoo.api import Trainer, attention_sites, load_config
+    from gemzoo.train.loop import TrainingInterrupted
 
     if args.threads:
         torch.set_num_threads(args.threads)
     data = Path(args.data)
+    folder = out / run["tag"]
     overrides = [f"data.path='{data / 'ratings.dat'}'", f"data.items='{args.items}'",
-                 f"data.eval_split='{args.split}'", f"run.out_dir='{out / run['tag']}'", f"run.seed={run['seed']}",
+                 f"data.eval_split='{args.split}'", f"run.out_dir='{folder}'", f"run.seed={run['seed']}",
                  f"run.steps={run['steps']}", *args.set]
     if (data / "movies.dat").is_file():
         overrides.insert(1, f"data.movies_path='{data / 'movies.dat'}'")
     cfg = load_config(ROOT / CONFIGS[run["model"]], overrides=overrides, plugins=run["plugins"] or None)
     steps = cfg.run.steps
     cfg.eval.every = args.eval_every or steps  # by default one evaluation, after the last step
-    cfg.checkpoint.every = steps
+    cfg.checkpoint.every = min(args.checkpoint_every, steps) if args.checkpoint_every else steps
+    resume = checkpointed_step(run, out) > 0
+    seg_file = segments_path(run, out)
+    segments = json.loads(seg_file.read_text()) if resume and seg_file.is_file() else []
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, progress=False, overwrite=True).assemble()
+    trainer = Trainer(cfg, progress=False, overwrite=not resume, resume=resume).assemble()
+    start = trainer.start_step
+    if start:
+        print(f"ml1m_repro: [{run['index']}] {run['tag']} continues from its checkpoint at step {start}", flush=True)
     kernels = sorted({site.kernel_name for site in attention_sites(trainer.model).values()})
-    result = trainer.fit()
-    wall = time.perf_counter() - t0
-    if result.steps != steps:
-        raise RuntimeError(f"{run['tag']}: the run stopped after {result.steps} of {steps} steps")
+    try:
+        result = trainer.fit()
+    except TrainingInterrupted as e:  # cut off: the next call continues from the checkpoint it wrote
+        segments.append({"from": start, "to": e.step, "wall_s": time.perf_counter() - t0})
+        write_json(seg_file, segments)
+        raise
+    segments.append({"from": start, "to": steps, "wall_s": time.perf_counter() - t0})
     info = trainer.dataset.info
     users = info["num_users"]
-    step_s = sum(r["step_s"] for r in result.history)
-    steady = [r["step_s"] for r in result.history[5:]] or [r["step_s"] for r in result.history]
+    history = result.history or [{"step_s": 0.0}]
+    steady = [r["step_s"] for r in history[5:]] or [r["step_s"] for r in history]
     steps_per_epoch = users / cfg.data.batch_size
     tag = "_unseen" if cfg.model.eval_ranking == "unseen" else ""
     final = {m: result.eval.get(f"eval/{m}{tag}") for m in METRICS}
-    curve = [{"step": r["step"], **{m: r.get(f"eval/{m}{tag}") for m in METRICS}}
-             for r in result.history if f"eval/hr@10{tag}" in r]
+    curve = []
+    metrics_file = folder / "metrics.jsonl"
+    for line in metrics_file.read_text().splitlines() if metrics_file.is_file() else []:
+        row = json.loads(line)
+        if f"eval/hr@10{tag}" in row and "step" in row and "event" not in row:  # the end event repeats the last
+            curve.append({"step": row["step"], **{m: row.get(f"eval/{m}{tag}") for m in METRICS}})
     return {"kind": RECORD, "complete": True, "key": run_key(run, args), "tag": run["tag"],
             "model": run["model"], "variant": run["variant"], "config": CONFIGS[run["model"]],
             "plugins": run["plugins"], "seed": run["seed"], "split": args.split, "items": args.items,
             "set": list(args.set), "steps": steps, "config_steps": run["config_steps"],
             "epochs": steps / steps_per_epoch, "metrics": final, "curve": curve, "final_loss": result.final_loss,
             "attention": kernels, "precision": cfg.plugins.precision,
-            "train_s_per_epoch": step_s / steps * steps_per_epoch, "wall_s": wall, "jobs": jobs,
+            "train_s_per_epoch": sum(r["step_s"] for r in history) / len(history) * steps_per_epoch,
+            "wall_s": sum(seg["wall_s"] for seg in segments), "segments": segments, "jobs": jobs,
             "step_ms": 1e3 * sum(steady) / len(steady),
             "num_items": info["num_items"], "items_source": info["items"], "users": users,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -400,12 +430,13 @@ def merge(sources: list[Path], out: Path, command: str) -> tuple[list[dict], str
 
 
 # -- the calls -------------------------------------------------------------------------------------------------
-def expected_s(run: dict, done: list[dict], args) -> float | None:
+def expected_s(run: dict, done: list[dict], args, out: Path) -> float | None:
     """Seconds ``run`` is expected to take: the longest measured run of its model and plugins (scaled to its
-    steps), else --run-budget-s."""
+    steps), else --run-budget-s; for a run cut off at a checkpoint, the part still to train."""
     same = [r["wall_s"] * run["steps"] / r["steps"] for r in done
             if r["model"] == run["model"] and r["plugins"] == run["plugins"]]
-    return max(same) if same else args.run_budget_s
+    full = max(same) if same else args.run_budget_s
+    return None if full is None else full * (1 - checkpointed_step(run, out) / run["steps"])
 
 
 def run_calls(runs: list[dict], todo: list[dict], out: Path, args, argv: list[str]) -> int:
@@ -421,26 +452,32 @@ def run_calls(runs: list[dict], todo: list[dict], out: Path, args, argv: list[st
     while pending or running:
         while pending and len(running) < width:
             run = pending[0]
-            need = expected_s(run, done, args)
+            need = expected_s(run, done, args, out)
             if deadline is not None:
-                if need is None:
+                spare = deadline - time.monotonic() - args.grace_s
+                if need is None and spare >= MIN_PIECE_S:
                     print(f"ml1m_repro: no time estimate for {run['tag']} (no run of it measured in {out}); "
                           "give --run-budget-s to bound it", file=sys.stderr, flush=True)
-                elif time.monotonic() + need + args.grace_s > deadline:
-                    left.append(pending.pop(0))
-                    print(f"ml1m_repro: [{run['index']}] {run['tag']} not started: it needs about {need:.0f} s and "
-                          f"{max(deadline - time.monotonic() - args.grace_s, 0):.0f} s are left", flush=True)
-                    continue
+                elif need is None or need > spare:
+                    if not (args.partial and need is not None and spare >= MIN_PIECE_S):
+                        left.append(pending.pop(0))
+                        needs = "an unknown time" if need is None else f"about {need:.0f} s"
+                        print(f"ml1m_repro: [{run['index']}] {run['tag']} not started: it needs {needs} and "
+                              f"{max(spare, 0):.0f} s are left", flush=True)
+                        continue
+                    print(f"ml1m_repro: [{run['index']}] {run['tag']} needs about {need:.0f} s, {spare:.0f} s are "
+                          "left: --partial trains it until --max-wall-s and keeps its checkpoint", flush=True)
             pending.pop(0)
             cmd = [sys.executable, __file__, *argv, "--out", str(out), "--jobs", str(width), "--one", str(run["index"])]
             running[run["index"]] = (launch(cmd), run)
             print(f"ml1m_repro: [{run['index']}] {run['tag']} started", flush=True)
         time.sleep(0.2)
         for index, (proc, run) in list(running.items()):
-            if proc.poll() is None:
+            rc = proc.poll()
+            if rc is None:
                 continue
             del running[index]
-            rec = stored(run, out, args) if proc.returncode == 0 else None
+            rec = stored(run, out, args) if rc == 0 else None
             if rec is None:
                 failed.append(run)
             else:
@@ -449,8 +486,8 @@ def run_calls(runs: list[dict], todo: list[dict], out: Path, args, argv: list[st
             for proc, run in running.values():
                 proc.send_signal(signal.SIGTERM)
                 cut.append(run)
-                print(f"ml1m_repro: [{run['index']}] {run['tag']} cut off at --max-wall-s (not recorded)",
-                      file=sys.stderr, flush=True)
+                print(f"ml1m_repro: [{run['index']}] {run['tag']} cut off at --max-wall-s; the next call with the "
+                      f"same --out continues it from its checkpoint", file=sys.stderr, flush=True)
             for proc, _ in running.values():
                 try:
                     proc.wait(timeout=30)
@@ -508,6 +545,11 @@ def parser() -> argparse.ArgumentParser:
     sel.add_argument("--run-budget-s", type=float,
                      help="expected seconds of one run, until a run of the same model and variant is measured")
     sel.add_argument("--grace-s", type=float, default=30.0, help="margin kept free before --max-wall-s")
+    sel.add_argument("--partial", action="store_true",
+                     help="also start runs that cannot finish before --max-wall-s: they stop there with a "
+                          "checkpoint, and a later call with the same --out continues them")
+    sel.add_argument("--checkpoint-every", type=int, default=500,
+                     help="checkpoint each run every N steps (a run cut off continues from the last; 0: at the end)")
     sel.add_argument("--merge", nargs="*", metavar="DIR",
                      help="build table.md and table.json in --out from the per-run JSONs of these folders "
                           "(none: --out itself); trains nothing")
@@ -534,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = [f"{'idx':>4}  {'model':<11}{'seed':>5}  {'variant':<14}{'plugins':<16}{'steps':>6}  status"]
             for r in chosen:
                 rec = stored(r, out, args)
-                status = f"done ({rec['wall_s']:.0f} s)" if rec else "to train"
+                at = 0 if rec else checkpointed_step(r, out)
+                status = f"done ({rec['wall_s']:.0f} s)" if rec else f"at step {at} (checkpoint)" if at else "to train"
                 lines.append(f"{r['index']:>4}  {r['model']:<11}{r['seed']:>5}  {r['variant']:<14}"
                              f"{r['plugins'] or '-':<16}{r['steps']:>6}  {status}")
             print("\n".join(lines))
@@ -553,11 +596,12 @@ def main(argv: list[str] | None = None) -> int:
             run = runs[args.one]
             try:
                 rec = train_one(run, out, args, args.jobs or 1)
-            except TrainingInterrupted as e:  # cut off at --max-wall-s: no record, the next call trains it again
-                print(f"ml1m_repro: [{run['index']}] {run['tag']} stopped by {e.signal_name} after step {e.step}",
-                      file=sys.stderr, flush=True)
+            except TrainingInterrupted as e:  # cut off at --max-wall-s: no record; the next call continues it
+                print(f"ml1m_repro: [{run['index']}] {run['tag']} stopped by {e.signal_name} at step {e.step}; "
+                      f"checkpoint {e.checkpoint} kept", file=sys.stderr, flush=True)
                 return 4
             write_json(out / f"{run['tag']}.json", rec)
+            segments_path(run, out).unlink(missing_ok=True)
             shown = ", ".join(f"{m} {v:.4f}" for m, v in rec["metrics"].items() if v is not None)
             print(f"ml1m_repro: [{run['index']}] {run['tag']} done: {rec['steps']} steps in {rec['wall_s']:.0f} s; "
                   f"{shown}", flush=True)

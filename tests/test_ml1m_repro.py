@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_list_gives_every_planned_run_an_index_and_only_and_shard_select(capsys,
 def test_bad_arguments_name_the_problem_and_the_fix(capsys, tmp_path, argv, problem):
     code, _, err = _main(capsys, *argv, "--list", "--out", tmp_path)
     assert code == 2 and err.startswith("ml1m_repro: ")
-    assert __import__("re").search(problem, err), err
+    assert re.search(problem, err), err
 
 
 def test_training_needs_the_data_files(capsys, tmp_path):
@@ -163,9 +164,33 @@ def test_max_wall_starts_no_run_that_would_not_finish(capsys, tmp_path, monkeypa
     args = repro.parser().parse_args(["--seeds", "0", "1", "--models", "sasrec", "--run-budget-s", "5"])
     runs = repro.plan(args)
     done = [dict(runs[0], wall_s=400.0, steps=4767)]
-    assert repro.expected_s(runs[1], done, args) == pytest.approx(400.0)
-    assert repro.expected_s(dict(runs[1], steps=300), done, args) == pytest.approx(400.0 * 300 / 4767)
-    assert repro.expected_s(dict(runs[1], plugins="bf16"), done, args) == 5.0
+    assert repro.expected_s(runs[1], done, args, out) == pytest.approx(400.0)
+    assert repro.expected_s(dict(runs[1], steps=300), done, args, out) == pytest.approx(400.0 * 300 / 4767)
+    assert repro.expected_s(dict(runs[1], plugins="bf16"), done, args, out) == 5.0
+    # a run cut off at a checkpoint needs only the rest
+    (out / runs[1]["tag"] / "checkpoints" / "step-00003000").mkdir(parents=True)
+    assert repro.checkpointed_step(runs[1], out) == 3000
+    assert repro.expected_s(runs[1], done, args, out) == pytest.approx(400.0 * (1 - 3000 / 4767))
+
+    # --partial starts a run that cannot finish (it will stop at --max-wall-s with a checkpoint)
+    launched = []
+
+    def finishes_at_once(cmd):
+        launched.append(cmd)
+        return type("Done", (), {"poll": lambda self: 1})()
+
+    monkeypatch.setattr(repro, "launch", finishes_at_once)
+    code, text, err = _main(capsys, "--data", data, "--models", "sasrec", "--out", out, "--max-wall-s", 120,
+                            "--run-budget-s", 500, "--grace-s", 20, "--partial")
+    assert len(launched) == 1 and "--partial trains it until --max-wall-s" in text
+    assert code == 1 and "failed: sasrec_shipped_test_4767steps_seed0" in err  # it exited 1 with no record
+    launched.clear()
+    _main(capsys, "--data", data, "--models", "sasrec", "--out", out, "--max-wall-s", 70, "--run-budget-s", 500,
+          "--grace-s", 20, "--partial")
+    assert not launched  # under a minute to spare: not worth a start
+    code, text, _ = _main(capsys, "--data", data, "--models", "sasrec", "--out", out, "--max-wall-s", 70,
+                          "--grace-s", 20)
+    assert not launched and code == repro.EXIT_LEFT and re.search(r"needs an unknown time and (49|50) s are left", text)
 
 
 def test_a_run_still_going_at_max_wall_is_cut_off_and_left_for_the_next_call(capsys, tmp_path, monkeypatch):
@@ -187,6 +212,7 @@ def test_a_run_still_going_at_max_wall_is_cut_off_and_left_for_the_next_call(cap
 
     data, out = write_movielens(tmp_path / "ml"), tmp_path / "out"
     monkeypatch.setattr(repro, "launch", Hangs)
+    monkeypatch.setattr(repro, "MIN_PIECE_S", 0.1)  # a half-second call may start a run here
     code, _, err = _main(capsys, "--data", data, "--models", "hstu", "--out", out, "--max-wall-s", 0.5,
                          "--grace-s", 0)
     assert code == repro.EXIT_LEFT and signals == [repro.signal.SIGTERM]
@@ -294,3 +320,47 @@ def test_the_script_end_to_end_in_child_processes(tmp_path):
     merged = subprocess.run([sys.executable, str(SCRIPT), "--merge", str(out), "--out", str(tmp_path / "m")],
                             capture_output=True, text=True, timeout=hang_guard(120))
     assert merged.returncode == 0 and (tmp_path / "m" / "table.md").read_text() == table
+
+
+@pytest.mark.slow  # three short trainings in this process
+def test_a_run_cut_off_continues_from_its_checkpoint_to_the_same_result(capsys, tmp_path):
+    """A run stopped by SIGTERM after step 2 (as --max-wall-s stops it) keeps its checkpoint and no record; the
+    next call continues it from step 2, and its metrics are those of the run trained in one go (resume is
+    bit-exact on the CPU); its wall time adds both pieces."""
+    import signal
+
+    import gemzoo
+    from gemzoo import registry
+
+    data = write_movielens(tmp_path / "ml")
+    common = ["--data", data, "--models", "hstu", "--steps", 4, "--checkpoint-every", 0, *TINY, "--one", 0]
+
+    class StopAfterStep2:
+        @gemzoo.hookimpl
+        def gemzoo_step_end(self, trainer, step, metrics):
+            if step == 2:
+                signal.raise_signal(signal.SIGTERM)
+
+    plugin = StopAfterStep2()
+    registry.host().register(plugin, name=f"stop-after-2-{id(plugin)}")
+    try:
+        code, _, err = _main(capsys, *common, "--out", tmp_path / "cut")
+    finally:
+        registry.host().pm.unregister(plugin)
+    assert code == 4 and "stopped by SIGTERM at step 2" in err
+    run = repro.plan(repro.parser().parse_args(["--models", "hstu", "--steps", "4", *TINY]))[0]
+    assert repro.checkpointed_step(run, tmp_path / "cut") == 2 and not (tmp_path / "cut" / f"{run['tag']}.json").exists()
+    code, text, _ = _main(capsys, *common[:-2], "--out", tmp_path / "cut", "--list")
+    assert "at step 2 (checkpoint)" in text
+
+    code, text, _ = _main(capsys, *common, "--out", tmp_path / "cut")
+    assert code == 0 and "continues from its checkpoint at step 2" in text
+    resumed = json.loads((tmp_path / "cut" / f"{run['tag']}.json").read_text())
+    assert [(s["from"], s["to"]) for s in resumed["segments"]] == [(0, 2), (2, 4)]
+    assert resumed["wall_s"] == pytest.approx(sum(s["wall_s"] for s in resumed["segments"]))
+    assert not repro.segments_path(run, tmp_path / "cut").exists()
+
+    assert _main(capsys, *common, "--out", tmp_path / "whole")[0] == 0
+    whole = json.loads((tmp_path / "whole" / f"{run['tag']}.json").read_text())
+    assert len(whole["segments"]) == 1 and resumed["metrics"] == whole["metrics"]
+    assert resumed["final_loss"] == whole["final_loss"]
