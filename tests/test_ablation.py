@@ -61,16 +61,16 @@ def test_ablate_writes_table_plots_and_report(tmp_path):
         # the mean over wall-clock time after warm-up, as the run's own end event recorded it
         end = [json.loads(line) for line in (out / r["run_dir"] / "metrics.jsonl").read_text().splitlines()][-1]
         assert end["event"] == "end" and r["measured_steps"] == 2
-        for key in ("mean_samples_per_s", "mean_mfu", "max_step_s"):
+        for key in ("mean_samples_per_s", "mean_mfu", "mean_step_s", "max_step_s"):
             assert r[key] == pytest.approx(end[key]) and r[key] > 0
-        assert r["max_step_s"] >= r["median_step_s"]
+        assert r["max_step_s"] >= r["median_step_s"] and r["max_step_s"] >= r["mean_step_s"]
     assert rows["cpu,fp32"]["run_dir"] != rows["cpu,bf16"]["run_dir"]
     failed = rows["diverges"]
     assert failed["status"] == "failed" and "loss is nan" in failed["error"]
 
     header = (out / "ablation.csv").read_text().splitlines()[0].split(",")
     assert {"plugins", "samples_per_s", "mfu", "peak_mem_gib", "final_loss", "error", "eval/auc_click",
-            "mean_samples_per_s", "mean_mfu", "max_step_s"} <= set(header)
+            "mean_samples_per_s", "mean_mfu", "mean_step_s", "max_step_s"} <= set(header)
     for png in ("throughput.png", "memory.png", "loss.png", "eval.png"):
         blob = (out / png).read_bytes()
         assert blob.startswith(PNG) and len(blob) > 10_000, png

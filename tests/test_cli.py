@@ -196,14 +196,38 @@ def test_plugins_json_into_a_closed_pipe_prints_no_traceback():
     assert out.stdout == "", out.stdout
 
 
-def test_every_command_has_examples_in_its_help():
+def _every_command_parser(fresh_registry) -> dict:
+    """gemzoo's own commands and those the installed plugins add (gemzoo plan), by name."""
     import argparse
 
     from gemzoo.cli import build_parser
+    from gemzoo.cli.main import _add_plugin_commands
 
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    for name, parser in sub.choices.items():
+    parser = build_parser()
+    _add_plugin_commands(parser)
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_every_command_has_examples_in_its_help(fresh_registry):
+    commands = _every_command_parser(fresh_registry)
+    assert {"train", "launch", "plan"} <= set(commands)
+    for name, parser in commands.items():
         assert "examples:" in (parser.epilog or ""), f"gemzoo {name} --help has no examples"
+
+
+def test_every_config_an_example_names_exists(fresh_registry):
+    """The examples of `gemzoo --help` and of every command's --help name files of this repository: each
+    configs/*.toml they mention is there (a renamed config must take its examples along)."""
+    import re
+
+    from gemzoo.cli.main import EXAMPLES
+
+    texts = {"gemzoo": EXAMPLES, **{name: p.epilog or "" for name, p in _every_command_parser(fresh_registry).items()}}
+    named = {(name, path) for name, text in texts.items() for path in re.findall(r"configs/[\w./-]+\.toml", text)}
+    assert {c for _, c in named} >= {"configs/gem-tiny.toml", "configs/gem-bench.toml",
+                                     "configs/ablations/gem-tiny.toml"}
+    missing = sorted(f"gemzoo {name}: {path}" for name, path in named if not (ROOT / path).is_file())
+    assert not missing, f"examples name configs that do not exist: {missing}"
 
 
 def test_every_gemzoo_environment_variable_is_documented():

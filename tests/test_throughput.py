@@ -26,6 +26,7 @@ def test_mean_is_total_work_over_total_time_after_warm_up():
     assert out["mean_tflops"] == pytest.approx(4 * 1.0 / 2.0)
     assert out["mean_mfu"] == pytest.approx(4e12 / 2.0 / 1e15)
     assert out["max_step_s"] == pytest.approx(1.7) and out["median_step_s"] == pytest.approx(0.1)
+    assert out["mean_step_s"] == pytest.approx(2.0 / 4)
 
 
 def test_a_row_standing_for_several_steps_reports_their_work_over_their_time():

@@ -103,13 +103,26 @@ def relative_bias_block(rb: RelativeAttentionBias, qs: int, lq: int, ks: int, lk
 def materialize_relative_bias(rb: RelativeAttentionBias, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
                               max_q_len: int, max_k_len: int) -> torch.Tensor:
     """[B, 1, max_q_len, max_k_len]: ``rb`` as a padded additive ``bias`` (zero outside each sequence), for
-    kernels that take a materialised bias only. O(B L^2) memory: the fused kernels never build it."""
-    qo, ko = q_offsets.tolist(), k_offsets.tolist()
-    out = rb.positions.new_zeros(len(qo) - 1, 1, max_q_len, max_k_len)
-    rows = [torch.nn.functional.pad(relative_bias_block(rb, qo[b], qo[b + 1] - qo[b], ko[b], ko[b + 1] - ko[b]),
-                                    (0, max_k_len - (ko[b + 1] - ko[b]), 0, max_q_len - (qo[b + 1] - qo[b])))
-            for b in range(len(qo) - 1)]
-    return torch.stack(rows).unsqueeze(1) if rows else out
+    kernels that take a materialised bias only. O(B L^2) memory: the fused kernels never build it.
+
+    Computed from the offsets where they are, without reading them back (no host sync on a GPU): the same
+    terms as :func:`relative_bias_block`, gathered for every padded (query, key) slot at once."""
+    device = rb.positions.device
+    q_offsets, k_offsets = q_offsets.to(device), k_offsets.to(device)
+    i = torch.arange(max_q_len, device=device).view(1, -1, 1)
+    j = torch.arange(max_k_len, device=device).view(1, 1, -1)
+    lq = (q_offsets[1:] - q_offsets[:-1]).view(-1, 1, 1)
+    lk = (k_offsets[1:] - k_offsets[:-1]).view(-1, 1, 1)
+    inside = (i < lq) & (j < lk)  # [B, Lq, Lk]
+    bias = rb.positions[(i + (lk - lq) - j).clamp(0, rb.positions.numel() - 1)]
+    tq, tk = (0, 0) if rb.time_weights is None else (rb.q_times.numel(), rb.k_times.numel())
+    if tq and tk:  # with no query or no key row every slot is padding: the time term would only be masked
+        q_rows = (q_offsets[:-1].view(-1, 1, 1) + i).clamp(max=tq - 1)  # padding slots read a valid row
+        k_rows = (k_offsets[:-1].view(-1, 1, 1) + j).clamp(max=tk - 1)
+        gap = (rb.q_times[q_rows] - rb.k_times[k_rows]).abs().clamp(min=1)
+        bucket = (gap.float().log() / rb.bucket_divisor).long().clamp(0, rb.time_weights.numel() - 1)
+        bias = bias + rb.time_weights[bucket]
+    return torch.where(inside, bias, bias.new_zeros(())).unsqueeze(1)
 
 
 # ------------------------------------------------------------------------------------------ the reference

@@ -2,6 +2,9 @@
 
 import sys
 
-from gemzoo.cli.main import main
+try:
+    from gemzoo.cli.main import main
+except KeyboardInterrupt:  # Ctrl-C while the interpreter starts (a torchrun worker gets it too): no traceback
+    sys.exit(130)
 
 sys.exit(main())

@@ -15,8 +15,8 @@ from gemzoo.cli import plot
 from gemzoo.errors import ConfigError
 
 OUTPUTS = ("ablation.json", "ablation.csv", "report.md", "throughput.png", "memory.png", "loss.png", "eval.png")
-CSV_COLUMNS = ("name", "plugins", "status", "mean_samples_per_s", "mean_mfu", "max_step_s", "samples_per_s",
-               "tokens_per_s", "tflops", "mfu", "mfu_peak", "peak_mem_gib", "peak_mem_source", "final_loss",
+CSV_COLUMNS = ("name", "plugins", "status", "mean_samples_per_s", "mean_mfu", "mean_step_s", "max_step_s",
+               "samples_per_s", "tokens_per_s", "tflops", "mfu", "mfu_peak", "peak_mem_gib", "peak_mem_source", "final_loss",
                "step_s", "median_step_s", "compiles_after_warmup", "wall_s", "steps", "run_dir", "error")
 
 

@@ -1,6 +1,7 @@
 """The ``gemzoo`` command line: the parser of every command, and the dispatch.
 
     gemzoo train --config F [--plugins a,b] [--set k=v ...] [--steps N] [--out DIR] [--resume [PATH] | --overwrite]
+    gemzoo launch --nproc-per-node N [torchrun options] -- train ...
     gemzoo plugins [--verbose | --json]
     gemzoo runs [DIR]
     gemzoo list KIND [PATTERN]
@@ -32,6 +33,7 @@ from gemzoo.errors import GemzooError
 EXAMPLES = """examples:
   gemzoo train --config configs/gem-tiny.toml --plugins jfa,mxfp8
   gemzoo train --config configs/gem-tiny.toml --resume          # continue runs/gem-tiny
+  gemzoo launch --nproc-per-node 2 -- train --config configs/gem-tiny.toml
   gemzoo config validate configs/gem-tiny.toml --set model.num_heads=4
   gemzoo list attention 's*'
   gemzoo plugins --verbose
@@ -51,6 +53,18 @@ is not empty; --resume continues it, --overwrite replaces it, --out DIR starts a
 Ctrl-C finishes the step, writes a checkpoint and prints the command that resumes.
 """
 
+LAUNCH_EXAMPLES = """examples:
+  gemzoo launch --nproc-per-node 2 -- train --config configs/gem-tiny.toml --set run.device=cpu
+  gemzoo launch --nproc-per-node 8 -- train --config configs/gem-bench.toml --plugins jfa,bf16 --out runs/bench8
+  gemzoo launch --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 -- \\
+      train --config configs/gem-bench.toml --out runs/bench16
+
+The options before -- are torchrun's (torchrun --help lists them), the words after it the gemzoo command every
+worker runs. Ctrl-C (or SIGTERM) stops the workers after their step with a checkpoint; rank 0 prints the one
+line that resumes (this command with --resume), no rank prints a traceback, and gemzoo launch exits 130 (143).
+A second Ctrl-C stops the workers at once, without a checkpoint.
+"""
+
 RAW = argparse.RawDescriptionHelpFormatter
 
 PLUGINS_EXAMPLES = """examples:
@@ -61,7 +75,7 @@ PLUGINS_EXAMPLES = """examples:
 
 RUNS_EXAMPLES = """examples:
   gemzoo runs                    # the run folders under runs/
-  gemzoo runs runs/ablations/gem-tiny-cpu
+  gemzoo runs runs/ablations/gem-tiny
   gemzoo runs runs/gem-tiny --json
 """
 
@@ -82,9 +96,9 @@ INFO_EXAMPLES = """examples:
 """
 
 ABLATE_EXAMPLES = """examples:
-  gemzoo ablate configs/ablations/gem-tiny-cpu.toml --steps 40
-  gemzoo ablate configs/ablations/gem-tiny-cpu.toml --runs reference jfa,bf16 --overwrite
-  gemzoo ablate --report runs/ablations/gem-tiny-cpu
+  gemzoo ablate configs/ablations/gem-tiny.toml --steps 40
+  gemzoo ablate configs/ablations/gem-tiny.toml --runs sdpa-padded,fp32 jfa,bf16 --overwrite
+  gemzoo ablate --report runs/ablations/gem-tiny
 
 Every run entry (its plugin names and set overrides) is checked before the first run trains.
 """
@@ -143,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=RAW, epilog=EXAMPLES)
     p.add_argument("--version", action="version", version=f"gemzoo {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_train, _plugins, _runs, _list, _config, _info, _ablate, _plot, _eval, _new_plugin):
+    for add in (_train, _launch, _plugins, _runs, _list, _config, _info, _ablate, _plot, _eval, _new_plugin):
         add(sub)
     return p
 
@@ -165,6 +179,31 @@ def _train(sub) -> None:
     t.add_argument("--verbose", action="store_true",
                    help="show the third-party warnings gemzoo silences as known to be harmless")
     t.set_defaults(func="gemzoo.cli.train:cmd_train")
+
+
+def _launch(sub) -> None:
+    la = sub.add_parser("launch", help="run a command (train) on several processes through torchrun",
+                        formatter_class=RAW, epilog=LAUNCH_EXAMPLES, allow_abbrev=False,
+                        usage="gemzoo launch [-h] [--nproc-per-node N] [TORCHRUN OPTION ...] -- COMMAND ...",
+                        description="Run torchrun (torch.distributed.run) with `-m gemzoo.cli COMMAND` as each "
+                        "worker's program: the options before -- go to torchrun, the words after it are the "
+                        "gemzoo command. Ctrl-C gives one message, from rank 0, with the command that resumes.")
+    la.add_argument("--nproc-per-node", "--nproc_per_node", default="1", metavar="N",
+                    help="workers on this node: a number, or gpu / cpu / auto as torchrun takes (default 1)")
+    la.set_defaults(func="gemzoo.cli.launch:cmd_launch", torchrun=[], command=[])
+
+
+def _parse_launch(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``gemzoo launch OPTIONS -- COMMAND``: torchrun's options (any, in their order) before ``--``, the gemzoo
+    command after it; ``-h`` before ``--`` shows launch's help."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, torchrun = parser.parse_known_args(argv[:cut])
+    if cut == len(argv) and "-h" not in argv and "--help" not in argv:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices["launch"].error("put the gemzoo command after --, e.g. gemzoo launch --nproc-per-node 2 -- "
+                                    "train --config configs/gem-tiny.toml")
+    args.torchrun, args.command = torchrun, argv[cut + 1:]
+    return args
 
 
 def _plugins(sub) -> None:
@@ -322,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prepare_registry(plugins_arg)
         _add_plugin_commands(parser)
-    args = parser.parse_args(argv)
+    args = _parse_launch(parser, argv) if named == "launch" else parser.parse_args(argv)
     args.argv = argv  # gemzoo train prints the command that resumes an interrupted run
     try:
         return command(args.func)(args) or 0
@@ -332,5 +371,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which handles its own): no traceback
-        print("gemzoo: interrupted", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every worker gets the signal: one message
+            print("gemzoo: interrupted", file=sys.stderr)
         return 130

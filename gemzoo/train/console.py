@@ -171,11 +171,20 @@ def eval_line(step: int, steps: int, m: dict) -> str:
     return f"eval  step {step:>{len(str(steps))}}/{steps}  {evals}  (train loss {m['loss']:.4f})"
 
 
+class _Bar(Progress):
+    """rich's Progress, except that a disabled one prints nothing when it stops (rich's prints an empty line
+    when stdout is not a terminal: one per rank, and one in every ``--quiet`` run's output)."""
+
+    def stop(self) -> None:
+        if not self.disable:
+            super().stop()
+
+
 def progress_bar(enabled: bool, file: TextIO | None = None) -> Progress:
     """The terminal's one-line progress bar (rich), at most 80 columns: ``step 120/400``, a bar,
     ``loss 0.6931  1.23k sam/s MFU 1.2%``, ``eta 0:01:23``. A no-op when ``enabled`` is false."""
     console = Console(file=file) if file is not None else None
-    return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=12),
+    return _Bar(TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=12),
                     TextColumn("{task.fields[info]}"), TextColumn("eta"), TimeRemainingColumn(),
                     console=console, disable=not enabled, redirect_stdout=False, redirect_stderr=False)
 

@@ -55,7 +55,7 @@ class Throughput:
     before it, so loading, stalls and compiles count; evaluation and checkpoint writes between steps do not).
 
     ``summary()`` gives ``mean_samples_per_s``, ``mean_tokens_per_s``, ``mean_tflops``, ``mean_mfu`` (those
-    steps' model FLOPs over their time and the peak), ``median_step_s`` and ``max_step_s`` (with
+    steps' model FLOPs over their time and the peak), ``mean_step_s``, ``median_step_s`` and ``max_step_s`` (with
     ``run.sync = "log"``, a step's time is its stretch's mean), and ``measured_steps``."""
 
     def __init__(self, warmup: int):
@@ -91,7 +91,7 @@ class Throughput:
         tflops = self.flops / self.seconds / 1e12
         return {"mean_samples_per_s": self.samples / self.seconds, "mean_tokens_per_s": self.tokens / self.seconds,
                 "mean_tflops": tflops, "mean_mfu": tflops * 1e12 / self.peak if self.peak else 0.0,
-                "median_step_s": median, "max_step_s": ordered[-1], "measured_steps": len(ordered),
+                "mean_step_s": self.seconds / len(ordered), "median_step_s": median, "max_step_s": ordered[-1], "measured_steps": len(ordered),
                 "warmup_steps": self.warmup}
 
 

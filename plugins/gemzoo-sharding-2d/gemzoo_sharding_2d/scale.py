@@ -247,9 +247,19 @@ def cmd_plan(args) -> int:
     return 0
 
 
+PLAN_EXAMPLES = """examples:
+  gemzoo plan --config configs/gem-bench.toml --world 4096 --group 64 --hbm 141GB
+  gemzoo plan --config configs/gem-bench.toml --world 64 --group 8 --strategy fully_sharded --json
+  gemzoo plan --config configs/gem-tiny.toml --world 16 --group 4 --hbm 80GiB
+"""
+
+
 def add_command(cli) -> None:
+    import argparse
+
     p = cli.add_parser("plan", help="per-rank memory and per-step communication of 1D vs 2D embedding sharding "
-                                    "at a target scale (no GPU)")
+                                    "at a target scale (no GPU)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PLAN_EXAMPLES)
     p.add_argument("--config", required=True, help="a TOML config (its tables, model and data)")
     p.add_argument("--world", type=int, required=True, help="ranks (GPUs) in the target job")
     p.add_argument("--group", type=int, default=8, help="G: ranks a sharding group (default 8, one node)")
