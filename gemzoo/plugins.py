@@ -31,7 +31,7 @@ ENTRY_POINT_GROUP = "gemzoo"
 
 # The version of the public plugin API (gemzoo.api re-exports it): MAJOR.MINOR, where a minor release only adds
 # names and a major one may change or remove them.
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 API_ATTRIBUTE = "GEMZOO_API"  # the entry-point module's declared range, e.g. ">=1,<2"
 
 BUILTIN_MODULES = (

@@ -43,7 +43,7 @@ def _plugin_module(name: str, declared=None) -> types.ModuleType:
 
 
 def test_api_version_is_public_and_one_dot_zero():
-    assert gemzoo.api.API_VERSION == "1.0" == plugins.API_VERSION
+    assert gemzoo.api.API_VERSION == "1.1" == plugins.API_VERSION
     assert "API_VERSION" in gemzoo.api.__all__
 
 
@@ -63,11 +63,11 @@ def test_a_range_that_excludes_this_version_is_refused(fresh_registry, declared)
     host.register(_plugin_module("fine"), "fine", "gemzoo-fine")
     fresh_registry.reset(host)
     error = host.failed()["too-new"].error
-    assert declared in error and "API 1.0" in error  # its range, gemzoo's API version
+    assert declared in error and f"API {plugins.API_VERSION}" in error  # its range, gemzoo's API version
     assert "upgrade the plugin (pip install -U gemzoo-too-new)" in error and "install a gemzoo" in error
     names = fresh_registry.names("attention")
     assert "too-new" not in names and {"fine", "reference"} <= set(names)  # the others keep working
-    with pytest.raises(PluginError, match="too-new.*failed to load.*API 1.0"):
+    with pytest.raises(PluginError, match=f"too-new.*failed to load.*API {plugins.API_VERSION}"):
         fresh_registry.get("attention", "too-new")
 
 
@@ -105,7 +105,7 @@ def test_installed_plugin_out_of_range_shows_as_failed_in_gemzoo_plugins(tmp_pat
     assert main(["plugins", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["future"]["distribution"] == "gemzoo-future"
-    assert ">=2,<3" in rows["future"]["error"] and "API 1.0" in rows["future"]["error"]
+    assert ">=2,<3" in rows["future"]["error"] and f"API {plugins.API_VERSION}" in rows["future"]["error"]
     assert rows["current"]["error"] is None and rows["plain"]["error"] is None
 
 
