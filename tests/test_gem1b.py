@@ -62,7 +62,7 @@ def test_gem1b_builds_under_each_fp8_policy(precision):
 
 # -- configs/ablations/gem-1b.toml ---------------------------------------------------------------------------------
 ABLATION = ROOT / "configs" / "ablations" / "gem-1b.toml"
-PRECISIONS = ("bf16", "fp8-rowwise", "mxfp8")
+PRECISIONS = ("bf16", "fp8-rowwise", "fp8-tensorwise", "mxfp8")
 
 
 def _ablation_rows():
