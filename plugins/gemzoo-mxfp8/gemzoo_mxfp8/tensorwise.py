@@ -8,9 +8,9 @@ matmul, then the product of the inverse scales, which is what ``_scaled_mm`` com
 sums). One scale per tensor means one cast serves both layouts a tensor takes: X row-major for the forward and
 X^T (tokens zero-padded to a multiple of 16, as ``_scaled_mm`` needs for wgrad) from the same scaled values.
 
-The amax and the casts are plain torch ops: inside a compiled block Inductor fuses the amax with the op that
-produces the tensor and the cast (both layouts) into one pass; used eagerly on CUDA they run as one compiled
-function each (``rowwise.compiled_cast``, dynamic shapes). Saved for backward: X^T in e4m3, W^T in e4m3 and the
+The amax and the casts are plain torch ops, so inside a compiled block Inductor may fuse the amax with the op
+that produces the tensor and write the cast's two layouts in one pass; used eagerly on CUDA they run as one
+compiled function each (``rowwise.compiled_cast``, dynamic shapes). Saved for backward: X^T in e4m3, W^T in e4m3 and the
 two inverse scales, so backward re-reads no bf16 or fp32 operand.
 """
 
