@@ -52,7 +52,9 @@ def quantize_tensorwise(x: torch.Tensor, elem: torch.dtype = E4M3, row: bool = T
     xf = x.float()
     scale = tensor_scale(xf, elem, pow2) if x.numel() else torch.ones((), device=x.device)
     scaled = xf * scale
-    row_data = scaled.clamp(-fmax, fmax).to(elem) if row else None
+    # row-major whatever x's layout (a transposed input, an output gradient autograd made non-contiguous):
+    # _scaled_mm reads its first operand row-major
+    row_data = scaled.clamp(-fmax, fmax).to(elem).contiguous() if row else None
     col_data = None
     if col:
         pad = (-rows) % pad_to if rows else pad_to

@@ -144,6 +144,20 @@ def test_scaled_mm_path_matches_emulation(monkeypatch):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), name
 
 
+def test_non_contiguous_input_and_gradient(monkeypatch):
+    """A transposed input and a transposed output gradient still reach _scaled_mm in the layouts it reads."""
+    monkeypatch.setattr(tensorwise, "SCALED_MM_ON_CPU", True)
+    ref, lin = _linear_pair(64, 48, True, torch.float32)
+    x = torch.randn(64, 80).t().requires_grad_()  # [80, 64], column-major
+    g = torch.randn(48, 80).t()
+    y = lin(x)
+    y.backward(g)
+    x_ref = x.detach().clone().requires_grad_()
+    ref(x_ref).backward(g)
+    for name, a, b in (("y", y, ref(x_ref)), ("dx", x.grad, x_ref.grad), ("dw", lin.weight.grad, ref.weight.grad)):
+        assert rel(a, b) < FP8TensorwisePolicy.capabilities.linear_rtol, name
+
+
 def test_scaled_mm_refuses_wrong_layouts(monkeypatch):
     monkeypatch.setattr(tensorwise, "SCALED_MM_ON_CPU", True)
     a = torch.randn(32, 64).to(E4M3)
