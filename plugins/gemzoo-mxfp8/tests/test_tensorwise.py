@@ -1,6 +1,8 @@
 """fp8-tensorwise: the per-tensor cast against a float64 rounding rule, the three GEMMs against float64, the
 _scaled_mm path against the emulation, gradients against bf16, selective precision and conformance."""
 
+import re
+
 import pytest
 import torch
 from gemzoo_mxfp8 import tensorwise
@@ -310,6 +312,22 @@ def test_compiles_without_graph_breaks():
     for t in want:
         for a, b in zip(got[t], want[t], strict=True):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), t
+
+
+@pytest.mark.slow
+def test_inductor_fuses_the_amax_and_both_casts():
+    """Compiled by Inductor (CPU, dynamic shapes), the amax, the scale and both layouts of the cast become at most
+    two kernels (one on torch 2.13's CPU backend: a reduction and the writes fused) and match eager bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fn = torch.compile(quantize_tensorwise, dynamic=True)
+    x = torch.randn(100, 256).bfloat16()
+    out, codes = run_and_get_code(fn, x, E5M2, True, True, 16, False)
+    kernels = set(re.findall(r"(?:cpp|triton)_\w*fused_\w+", "\n".join(codes)))
+    assert 1 <= len(kernels) <= 2, kernels
+    for got, want in zip(out, quantize_tensorwise(x, E5M2, True, True, 16, False), strict=True):
+        assert torch.equal(got.float(), want.float())
 
 
 # -- CUDA (skipped without a GPU) ----------------------------------------------------------------------------------
