@@ -3,8 +3,8 @@
 # folder as soon as its benchmark finishes. docs/benchmarks.md lists what each one measures and its last figures.
 set -uo pipefail
 
-STEPS=(jfa jfa-short gdpa block-attention host mxfp8 auto-ac act-quant step-profile batch-shuffle ncclx
-       sharding-2d e2e)
+STEPS=(jfa jfa-short gdpa block-attention host mxfp8 auto-ac act-quant step-profile fp8-gem1b batch-shuffle
+       ncclx sharding-2d e2e)
 
 usage() {
   cat <<'USAGE'
@@ -35,6 +35,8 @@ Steps:
   auto-ac         gem-bench compiled under the memory plugins (auto-ac, full-ac, act-quant) -> auto-ac.json
   act-quant       gem-bench step profile with and without act-quant              -> act-quant.json
   step-profile    where a compiled jfa,bf16 gem-bench step's time goes (kernels, GPU idle) -> step-profile.json
+  fp8-gem1b       gem-1b (1.16e9 dense parameters) compiled under bf16, fp8-rowwise, fp8-tensorwise and mxfp8:
+                  samples/s, MFU, loss against bf16, GEMM against cast time -> fp8-gem1b/fp8_gem1b.json, .md
   batch-shuffle   base-batch-shuffle's per-step overhead, simulated 8 / 64 / 512 and 8192 ranks -> batch-shuffle*.json
   ncclx           GEMM slowdown beside copy-engine and SM copies, and the 2-process check -> ncclx.json
   sharding-2d     gemzoo plan for gem-bench at 8 to 8192 ranks (no GPU needed)   -> sharding-2d/plan-W.json
@@ -102,6 +104,8 @@ step act-quant "$py" plugins/gemzoo-act-quant/bench/profile_step.py --config con
   --profile 3 --out "$out_dir/act-quant.json"
 step step-profile "$py" plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml \
   --sets "jfa,bf16" --steps 8 --profile 2 --out "$out_dir/step-profile.json" --trace "$out_dir"
+# 115 steps a row (~2 s each on an H200, estimated) and no row started after 25 min: within the step limit
+step fp8-gem1b "$py" bench/fp8_gem1b.py --out "$out_dir/fp8-gem1b" --steps 100 --warmup 15 --budget-s 1500
 step batch-shuffle bash -c '
   "$1" plugins/gemzoo-batch-shuffle/bench/overhead.py --config configs/gem-bench.toml --plugins jfa,bf16 \
     --steps 45 --warmup 5 --worlds 8,64,512 --workers process --set run.compile=false --out "$2/batch-shuffle.json" &&

@@ -42,7 +42,7 @@ def test_gem1b_trains_jfa_bf16_compiled_with_activation_checkpointing(built):
     assert cfg.model.family == "gem" and cfg.data.source == "synthetic-gem"
     assert (cfg.data.median_len, cfg.data.max_len, cfg.data.batch_size) == (1024, 16384, 64)  # gem-bench's histories
     assert cfg.run.compile and cfg.plugins.attention == "jfa" and cfg.plugins.precision == "bf16"
-    assert cfg.plugins.memory == ["auto-ac"] and cfg.plugins.options["auto-ac"].budget == 0.5
+    assert cfg.plugins.memory == ["auto-ac"] and cfg.plugins.options["auto-ac"].budget == 0.3
     blocks = model.transformer_blocks()
     assert len(blocks) == 12 and all(b.attn.attn.kernel_name == "jfa" for b in blocks)
 
@@ -62,7 +62,7 @@ def test_gem1b_builds_under_each_fp8_policy(precision):
 
 # -- configs/ablations/gem-1b.toml ---------------------------------------------------------------------------------
 ABLATION = ROOT / "configs" / "ablations" / "gem-1b.toml"
-PRECISIONS = ("bf16", "fp8-rowwise", "mxfp8")
+PRECISIONS = ("bf16", "fp8-rowwise", "fp8-tensorwise", "mxfp8")
 
 
 def _ablation_rows():

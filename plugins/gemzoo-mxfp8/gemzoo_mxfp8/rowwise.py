@@ -49,17 +49,22 @@ _compiled = {}
 COMPILE_CASTS = True  # eager CUDA use compiles the casts: one fused kernel each, for every token count
 
 
-def _quant(x: torch.Tensor, transposed: bool = False, pad_to: int = 1):
-    """quantize_rowwise of x (or of x.t()), compiled on CUDA unless we are already being compiled.
+def compiled_cast(fn, x: torch.Tensor, *args):
+    """``fn(x, *args)``, compiled on CUDA unless we are already being compiled (then the caller's graph fuses it).
 
     dynamic=True and a detached input keep it to one graph per dtype (weights fp32, activations bf16),
     where token counts that change every step would otherwise recompile until dynamo gives up."""
-    fn, args = (quantize_rowwise_t, (pad_to,)) if transposed else (quantize_rowwise, ())
     if x.is_cuda and COMPILE_CASTS and not torch.compiler.is_compiling():
         if fn not in _compiled:
             _compiled[fn] = torch.compile(fn, dynamic=True)
         fn, x = _compiled[fn], x.detach()
     return fn(x, *args)
+
+
+def _quant(x: torch.Tensor, transposed: bool = False, pad_to: int = 1):
+    """quantize_rowwise of x (or of x.t()), compiled on CUDA (``compiled_cast``)."""
+    fn, args = (quantize_rowwise_t, (pad_to,)) if transposed else (quantize_rowwise, ())
+    return compiled_cast(fn, x, *args)
 
 
 def _mm(a, sa, b_t, sb, out_dtype, fast_accum=False):

@@ -1,4 +1,4 @@
-"""The mxfp8 / fp8-rowwise policies: registration, options, selective precision, MX attention."""
+"""The mxfp8 / fp8-rowwise / fp8-tensorwise policies: registration, options, selective precision, MX attention."""
 
 import pytest
 import torch
@@ -53,7 +53,7 @@ class Toy(nn.Module):
 
 
 def test_registered_through_entry_point():
-    assert {"mxfp8", "fp8-rowwise"} <= set(registry.names("precision"))
+    assert {"mxfp8", "fp8-rowwise", "fp8-tensorwise"} <= set(registry.names("precision"))
     assert isinstance(registry.get("precision", "mxfp8"), MXFP8Policy)
 
 
@@ -106,7 +106,7 @@ def test_trains_any_module(dtype):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("name", ["mxfp8", "fp8-rowwise"])
+@pytest.mark.parametrize("name", ["mxfp8", "fp8-rowwise", "fp8-tensorwise"])
 def test_policy_linears_compute_in_bf16(name):
     """Like BF16Linear: fp32 activations in, bf16 out (so attention and activations downstream run in bf16),
     and the input gradient comes back in the input's dtype."""
