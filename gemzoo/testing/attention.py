@@ -500,3 +500,11 @@ def grouped_query_errors(fn, q_lens, k_lens=None, *, heads: int = 4, kv_heads: i
         errors[name] = _rel(a.cpu(), b)
         errors[f"{name}_finite"] = bool(torch.isfinite(a).all())
     return errors
+
+
+def assert_errors_within(errors: dict[str, float], tol: float, what: str) -> None:
+    """Fail unless every output and gradient of ``errors`` (as :func:`grouped_query_errors` returns them) is
+    finite and within ``tol`` relative error, naming ``what`` and the first one that is not."""
+    for key in [k for k in errors if not k.endswith("_finite")]:
+        assert errors[f"{key}_finite"], f"{what}: {key} has NaN/Inf"
+        assert errors[key] <= tol, f"{what}: {key} relative error {errors[key]:.2e} > {tol:.0e}"

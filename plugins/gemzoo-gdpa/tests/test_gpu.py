@@ -195,11 +195,9 @@ def test_grouped_query_against_fp64_reference(name):
 
     from gemzoo_gdpa.ops import gdpa_triton
 
-    from gemzoo.testing.attention import grouped_query_errors
+    from gemzoo.testing.attention import assert_errors_within, grouped_query_errors
 
     kw = dict(GQA_GPU_CASES[name])
     dtype = kw.pop("dtype")
     errors = grouped_query_errors(partial(gdpa_triton, options=kw.pop("options", None)), device="cuda", dtype=dtype, **kw)
-    for key in [k for k in errors if not k.endswith("_finite")]:
-        assert errors[f"{key}_finite"], f"{name}: {key} has NaN/Inf"
-        assert errors[key] <= TOL[dtype], f"{name}: {key} relative error {errors[key]:.2e}"
+    assert_errors_within(errors, TOL[dtype], name)
