@@ -39,6 +39,7 @@ from gemzoo.attention import (
     pair_allowed,
     reference_attention,
     relative_bias_block,
+    repeat_kv,
     validated_longest,
 )
 from gemzoo.embedding import TableConfig, torchrec_available
@@ -145,7 +146,7 @@ __all__ = [
     "ACTIVATIONS", "ACTIVATION_CODES", "AttentionCapabilities", "AttentionKernel", "AttentionRequest",
     "FunctionKernel", "JaggedAttention", "allowed_mask", "apply_activation", "apply_rope", "attention_sites",
     "check_inputs", "kernels_that_serve", "pair_allowed", "reference_attention", "validated_longest",
-    "RelativeAttentionBias", "TIME_BUCKET_DIVISOR", "materialize_relative_bias", "relative_bias_block",
+    "RelativeAttentionBias", "TIME_BUCKET_DIVISOR", "materialize_relative_bias", "relative_bias_block", "repeat_kv",
     # jagged tensors
     "TensorCache", "jagged_to_padded", "lengths_to_offsets", "max_length", "offsets_to_lengths",
     "padded_to_jagged", "positions", "seq_ids", "validate_offsets",

@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 
 import gemzoo
-from gemzoo.attention import attention_sites
+from gemzoo.attention import attention_sites, relative_bias_block
 from gemzoo.config import load_config
 from gemzoo.data.movielens import MovieLensConfig, MovieLensDataset
 from gemzoo.errors import ConfigError, PluginError
-from gemzoo.jagged import lengths_to_offsets
-from gemzoo.attention import relative_bias_block
 from gemzoo.interfaces.attention import RelativeAttentionBias
+from gemzoo.jagged import lengths_to_offsets
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(embedding_dim=16, num_layers=2, num_heads=2, num_negatives=8, dropout=0.0)

@@ -4,6 +4,11 @@
 // table and an optional log-time-bucket table, looked up per (i, j) inside the tiles; their gradients are
 // summed per worker thread and reduced at the end, with no shared atomics).
 //
+// Grouped-query / multi-query attention: k and v may have Hkv heads, Hkv dividing q's H; query head h reads
+// k/v head h / G (G = H / Hkv). The forward's work items are per query head; the backward's are per
+// (sequence, k/v head) and loop over the G query heads of the group, so dK/dV of a group are summed in one
+// work item, without atomics.
+//
 // FlashAttention-style blocking: each work item is (sequence, head[, query tile]); it walks tiles of
 // BQ queries x BK keys, skipping tiles with no allowed pair, with tile matmuls in BLAS (MKL's sgemm
 // from libtorch when present, plain loops otherwise) and an online softmax. Only the logsumexp
@@ -95,6 +100,7 @@ struct Params {
   int64_t window;  // <= 0: off
   int64_t block;   // <= 0: off
   int64_t H, D, Dv;
+  int64_t Hkv, G;  // k/v heads and query heads per k/v head (Hkv = H, G = 1 without grouping)
 };
 
 struct Seq {
@@ -434,13 +440,16 @@ Params make_params(const at::Tensor& q, const at::Tensor& v, bool causal, int64_
   TORCH_CHECK(act >= SOFTMAX && act <= LAST_ACTIVATION, "activation code must be 0..", LAST_ACTIVATION, ", got ", act);
   TORCH_CHECK(norm != 0.0, "norm must be non-zero");
   return {causal, act, static_cast<float>(scale), static_cast<float>(1.0 / norm), window, block,
-          q.size(1), q.size(2), v.size(2)};
+          q.size(1), q.size(2), v.size(2), v.size(1), v.size(1) > 0 ? q.size(1) / v.size(1) : 1};
 }
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, H, D]");
   TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1), "k and v must agree on [Tk, H]");
-  TORCH_CHECK(q.size(1) == k.size(1) && q.size(2) == k.size(2), "q and k must agree on H and D");
+  TORCH_CHECK(q.size(2) == k.size(2), "q and k must agree on D");
+  TORCH_CHECK(k.size(1) == q.size(1) || (k.size(1) > 0 && k.size(1) < q.size(1) && q.size(1) % k.size(1) == 0),
+              "k/v have ", k.size(1), " heads and q ", q.size(1), ": they need as many heads as q, or (grouped-query "
+              "attention) a divisor of that count");
   for (const auto* t : {&q, &k, &v}) {
     const auto dt = t->scalar_type();
     TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
@@ -491,7 +500,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
   const float* vp = v.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  const int64_t ldq = H * D, ldv = H * Dv;
+  const int64_t ldq = H * D, ldv = H * Dv, ldk = p.Hkv * D, ldkv = p.Hkv * Dv;
 
   run_items(static_cast<int64_t>(items.size()), [&](int64_t it, int64_t) {
     thread_local std::vector<float> S;
@@ -500,7 +509,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
     bool any_key[BQ];  // the row has an allowed key: rows without one output exactly 0, NaN or not
     const Item& w = items[it];
     const Seq& s = seqs[w.seq];
-    const int64_t rows = w.i1 - w.i0, h = w.head;
+    const int64_t rows = w.i1 - w.i0, h = w.head, hk = h / p.G;
     const float* Q = qp + (s.qs + w.i0) * ldq + h * D;
     float* O = op + (s.qs + w.i0) * ldv + h * Dv;
     int64_t lo, hi;
@@ -510,9 +519,9 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
     std::fill(any_key, any_key + rows, false);
     for (int64_t j0 = lo; j0 < hi; j0 += BK) {
       const int64_t cols = std::min(hi, j0 + BK) - j0;
-      const float* K = kp + (s.ks + j0) * ldq + h * D;
-      const float* V = vp + (s.ks + j0) * ldv + h * Dv;
-      gemm(false, true, rows, cols, D, p.scale, Q, ldq, K, ldq, 0.0f, S.data(), BK);
+      const float* K = kp + (s.ks + j0) * ldk + hk * D;
+      const float* V = vp + (s.ks + j0) * ldkv + hk * Dv;
+      gemm(false, true, rows, cols, D, p.scale, Q, ldq, K, ldk, 0.0f, S.data(), BK);
       for (int64_t r = 0; r < rows; ++r) {
         float* row = S.data() + r * BK;
         int64_t a, b;
@@ -531,7 +540,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(const at::Tensor& q_
           act_row(row, row, a, b, p.act, p.inv_norm);
         }
       }
-      gemm(false, false, rows, Dv, cols, 1.0f, S.data(), BK, V, ldv, 1.0f, O, ldv);
+      gemm(false, false, rows, Dv, cols, 1.0f, S.data(), BK, V, ldkv, 1.0f, O, ldv);
     }
     // NaN rule (docs/attention.md): a row with no allowed key is 0; any other row keeps what its inputs
     // give, NaN included (l_run is NaN then, never 0), and tiles never mix sequences.
@@ -576,11 +585,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     TORCH_CHECK(lse.sizes() == at::IntArrayRef({H, tq}), "lse must be [H, Tq]");
   }
 
+  // one item per (sequence, k/v head): it loops over the G query heads of the group, summing their dK/dV
   std::vector<Item> items;
   for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b) {
     const Seq& s = seqs[b];
     if (s.lq == 0 || s.lk == 0) continue;
-    for (int64_t h = 0; h < H; ++h) items.push_back({b, h, 0, s.lq, double(s.lq) * double(s.lk)});
+    for (int64_t hk = 0; hk < p.Hkv; ++hk) items.push_back({b, hk, 0, s.lq, double(s.lq) * double(s.lk)});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
 
@@ -593,7 +603,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   float* dqp = dq.data_ptr<float>();
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
-  const int64_t ldq = H * D, ldv = H * Dv;
+  const int64_t ldq = H * D, ldv = H * Dv, ldk = p.Hkv * D, ldkv = p.Hkv * Dv;
   // the bias tables' gradients: one partial sum per worker (fp64), reduced after the loop
   const int64_t nb = bias.time != nullptr ? bias.NB + 1 : 0, width = bias.P + nb;
   std::vector<double> partial(bias.on() ? item_workers(static_cast<int64_t>(items.size())) * width : 0, 0.0);
@@ -608,60 +618,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     S.resize(BQ * BK);
     const Item& w = items[it];
     const Seq& s = seqs[w.seq];
-    const int64_t h = w.head;
-    if (p.act == SOFTMAX) {  // delta_i = rowsum(dO * O) for this (sequence, head)
-      delta.resize(s.lq);
-      for (int64_t r = 0; r < s.lq; ++r) {
-        const float* g = gp + (s.qs + r) * ldv + h * Dv;
-        const float* o = op + (s.qs + r) * ldv + h * Dv;
-        float acc = 0.0f;
-        for (int64_t c = 0; c < Dv; ++c) acc += g[c] * o[c];
-        delta[r] = acc;
+    const int64_t hk = w.head;
+    for (int64_t h = hk * p.G; h < (hk + 1) * p.G; ++h) {  // the query heads that read k/v head hk
+      if (p.act == SOFTMAX) {  // delta_i = rowsum(dO * O) for this (sequence, query head)
+        delta.resize(s.lq);
+        for (int64_t r = 0; r < s.lq; ++r) {
+          const float* g = gp + (s.qs + r) * ldv + h * Dv;
+          const float* o = op + (s.qs + r) * ldv + h * Dv;
+          float acc = 0.0f;
+          for (int64_t c = 0; c < Dv; ++c) acc += g[c] * o[c];
+          delta[r] = acc;
+        }
       }
-    }
-    for (int64_t j0 = 0; j0 < s.lk; j0 += BK) {
-      const int64_t cols = std::min(s.lk, j0 + BK) - j0;
-      const float* K = kp + (s.ks + j0) * ldq + h * D;
-      const float* V = vp + (s.ks + j0) * ldv + h * Dv;
-      float* dK = dkp + (s.ks + j0) * ldq + h * D;
-      float* dV = dvp + (s.ks + j0) * ldv + h * Dv;
-      int64_t qlo, qhi;
-      query_range(s, j0, j0 + cols, p, qlo, qhi);
-      for (int64_t i0 = qlo; i0 < qhi; i0 += BQ) {
-        const int64_t rows = std::min(qhi, i0 + BQ) - i0;
-        int64_t klo, khi;
-        key_range(s, i0, i0 + rows, p, klo, khi);
-        if (khi <= j0 || klo >= j0 + cols) continue;
-        const float* Q = qp + (s.qs + i0) * ldq + h * D;
-        const float* dO = gp + (s.qs + i0) * ldv + h * Dv;
-        float* dQ = dqp + (s.qs + i0) * ldq + h * D;
-        gemm(false, true, rows, cols, D, p.scale, Q, ldq, K, ldq, 0.0f, S.data(), BK);
-        int64_t ra[BQ], rb[BQ];
-        for (int64_t r = 0; r < rows; ++r) {
-          row_interval(i0 + r + s.shift(), j0, cols, p, ra[r], rb[r]);
-          if (bias.on())
-            add_bias_row(bias, S.data() + r * BK, ra[r], rb[r], i0 + r + s.shift(), j0, s.qs + i0 + r, s.ks + j0,
-                         bias.time != nullptr ? buckets.data() + r * BK : nullptr);
-          if (p.act == SOFTMAX)
-            softmax_probs_row(S.data() + r * BK, P.data() + r * BK, ra[r], rb[r], lp[h * tq + s.qs + i0 + r]);
-          else
-            act_row(S.data() + r * BK, P.data() + r * BK, ra[r], rb[r], p.act, p.inv_norm);
+      for (int64_t j0 = 0; j0 < s.lk; j0 += BK) {
+        const int64_t cols = std::min(s.lk, j0 + BK) - j0;
+        const float* K = kp + (s.ks + j0) * ldk + hk * D;
+        const float* V = vp + (s.ks + j0) * ldkv + hk * Dv;
+        float* dK = dkp + (s.ks + j0) * ldk + hk * D;
+        float* dV = dvp + (s.ks + j0) * ldkv + hk * Dv;
+        int64_t qlo, qhi;
+        query_range(s, j0, j0 + cols, p, qlo, qhi);
+        for (int64_t i0 = qlo; i0 < qhi; i0 += BQ) {
+          const int64_t rows = std::min(qhi, i0 + BQ) - i0;
+          int64_t klo, khi;
+          key_range(s, i0, i0 + rows, p, klo, khi);
+          if (khi <= j0 || klo >= j0 + cols) continue;
+          const float* Q = qp + (s.qs + i0) * ldq + h * D;
+          const float* dO = gp + (s.qs + i0) * ldv + h * Dv;
+          float* dQ = dqp + (s.qs + i0) * ldq + h * D;
+          gemm(false, true, rows, cols, D, p.scale, Q, ldq, K, ldk, 0.0f, S.data(), BK);
+          int64_t ra[BQ], rb[BQ];
+          for (int64_t r = 0; r < rows; ++r) {
+            row_interval(i0 + r + s.shift(), j0, cols, p, ra[r], rb[r]);
+            if (bias.on())
+              add_bias_row(bias, S.data() + r * BK, ra[r], rb[r], i0 + r + s.shift(), j0, s.qs + i0 + r, s.ks + j0,
+                           bias.time != nullptr ? buckets.data() + r * BK : nullptr);
+            if (p.act == SOFTMAX)
+              softmax_probs_row(S.data() + r * BK, P.data() + r * BK, ra[r], rb[r], lp[h * tq + s.qs + i0 + r]);
+            else
+              act_row(S.data() + r * BK, P.data() + r * BK, ra[r], rb[r], p.act, p.inv_norm);
+          }
+          // dV += P^T dO ; dP = dO V^T
+          gemm(true, false, cols, Dv, rows, 1.0f, P.data(), BK, dO, ldv, 1.0f, dV, ldkv);
+          gemm(false, true, rows, cols, Dv, 1.0f, dO, ldv, V, ldkv, 0.0f, dP.data(), BK);
+          for (int64_t r = 0; r < rows; ++r) {
+            if (p.act == SOFTMAX)
+              softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, delta[i0 + r]);
+            else
+              act_grad_row(S.data() + r * BK, dP.data() + r * BK, ra[r], rb[r], p.act, p.inv_norm);
+            if (bias.on())
+              bias_grad_row(bias, dP.data() + r * BK, ra[r], rb[r], i0 + r + s.shift(), j0,
+                            bias.time != nullptr ? buckets.data() + r * BK : nullptr, dpos, dpos + bias.P);
+          }
+          // dQ += scale dS K ; dK += scale dS^T Q
+          gemm(false, false, rows, D, cols, p.scale, dP.data(), BK, K, ldk, 1.0f, dQ, ldq);
+          gemm(true, false, cols, D, rows, p.scale, dP.data(), BK, Q, ldq, 1.0f, dK, ldk);
         }
-        // dV += P^T dO ; dP = dO V^T
-        gemm(true, false, cols, Dv, rows, 1.0f, P.data(), BK, dO, ldv, 1.0f, dV, ldv);
-        gemm(false, true, rows, cols, Dv, 1.0f, dO, ldv, V, ldv, 0.0f, dP.data(), BK);
-        for (int64_t r = 0; r < rows; ++r) {
-          if (p.act == SOFTMAX)
-            softmax_grad_row(P.data() + r * BK, dP.data() + r * BK, delta[i0 + r]);
-          else
-            act_grad_row(S.data() + r * BK, dP.data() + r * BK, ra[r], rb[r], p.act, p.inv_norm);
-          if (bias.on())
-            bias_grad_row(bias, dP.data() + r * BK, ra[r], rb[r], i0 + r + s.shift(), j0,
-                          bias.time != nullptr ? buckets.data() + r * BK : nullptr, dpos, dpos + bias.P);
-        }
-        // dQ += scale dS K ; dK += scale dS^T Q
-        gemm(false, false, rows, D, cols, p.scale, dP.data(), BK, K, ldq, 1.0f, dQ, ldq);
-        gemm(true, false, cols, D, rows, p.scale, dP.data(), BK, Q, ldq, 1.0f, dK, ldq);
       }
     }
   });

@@ -15,6 +15,7 @@ from gemzoo.attention.semantics import (
     pair_allowed,
     reference_attention,
     relative_bias_block,
+    repeat_kv,
 )
 from gemzoo.attention.sites import (
     FunctionKernel,
@@ -30,5 +31,5 @@ __all__ = [
     "ACTIVATION_CODES", "REFERENCE_CAPABILITIES", "FunctionKernel", "JaggedAttention", "allowed_mask",
     "apply_activation", "apply_rope", "attention_sites", "check_inputs", "check_kernel_output",
     "kernels_that_serve", "materialize_relative_bias", "pair_allowed", "reference_attention",
-    "relative_bias_block", "served_request", "site_kernels_that_serve", "site_missing", "validated_longest",
+    "relative_bias_block", "repeat_kv", "served_request", "site_kernels_that_serve", "site_missing", "validated_longest",
 ]

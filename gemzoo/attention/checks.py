@@ -120,7 +120,9 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
     """The one input check of every attention kernel; returns ``(q_offsets, k_offsets)``, contiguous, with
     ``k_offsets`` defaulting to ``q_offsets``.
 
-    Checks shapes, dtypes and devices; option values (``window`` and ``block_size`` are ints >= 1, ``norm``
+    Checks shapes, dtypes and devices (k and v may have fewer heads than q, a divisor of its count:
+    grouped-query attention, for a kernel that declares ``grouped_kv``); option values (``window`` and
+    ``block_size`` are ints >= 1, ``norm``
     only with pointwise activations); the offsets (validated fully the first time a tensor is seen, then
     trusted until it changes); the hints ``max_q_len``/``max_k_len`` against the real longest sequences;
     and, given ``capabilities``, that the call asks for nothing the kernel does not declare. An option outside
@@ -136,8 +138,9 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
             raise JaggedShapeError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
     if k.shape[:2] != v.shape[:2]:
         raise JaggedShapeError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on [Tk, H]")
-    if q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
-        raise JaggedShapeError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on H and D")
+    if q.shape[2] != k.shape[2]:
+        raise JaggedShapeError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on D")
+    grouped = _grouped_kv(q.shape[1], k.shape[1], kernel)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
     if not (q.device == k.device == v.device):
@@ -175,7 +178,7 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
         req = AttentionRequest(
             activation, bool(causal), asymmetric, window is not None, block_size is not None, q.dtype,
             q.device.type, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)), q.shape[2],
-            rope_theta is not None, bias is not None, relative_bias is not None,
+            rope_theta is not None, bias is not None, relative_bias is not None, grouped,
         )
         missing = capabilities.missing(req)
         if missing:
@@ -220,6 +223,24 @@ def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax"
     q_offsets = q_offsets if q_offsets.is_contiguous() else q_offsets.contiguous()
     k_offsets = q_offsets if same else (k_offsets if k_offsets.is_contiguous() else k_offsets.contiguous())
     return q_offsets, k_offsets
+
+
+def _grouped_kv(hq: int, hkv: int, kernel) -> bool:
+    """Whether k/v have fewer heads than q (grouped-query or multi-query attention); head counts where Hkv does
+    not divide Hq raise PluginError, whatever the kernel."""
+    if hkv == hq:
+        return False
+    if hkv == 0 or hkv > hq or hq % hkv:
+        raise PluginError(
+            f"attention kernel {_kernel_name(kernel)!r} got q with {hq} heads and k/v with {hkv}: k and v need as "
+            f"many heads as q, or (grouped-query attention) a divisor of that count "
+            f"({', '.join(str(d) for d in _divisors(hq)) or 'none'}); give k and v such a head count (a model: "
+            f"num_kv_heads dividing num_heads)")
+    return True
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def kernels_that_serve(req: AttentionRequest, exclude: str | None = None) -> list[str]:

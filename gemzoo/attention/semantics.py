@@ -72,6 +72,20 @@ def apply_activation(scores: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Jagged k or v [T, Hkv, D] with each head repeated ``n_rep`` times, [T, Hkv * n_rep, D]: head h of the
+    result is head h // n_rep of ``x``, the k/v head that query head h reads under grouped-query attention.
+    Differentiable (the repeats' gradients sum into their head); ``x`` itself when ``n_rep`` is 1."""
+    if isinstance(n_rep, bool) or not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"n_rep must be an int >= 1 (query heads per k/v head), got {n_rep!r}")
+    if x.dim() != 3:
+        raise ValueError(f"repeat_kv takes a jagged [T, Hkv, D] tensor, got shape {tuple(x.shape)}")
+    if n_rep == 1:
+        return x
+    t, h, d = x.shape
+    return x.unsqueeze(2).expand(t, h, n_rep, d).reshape(t, h * n_rep, d)
+
+
 def relative_bias_block(rb: RelativeAttentionBias, qs: int, lq: int, ks: int, lk: int) -> torch.Tensor:
     """[Lq, Lk]: the bias of ``rb`` over one sequence whose queries are rows [qs, qs + lq) and keys rows
     [ks, ks + lk) (the definition in :class:`RelativeAttentionBias`), differentiable in its tables."""
@@ -89,13 +103,26 @@ def relative_bias_block(rb: RelativeAttentionBias, qs: int, lq: int, ks: int, lk
 def materialize_relative_bias(rb: RelativeAttentionBias, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
                               max_q_len: int, max_k_len: int) -> torch.Tensor:
     """[B, 1, max_q_len, max_k_len]: ``rb`` as a padded additive ``bias`` (zero outside each sequence), for
-    kernels that take a materialised bias only. O(B L^2) memory: the fused kernels never build it."""
-    qo, ko = q_offsets.tolist(), k_offsets.tolist()
-    out = rb.positions.new_zeros(len(qo) - 1, 1, max_q_len, max_k_len)
-    rows = [torch.nn.functional.pad(relative_bias_block(rb, qo[b], qo[b + 1] - qo[b], ko[b], ko[b + 1] - ko[b]),
-                                    (0, max_k_len - (ko[b + 1] - ko[b]), 0, max_q_len - (qo[b + 1] - qo[b])))
-            for b in range(len(qo) - 1)]
-    return torch.stack(rows).unsqueeze(1) if rows else out
+    kernels that take a materialised bias only. O(B L^2) memory: the fused kernels never build it.
+
+    Computed from the offsets where they are, without reading them back (no host sync on a GPU): the same
+    terms as :func:`relative_bias_block`, gathered for every padded (query, key) slot at once."""
+    device = rb.positions.device
+    q_offsets, k_offsets = q_offsets.to(device), k_offsets.to(device)
+    i = torch.arange(max_q_len, device=device).view(1, -1, 1)
+    j = torch.arange(max_k_len, device=device).view(1, 1, -1)
+    lq = (q_offsets[1:] - q_offsets[:-1]).view(-1, 1, 1)
+    lk = (k_offsets[1:] - k_offsets[:-1]).view(-1, 1, 1)
+    inside = (i < lq) & (j < lk)  # [B, Lq, Lk]
+    bias = rb.positions[(i + (lk - lq) - j).clamp(0, rb.positions.numel() - 1)]
+    tq, tk = (0, 0) if rb.time_weights is None else (rb.q_times.numel(), rb.k_times.numel())
+    if tq and tk:  # with no query or no key row every slot is padding: the time term would only be masked
+        q_rows = (q_offsets[:-1].view(-1, 1, 1) + i).clamp(max=tq - 1)  # padding slots read a valid row
+        k_rows = (k_offsets[:-1].view(-1, 1, 1) + j).clamp(max=tk - 1)
+        gap = (rb.q_times[q_rows] - rb.k_times[k_rows]).abs().clamp(min=1)
+        bucket = (gap.float().log() / rb.bucket_divisor).long().clamp(0, rb.time_weights.numel() - 1)
+        bias = bias + rb.time_weights[bucket]
+    return torch.where(inside, bias, bias.new_zeros(())).unsqueeze(1)
 
 
 # ------------------------------------------------------------------------------------------ the reference
@@ -104,7 +131,7 @@ def materialize_relative_bias(rb: RelativeAttentionBias, q_offsets: torch.Tensor
 
 REFERENCE_CAPABILITIES = AttentionCapabilities(
     activations=frozenset(ACTIVATIONS), window=True, block=True, rotary=True, bias=True, relative_bias=True,
-    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}))
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}), grouped_kv=True)
 
 
 def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
@@ -112,13 +139,16 @@ def reference_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, acti
                         bias=None, relative_bias=None):
     """Per-sequence torch in fp32 (fp64 stays fp64): slow, obvious, and the definition of correct.
     ``bias`` [B, 1 or H, >= Lq, >= Lk] and ``relative_bias`` (a :class:`RelativeAttentionBias`) are added to
-    the scaled scores before the mask and the activation."""
+    the scaled scores before the mask and the activation. k and v may have fewer heads than q (a divisor of H:
+    grouped-query attention), repeated here with :func:`repeat_kv`."""
     q_offsets, k_offsets = check_inputs(
         q, k, v, q_offsets, k_offsets, activation, capabilities=REFERENCE_CAPABILITIES, kernel="reference",
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
         window=window, rope_theta=rope_theta, bias=bias, relative_bias=relative_bias)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if k.shape[1] != q.shape[1]:  # grouped k/v (checked: Hkv divides H): query head h reads k/v head h // n_rep
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // k.shape[1])
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
     qo, ko = q_offsets.tolist(), k_offsets.tolist()
     pieces = []

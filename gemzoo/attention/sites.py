@@ -54,7 +54,8 @@ class FunctionKernel:
         if self.cpu_fallback is not None and q.device.type == "cpu":
             check_inputs(q, k, v, q_offsets, k_offsets, capabilities=self.capabilities, kernel=self, **kw)
             return self._fallback()(q, k, v, q_offsets, k_offsets, **kw)
-        if any(kw.get(name) is not None for name in self._undeclared):  # raises PluginError naming who can
+        if any(kw.get(name) is not None for name in self._undeclared) or (
+                not self.capabilities.grouped_kv and _grouped(q, k)):  # raises PluginError naming who can
             check_inputs(q, k, v, q_offsets, k_offsets, capabilities=self.capabilities, kernel=self, **kw)
         if self._accepts is not None and any(name not in self._accepts for name in kw):
             kw = self._known_options(q, k, v, q_offsets, k_offsets, kw)
@@ -81,8 +82,14 @@ class FunctionKernel:
         return self._cpu_kernel
 
 
+def _grouped(q, k) -> bool:
+    """k has fewer heads than q (grouped k/v): served only by kernels that declare ``grouped_kv``."""
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 3 == k.dim()
+            and q.shape[1] != k.shape[1])
+
+
 # the options a kernel may take only with the capability beside them; FunctionKernel refuses them otherwise,
-# whether or not its function would accept the argument
+# whether or not its function would accept the argument (and k/v with fewer heads than q without grouped_kv)
 CAPABILITY_OF_OPTION = {"bias": "bias", "relative_bias": "relative_bias", "rope_theta": "rotary",
                         "window": "window", "block_size": "block"}
 

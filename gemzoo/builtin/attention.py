@@ -15,6 +15,7 @@ from gemzoo.attention import (
     check_inputs,
     pair_allowed,
     reference_attention,
+    repeat_kv,
 )
 from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities
 from gemzoo.jagged import max_length, offsets_to_lengths, positions, seq_ids
@@ -46,6 +47,8 @@ def sdpa_padded_attention(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
         causal=causal, scale=scale, norm=norm, max_q_len=max_q_len, max_k_len=max_k_len, block_size=block_size,
         window=window, rope_theta=rope_theta, bias=bias, relative_bias=relative_bias)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if k.shape[1] != q.shape[1]:  # grouped k/v: the naive baseline repeats them to q's heads
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // k.shape[1])
     lq_max = max_q_len if max_q_len is not None else max_length(q_offsets)
     lk_max = max_k_len if max_k_len is not None else max_length(k_offsets)
     if q.shape[0] == 0 or lq_max == 0:
@@ -141,7 +144,8 @@ def flex_attention_jagged(q, k, v, q_offsets, k_offsets=None, *, causal=True, ac
         return t.transpose(0, 1).unsqueeze(0)
 
     v, poisoned = _quarantine_nonfinite_v(v, q_offsets, k_offsets, q_pos[:tq], causal, window, block_size)
-    out = _flex(heads_first(q, tq_pad), heads_first(k, tk_pad), heads_first(v, tk_pad), block_mask, scale)
+    out = _flex(heads_first(q, tq_pad), heads_first(k, tk_pad), heads_first(v, tk_pad), block_mask, scale,
+                k.shape[1] != q.shape[1])
     out = out.squeeze(0).transpose(0, 1)[:tq]
     return torch.where(poisoned.view(-1, 1, 1), float("nan"), out)
 
@@ -179,16 +183,17 @@ def _bucket(n: int) -> int:
 _compiled_flex = None
 
 
-def _flex(q, k, v, block_mask, scale):
+def _flex(q, k, v, block_mask, scale, enable_gqa=False):
+    """flex_attention over [1, H, T, D] tensors; ``enable_gqa``: k and v have fewer heads (a divisor of H)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     if q.device.type != "cuda":
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _compiled_flex is None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 REFERENCE = FunctionKernel(
@@ -198,13 +203,13 @@ REFERENCE = FunctionKernel(
 )
 SDPA_PADDED = FunctionKernel(
     sdpa_padded_attention,
-    AttentionCapabilities(activations=ALL, window=True, block=True, bias=True),
-    "pad to the longest sequence, SDPA with a mask, unpad (naive baseline; bias included)",
+    AttentionCapabilities(activations=ALL, window=True, block=True, bias=True, grouped_kv=True),
+    "pad to the longest sequence, SDPA with a mask, unpad (naive baseline; bias and grouped k/v included)",
 )
 FLEX = FunctionKernel(
     flex_attention_jagged,
-    AttentionCapabilities(window=True, block=True, backward_devices=frozenset({"cuda"})),
-    "FlexAttention with a document mask (compiled on GPU; forward only on CPU)",
+    AttentionCapabilities(window=True, block=True, backward_devices=frozenset({"cuda"}), grouped_kv=True),
+    "FlexAttention with a document mask (compiled on GPU; forward only on CPU; grouped k/v by enable_gqa)",
 )
 
 

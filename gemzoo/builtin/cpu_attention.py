@@ -2,7 +2,8 @@
 
 Full attention semantics (every activation with norm; causal bottom-right, window, block; Lq != Lk; the
 fused relative bias, a RelativeAttentionBias looked up per (query, key) pair inside the tiles), forward and
-backward (gradients for q, k, v and both bias tables), fp32/bf16/fp16 inputs computed in fp32. GEM attention plugins dispatch to it for
+backward (gradients for q, k, v and both bias tables), grouped k/v (GQA/MQA: k and v with a divisor of q's
+heads; the backward sums each group's dK/dV in one work item), fp32/bf16/fp16 inputs computed in fp32. GEM attention plugins dispatch to it for
 CPU tensors. Without the extension (or for tensors on another device) it runs the ``reference`` oracle.
 """
 
@@ -24,7 +25,7 @@ def cpu_attention(q, k, v, q_offsets, k_offsets=None, **kw):
 CPU = FunctionKernel(
     cpu_attention,
     AttentionCapabilities(
-        activations=frozenset(ACTIVATIONS), window=True, block=True, relative_bias=True,
+        activations=frozenset(ACTIVATIONS), window=True, block=True, relative_bias=True, grouped_kv=True,
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
         devices=frozenset({"cpu"}), backward_devices=frozenset({"cpu"}),
     ),

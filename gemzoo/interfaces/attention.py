@@ -3,7 +3,8 @@
     out = kernel(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None,
                  norm=None, max_q_len=None, max_k_len=None, block_size=None, window=None, rope_theta=None)
 
-q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv] -> out [Tq, H, Dv]. For sequence b with lengths Lq, Lk and
+q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv] -> out [Tq, H, Dv]. With grouped k/v (GQA/MQA, a kernel declaring
+``grouped_kv``) k and v have Hkv heads, Hkv dividing H, and query head h attends with k/v head h // (H / Hkv). For sequence b with lengths Lq, Lk and
 shift s = Lk - Lq, key j is allowed for query i iff (not causal or j <= i + s) and
 (window is None or i + s - j < window) and (block_size is None or (i + s) // block_size == j // block_size).
 softmax: a row with no allowed key outputs 0. Other activations: P = act(S) on allowed keys, / norm.
@@ -68,6 +69,7 @@ class AttentionCapabilities:
     rotary: bool = False  # rope_theta
     bias: bool = False  # an additive score bias, bias= [B, 1 or H, >= Lq, >= Lk] padded
     relative_bias: bool = False  # relative_bias= a RelativeAttentionBias, computed inside the tiles
+    grouped_kv: bool = False  # k/v with fewer heads than q (GQA/MQA): Hkv divides Hq, q head h reads h // (Hq/Hkv)
 
     def missing(self, req: AttentionRequest) -> list[str]:
         """Human-readable list of what ``req`` needs that this kernel lacks."""
@@ -98,6 +100,8 @@ class AttentionCapabilities:
             out.append("bias (additive attention bias)")
         if req.relative_bias and not self.relative_bias:
             out.append("relative_bias (fused relative position/time bias)")
+        if req.grouped_kv and not self.grouped_kv:
+            out.append("grouped_kv (k/v with fewer heads than q)")
         return out
 
 
@@ -117,6 +121,7 @@ class AttentionRequest:
     rotary: bool = False
     bias: bool = False
     relative_bias: bool = False
+    grouped_kv: bool = False  # k/v have fewer heads than q (GQA/MQA)
 
     def replace(self, **kw) -> AttentionRequest:
         return dataclasses.replace(self, **kw)

@@ -6,7 +6,9 @@ declared capabilities raises PluginError; window=0 and block_size=0 raise ValueE
 one sequence's q, k or v reaches the rows that see it, never another sequence; rows with no allowed key
 stay exactly 0). Kernels that declare ``relative_bias`` also get ``match`` cases with a
 :class:`RelativeAttentionBias` (positions only, and positions + time buckets), whose tables' gradients are
-compared too. docs/attention.md is the contract these test.
+compared too. Kernels that declare ``grouped_kv`` get grouped-query cases (k/v with fewer heads than q: 4 over
+2, MQA's 1, 6 over 3) in ``match`` and ``nan`` checks; the others get k/v with one head in their
+``unsupported`` check. docs/attention.md is the contract these test.
 """
 
 from __future__ import annotations
@@ -42,11 +44,17 @@ class AttentionCase:
     seed: int = 0
     check: str = "match"  # match | hints | unsupported | nan
     relative_bias: str | None = None  # None, "position" or "position_time": a RelativeAttentionBias
+    kv_heads: int | None = None  # k/v heads (a divisor of ``heads``: grouped-query attention); None: ``heads``
+
+    @property
+    def grouped(self) -> bool:
+        return self.kv_heads is not None and self.kv_heads != self.heads
 
     def request(self, dtype=None, device=None, backward=True) -> AttentionRequest:
         return AttentionRequest(self.activation, self.causal, self.asymmetric, self.window is not None,
                                 self.block_size is not None, dtype, device, backward, self.head_dim,
-                                self.rope_theta is not None, relative_bias=self.relative_bias is not None)
+                                self.rope_theta is not None, relative_bias=self.relative_bias is not None,
+                                grouped_kv=self.grouped)
 
     def __str__(self) -> str:
         parts = [] if self.check == "match" else [self.check]
@@ -61,6 +69,8 @@ class AttentionCase:
             parts.append(f"rope{self.rope_theta:g}")
         if self.relative_bias is not None:
             parts.append({"position": "relpos", "position_time": "reltime"}[self.relative_bias])
+        if self.grouped:
+            parts.append(f"gqa{self.heads}x{self.kv_heads}")
         parts.append(f"d{self.head_dim}s{self.seed}")
         return "-".join(parts)
 
@@ -120,7 +130,36 @@ def attention_cases(caps: AttentionCapabilities, *, head_dims=(16,), quick: bool
         masked = next((c for c in cases if c.window is not None or c.block_size is not None), None)
         if masked is not None:
             cases.append(replace(masked, check="nan", seed=230))
-    return cases + relative_bias_cases(caps)
+    return cases + relative_bias_cases(caps) + grouped_kv_cases(caps)
+
+
+def grouped_kv_cases(caps: AttentionCapabilities) -> list[AttentionCase]:
+    """Grouped-query cases for a kernel that declares ``grouped_kv``: 4 query heads over 2 k/v heads, MQA
+    (one k/v head), 6 over 3 with a window, blocks, rotary and the relative bias where declared; ``match``,
+    and one ``nan`` check (a NaN in k/v head 0 reaches every query head of its group, no other sequence)."""
+    if not caps.grouped_kv:
+        return []
+    from dataclasses import replace
+
+    pointwise = sorted(caps.activations - {"softmax"})
+    act = "softmax" if "softmax" in caps.activations else pointwise[0]
+    other = pointwise[0] if pointwise else act
+    norm = None if act == "softmax" else 16.0
+    cases = [AttentionCase(act, caps.causal, False, norm=norm, heads=4, kv_heads=2, seed=400),
+             AttentionCase(other, not caps.non_causal, caps.asymmetric, norm=None if other == "softmax" else 16.0,
+                           heads=4, kv_heads=1, seed=401)]
+    if caps.window:
+        cases.append(AttentionCase(act, True, caps.asymmetric, window=5, norm=norm, heads=6, kv_heads=3, seed=402))
+    if caps.block:
+        cases.append(AttentionCase(act, True, False, block_size=7, norm=norm, heads=4, kv_heads=2,
+                                   rope_theta=500.0 if caps.rotary else None, seed=403))
+    if caps.relative_bias:
+        cases.append(AttentionCase(act, True, False, norm=norm, relative_bias="position_time", heads=4, kv_heads=2,
+                                   seed=404))
+    cases = [c for c in cases if not caps.missing(c.request())]
+    if cases:
+        cases.append(replace(cases[0], check="nan", seed=405))
+    return cases
 
 
 def relative_bias_cases(caps: AttentionCapabilities) -> list[AttentionCase]:
@@ -170,8 +209,8 @@ def make_relative_bias(case: AttentionCase, q_off: torch.Tensor, k_off: torch.Te
 
 
 def unsupported_options(caps: AttentionCapabilities) -> list[tuple[str, dict]]:
-    """(what, call options) for each option outside ``caps``; ``dtype``/``asymmetric`` keys are not kernel
-    options but say how to build the inputs."""
+    """(what, call options) for each option outside ``caps``; ``dtype``/``asymmetric``/``kv_heads`` keys are not
+    kernel options but say how to build the inputs."""
     out = [(f"activation={a!r}", {"activation": a, "norm": 8.0}) for a in ACTIVATIONS if a not in caps.activations]
     if not caps.block:
         out.append(("block_size", {"block_size": 4}))
@@ -187,6 +226,8 @@ def unsupported_options(caps: AttentionCapabilities) -> list[tuple[str, dict]]:
         out.append(("asymmetric", {"asymmetric": True}))
     if not caps.relative_bias:
         out.append(("relative_bias", {"relative_bias": "position"}))
+    if not caps.grouped_kv:
+        out.append(("grouped_kv", {"kv_heads": 1}))
     for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.float32):
         if dtype not in caps.dtypes:
             out.append((f"dtype {dtype}", {"dtype": dtype}))
@@ -216,11 +257,12 @@ def make_inputs(case: AttentionCase, dtype: torch.dtype, device: str, generator:
     q_off, k_off = lengths_to_offsets(q_lens).to(device), lengths_to_offsets(k_lens).to(device)
     tq, tk = int(q_lens.sum()), int(k_lens.sum())
     h, d = case.heads, case.head_dim
+    hkv = h if case.kv_heads is None else case.kv_heads
 
     def rnd(*shape):
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
-    q, k, v = rnd(tq, h, d), rnd(tk, h, d), rnd(tk, h, d)
+    q, k, v = rnd(tq, h, d), rnd(tk, hkv, d), rnd(tk, hkv, d)
     return q, k, v, q_off, (k_off if case.asymmetric else None)
 
 
@@ -336,7 +378,8 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
         options = dict(options)
         in_dtype = options.pop("dtype", dtype)
         c = replace(case, asymmetric=options.pop("asymmetric", case.asymmetric),
-                    relative_bias=options.pop("relative_bias", case.relative_bias))
+                    relative_bias=options.pop("relative_bias", case.relative_bias),
+                    kv_heads=options.pop("kv_heads", case.kv_heads))
         gen = torch.Generator().manual_seed(1234 + case.seed)
         q, k, v, q_off, k_off = make_inputs(c, in_dtype, device, gen)
         kw = {**_case_kw(c), **options}
@@ -361,7 +404,8 @@ def _check_unsupported(kernel, case, device, dtype) -> dict[str, float]:
 
 
 def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
-    """A NaN put into one sequence's q, k or v (head 0) makes NaN the rows that see it; rows of that sequence
+    """A NaN put into one sequence's q, k or v (head 0) makes NaN the rows that see it (in every query head that
+    reads k/v head 0, with grouped k/v); rows of that sequence
     with no allowed key stay exactly 0; every other sequence's output (and gradients) is what it was."""
     gen = torch.Generator().manual_seed(1234 + case.seed)
     q, k, v, q_off, k_off = make_inputs(case, dtype, device, gen)
@@ -400,7 +444,9 @@ def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
         poisoned["qkv".index(which)][at, 0, 0] = float("nan")
         out, grads = run(poisoned)
         where = f"{case}: NaN in {which}[{at}] (sequence {b})"
-        assert torch.isnan(out[qs[b]:qs[b + 1]][sees, 0]).any(1).all(), f"{where}: a row that sees it is not NaN"
+        heads = 1 if which == "q" else q.shape[1] // k.shape[1]  # k/v head 0 is read by query heads [0, group)
+        assert torch.isnan(out[qs[b]:qs[b + 1]][sees][:, :heads]).any(-1).all(), \
+            f"{where}: a row that sees it is not NaN (query heads 0..{heads - 1})"
         empty = ~mask.any(1)
         assert (out[qs[b]:qs[b + 1]][empty] == 0).all(), f"{where}: a row with no allowed key is not 0"
         others = out[~own]
@@ -412,4 +458,45 @@ def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
                 errors[f"nan-{which}-d{name}"] = _rel(g[rows], g0[rows])
     bad = {n: e for n, e in errors.items() if not e <= tol}
     assert not bad, f"{case}: a NaN changed other sequences: {bad}"
+    return errors
+
+
+def grouped_query_errors(fn, q_lens, k_lens=None, *, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+                         dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+                         relative_bias: bool = False, **kw) -> dict[str, float]:
+    """Relative errors of ``fn`` (a kernel function: q, k, v, q_offsets, k_offsets, **kw) against the fp64
+    reference on grouped k/v (``kv_heads`` dividing ``heads``), forward and dq/dk/dv (and the bias tables'
+    gradients with ``relative_bias``: positions and time buckets), each with ``{name}_finite``. For the Triton
+    interpreter scripts and GPU tests of the kernels that declare ``grouped_kv`` (jfa, gdpa, block-attention)."""
+    gen = torch.Generator().manual_seed(seed)
+    ql = torch.tensor(q_lens)
+    kl = ql if k_lens is None else torch.tensor(k_lens)
+    q_off, k_off = lengths_to_offsets(ql), lengths_to_offsets(kl)
+    tq, tk = int(ql.sum()), int(kl.sum())
+    qkv = (torch.randn(tq, heads, head_dim, generator=gen), torch.randn(tk, kv_heads, head_dim, generator=gen),
+           torch.randn(tk, kv_heads, head_dim, generator=gen))
+    rb = None
+    if relative_bias:
+        case = AttentionCase(max_len=max([*q_lens, *(k_lens or [])]), relative_bias="position_time")
+        rb = make_relative_bias(case, q_off, None if k_lens is None else k_off, torch.float32, "cpu", gen)
+    grad = torch.randn(tq, heads, head_dim, generator=gen)
+
+    def run(kernel, dt, dev):
+        leaves = [t.detach().to(device=dev, dtype=dt, copy=True).requires_grad_() for t in qkv]
+        table_dtype = torch.float64 if dt == torch.float64 else torch.float32
+        tables = [] if rb is None else [t.detach().to(device=dev, dtype=table_dtype, copy=True).requires_grad_()
+                                        for t in (rb.positions, rb.time_weights)]
+        extra = dict(kw)
+        if rb is not None:
+            extra["relative_bias"] = RelativeAttentionBias(tables[0], tables[1], rb.q_times.to(dev),
+                                                           rb.k_times.to(dev), rb.bucket_divisor)
+        out = kernel(*leaves, q_off.to(dev), None if k_lens is None else k_off.to(dev), **extra)
+        out.backward(grad.to(device=dev, dtype=dt))
+        return [out.detach()] + [t.grad for t in leaves + tables]
+
+    mine, ref = run(fn, dtype, device), run(reference_attention, torch.float64, "cpu")
+    errors = {}
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dpositions", "dtime_weights"], mine, ref, strict=False):
+        errors[name] = _rel(a.cpu(), b)
+        errors[f"{name}_finite"] = bool(torch.isfinite(a).all())
     return errors

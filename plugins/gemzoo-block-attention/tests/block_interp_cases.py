@@ -160,11 +160,39 @@ def compile_check():
     return {"compile": same, "opcheck": True}
 
 
+# Grouped k/v (GQA 4 over 2 and 6 over 3, MQA 4 over 1) with blocks, windows and fused RoPE, head dims 256 and 50:
+# name -> grouped_query_errors keywords
+GQA_CASES = {
+    "gqa4x2-block8-causal": dict(q_lens=[5, 0, 37, 16], block_size=8),
+    "mqa4x1-block7-gelu-asym": dict(q_lens=[5, 0, 37, 16], k_lens=[9, 4, 20, 40], kv_heads=1, block_size=7,
+                                    activation="gelu", causal=False, norm=8.0),
+    "gqa6x3-block16-window-rope": dict(q_lens=[5, 0, 37, 16], heads=6, kv_heads=3, block_size=16, window=5,
+                                       rope_theta=100.0),
+    "gqa4x2-block8-d256": dict(q_lens=[5, 0, 20], head_dim=256, block_size=8),
+    "mqa4x1-block8-rope-d50": dict(q_lens=[5, 0, 37, 16], kv_heads=1, head_dim=50, block_size=8, rope_theta=500.0),
+}
+
+
+def gqa_cases() -> dict:
+    """GQA_CASES through block_attention_triton (``options``: a KernelOptions for it only), against the fp64 reference."""
+    from functools import partial
+
+    from gemzoo_block_attention.ops import block_attention_triton
+
+    from gemzoo.testing.attention import grouped_query_errors
+
+    out = {}
+    for name, kw in GQA_CASES.items():
+        kw = dict(kw)
+        out[name] = grouped_query_errors(partial(block_attention_triton, options=kw.pop("options", None)), **kw)
+    return out
+
+
 def main(which: str) -> None:
     from gemzoo.testing.interpreter import print_group
 
     print_group({"cases": lambda: {name: run_case(*args) for name, args in CASES.items()},
-                 "conformance": conformance,
+                 "conformance": conformance, "gqa": gqa_cases,
                  "misc": lambda: {"nan": nan_stays_in_block(), "compile": compile_check()}}, which)
 
 

@@ -46,6 +46,18 @@ CASES.update({
     "split-relu-window": ("relu", [3, 0, 20, 5], [70, 9, 0, 45], True, 19, None, 16, 24, "float32", 8),
     "split-silu-bf16": ("silu", [3, 0, 8, 5], [70, 9, 0, 45], False, None, 2.0, 16, 16, "bfloat16", 2),
 })
+# Grouped k/v (GQA 4 over 2 and 6 over 3, MQA 4 over 1), head dims 256 and 50, the split-K path and the
+# relative bias: name -> grouped_query_errors keywords
+GQA_CASES = {
+    "gqa4x2-silu-causal": dict(q_lens=Q4, activation="silu", norm=16.0),
+    "mqa4x1-gelu-asym-full": dict(q_lens=Q4, k_lens=K4, kv_heads=1, activation="gelu", causal=False),
+    "gqa6x3-relu-window": dict(q_lens=Q4, k_lens=K4, heads=6, kv_heads=3, activation="relu", window=5, norm=8.0),
+    "gqa4x2-silu-d256": dict(q_lens=[5, 0, 20], head_dim=256, activation="silu"),
+    "mqa4x1-silu-d50": dict(q_lens=Q4, kv_heads=1, head_dim=50, activation="silu", norm=16.0),
+    "mqa4x1-split-silu-cross": dict(q_lens=[3, 0, 8, 5], k_lens=[70, 9, 0, 45], kv_heads=1, activation="silu",
+                                    causal=False, options="split"),
+    "gqa4x2-silu-relative-bias": dict(q_lens=Q4, activation="silu", norm=16.0, relative_bias=True),
+}
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
 
 
@@ -183,10 +195,27 @@ def all_cases() -> dict:
     return res
 
 
+def gqa_cases() -> dict:
+    """GQA_CASES through gdpa_triton (``options``: a KernelOptions for it only), against the fp64 reference."""
+    from functools import partial
+
+    from gemzoo_gdpa.ops import gdpa_triton
+    from gemzoo_jfa.family import KernelOptions
+
+    from gemzoo.testing.attention import grouped_query_errors
+
+    out = {}
+    for name, kw in GQA_CASES.items():
+        kw = dict(kw)
+        split = kw.pop("options", None) == "split"  # forced key splits (the short-Q/long-K path)
+        out[name] = grouped_query_errors(partial(gdpa_triton, options=KernelOptions(split=4) if split else None), **kw)
+    return out
+
+
 def main(which: str) -> None:
     from gemzoo.testing.interpreter import print_group
 
-    print_group({"cases": all_cases, "conformance": conformance,
+    print_group({"cases": all_cases, "conformance": conformance, "gqa": gqa_cases,
                  "misc": lambda: {"nan": nan_confined(), "strided": strided_offsets(), "compile": compile_check()}},
                 which)
 

@@ -8,7 +8,9 @@ RoPE (block-attention). A family member builds its custom ops over these functio
     launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, activation, inv_norm, block,
                rope_theta, options=KernelOptions(order="natural", tma=False))
 
-``activation`` is a code of ``ACTIVATION_CODES`` (gemzoo's one table: 0 softmax, the others pointwise),
+k and v may have fewer heads than q (a divisor of its count: grouped-query / multi-query attention; query head
+h reads k/v head h // (H / Hkv)). ``activation`` is a code of ``ACTIVATION_CODES`` (gemzoo's one table: 0
+softmax, the others pointwise),
 ``window`` and ``block`` are -1 for "off", ``rope_theta`` 0.0. How the kernels run (tiles, schedule order,
 TMA, key split, length buckets, fused dQ) travels as a frozen ``KernelOptions`` passed through the call;
 ``options_index`` / ``options_at`` pass it across a custom op's schema. ``GEMZOO_JFA_BUCKETS=0`` turns the
@@ -33,7 +35,7 @@ LOG2E = 1.4426950408889634
 
 # What every kernel of the family serves (jfa itself; gdpa and block-attention widen it with
 # dataclasses.replace): causal, full and sliding-window masks, Lq != Lk, fp32/bf16/fp16, forward and backward
-# on CUDA (Triton) and CPU (the fallback), head dims up to 256.
+# on CUDA (Triton) and CPU (the fallback), head dims up to 256, grouped k/v (GQA/MQA).
 FAMILY_CAPABILITIES = AttentionCapabilities(
     activations=frozenset({"softmax"}),
     causal=True,
@@ -45,6 +47,7 @@ FAMILY_CAPABILITIES = AttentionCapabilities(
     devices=frozenset({"cpu", "cuda"}),
     backward_devices=frozenset({"cpu", "cuda"}),
     head_dims=tuple(range(1, MAX_HEAD_DIM + 1)),
+    grouped_kv=True,
 )
 
 
@@ -367,7 +370,7 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
             _act_scale(activation, scale), inv_norm, max(window, 0), split_n,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             target.stride(0), target.stride(1),
-            H=h, D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
+            H=h, GROUP=_group(q, k), D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
             CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=use_tma,
             ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
             **_block_rope(block, rope_theta, d), **(rel or {}),
@@ -458,9 +461,14 @@ def _launch_preprocess(out, do):
     return delta
 
 
+def _group(q: torch.Tensor, kv: torch.Tensor) -> int:
+    """Query heads per k/v head (grouped-query attention; 1 for multi-head): q head h reads k/v head h // group."""
+    return q.shape[1] // max(kv.shape[1], 1)
+
+
 def _common(q, v, causal, window, activation):
     d, dv = q.shape[2], v.shape[2]
-    return dict(H=q.shape[1], D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), CAUSAL=causal, WINDOWED=window >= 0,
+    return dict(H=q.shape[1], GROUP=_group(q, v), D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), CAUSAL=causal, WINDOWED=window >= 0,
                 UPCAST=q.device.type != "cuda", ACT=activation)
 
 
@@ -483,7 +491,7 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
             continue
         use_tma = tma and c.tma is not False
         qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if use_tma else (q, do)
-        kernels.attn_bwd_dkdv_kernel[(cap * q.shape[1],)](
+        kernels.attn_bwd_dkdv_kernel[(cap * k.shape[1],)](  # one program per k/v head: it loops over its group
             q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0],
             _act_scale(activation, scale), scale * inv_norm, 1.0 if activation == 0 else inv_norm,
             max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -1,10 +1,15 @@
 """Triton kernels for jagged attention, forward and backward: one family for softmax (jfa) and the
 pointwise activations of GDPA (gdpa).
 
-Layout: q [Tq, H, D], k [Tk, H, D], v [Tk, H, DV] with unit stride on the last dim; int64 offsets [B+1]
+Layout: q [Tq, H, D], k [Tk, HKV, D], v [Tk, HKV, DV] with unit stride on the last dim; int64 offsets [B+1]
 with unit stride. Every program takes one work item, a (sequence, block[, key split]) entry of a
-schedule built on the device (see ``schedule.py``), and one head: ``pid = item * H + head`` so the
+schedule built on the device (see ``schedule.py``), and one head: ``pid = item * heads + head`` so the
 heads of the costliest items start first. Items past the real count carry sequence -1 and exit at once.
+
+GROUP (constexpr) = H / HKV query heads share one k/v head (grouped-query attention; 1: multi-head, MQA:
+HKV = 1): query head h reads k/v head h // GROUP. The forward and dq kernels run one program per query head;
+the dk/dv kernel one per k/v head, looping over the GROUP query heads of its group (``_dkdv_q_head``) and
+accumulating dK and dV in registers, so no atomics are needed.
 
 Key j is allowed for query i iff (not CAUSAL or j <= i + s) and (not WINDOWED or i + s - j < window),
 with s = Lk - Lq (bottom-right causal), and, with BLOCKED, (i + s) // block == j // block (blocks of
@@ -482,12 +487,14 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
                     BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False, RB_POS=None, RB_TW=None, RB_QT=None,
-                    RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0):
+                    RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0, GROUP: tl.constexpr = 1):
     """Forward. Softmax writes O and LSE; pointwise writes O (or, with SPLIT, adds to fp32 O). REL > 0 adds
-    the relative bias of the tables RB_POS [n_pos] and RB_TW [n_tw] (timestamps RB_QT [Tq], RB_KT [Tk])."""
+    the relative bias of the tables RB_POS [n_pos] and RB_TW [n_tw] (timestamps RB_QT [Tq], RB_KT [Tk]).
+    One program per query head h, reading k/v head h // GROUP."""
     b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
         return
+    hk = h // GROUP
     shift = Lk - Lq
     m_lo, m_last, offs_m, rows = _q_block(mblk, Lq, BM)
     offs_n, offs_d, offs_dv = tl.arange(0, BN), tl.arange(0, BD), tl.arange(0, BDV)
@@ -501,8 +508,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
         q = _load_block(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, offs_d, D)
         if UPCAST:
             q = q.to(tl.float32)
-    k_base = K + k_start * stride_kt + h * stride_kh
-    v_base = V + k_start * stride_vt + h * stride_vh
+    k_base = K + k_start * stride_kt + hk * stride_kh
+    v_base = V + k_start * stride_vt + hk * stride_vh
     k_row0 = k_start.to(tl.int32)
     lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
                                           SPLIT, block, BLOCKED)
@@ -515,15 +522,15 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk,
-                               shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
+                               shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD,
                                BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE,
                                RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows,
-                               Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV,
+                               Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV,
                                BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED,
                                ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk,
-                               shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD,
+                               shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD,
                                BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE,
                                RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
 
@@ -634,6 +641,41 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
     return dk, dv
 
 
+@triton.jit
+def _dkdv_q_head(dk, dv, k, v, h, Q, DO, LSE, DELTA, DQACC, DK, stride_qt, stride_qh, stride_dot, stride_doh,
+                 stride_dqt, stride_dqh, Tq, q_start, Lq, shift, window, lo, full_lo, full_hi, hi, cols, qk_scale,
+                 offs_m, offs_d, offs_dv, QD, DOD, q_row0,
+                 D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
+                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                 ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr, FUSED_DQ: tl.constexpr,
+                 RB_POS, RB_TW, rb_kt, RB_QT, n_pos, n_tw, rb_div, rb_grad, kvalid, REL: tl.constexpr):
+    """Add query head ``h``'s share to the dK, dV accumulators of one key block: its queries that see the block,
+    as masked [lo, full_lo), fully allowed [full_lo, full_hi) and masked [full_hi, hi) query blocks."""
+    q_base = Q + q_start * stride_qt + h * stride_qh
+    do_base = DO + q_start * stride_dot + h * stride_doh
+    lse_base = LSE + h.to(tl.int64) * Tq + q_start
+    delta_base = DELTA + h.to(tl.int64) * Tq + q_start
+    dq_base = DK  # never written without FUSED_DQ
+    if FUSED_DQ:
+        dq_base = DQACC + q_start * stride_dqt + h * stride_dqh
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, full_lo,
+                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
+                         stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
+                         BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div, rb_grad,
+                         kvalid, REL)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_lo,
+                         full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
+                         dq_base, stride_dqt, D, DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block,
+                         rope_c, BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div,
+                         rb_grad, kvalid, REL)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_hi, hi,
+                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
+                         stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
+                         BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div, rb_grad,
+                         kvalid, REL)
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=("n_items_cap", "Tq"))
 def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD, DOD, n_items_cap, Tq, qk_scale,
                          dk_scale, dv_scale, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
@@ -644,12 +686,14 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
                          ACT: tl.constexpr = 0, block=1, rope_c=0.0, BLOCKED: tl.constexpr = False,
                          ROPE: tl.constexpr = False, DQACC=None, stride_dqt=0, stride_dqh=0,
                          FUSED_DQ: tl.constexpr = False, RB_POS=None, RB_TW=None, RB_QT=None, RB_KT=None, n_pos=1,
-                         n_tw=1, rb_div=1.0, RB_GRAD=None, rb_slots=1, rb_width=1, REL: tl.constexpr = 0):
-    """dK, dV of one key block, looping over the queries that see it (no atomics). With FUSED_DQ also this
-    block's share of dQ, added atomically to the fp32 ``DQACC`` [Tq, H, D] (unscaled, so no dq kernel runs).
-    With REL > 0 the relative bias, and dS added per table entry to row pid % rb_slots of ``RB_GRAD``
-    [rb_slots, rb_width] (positions at [0, n_pos), time buckets at [n_pos, n_pos + n_tw)), unscaled."""
-    b, h, nblk, _, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, False)
+                         n_tw=1, rb_div=1.0, RB_GRAD=None, rb_slots=1, rb_width=1, REL: tl.constexpr = 0,
+                         GROUP: tl.constexpr = 1):
+    """dK, dV of one key block of one k/v head, looping over the GROUP query heads that read it and, for each,
+    over the queries that see the block (no atomics). With FUSED_DQ also this block's share of dQ, added
+    atomically to the fp32 ``DQACC`` [Tq, H, D] (unscaled, so no dq kernel runs). With REL > 0 the relative
+    bias, and dS added per table entry to row pid % rb_slots of ``RB_GRAD`` [rb_slots, rb_width] (positions at
+    [0, n_pos), time buckets at [n_pos, n_pos + n_tw)), unscaled."""
+    b, hk, nblk, _, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H // GROUP, False)
     if b < 0:
         return
     shift = Lk - Lq
@@ -663,23 +707,16 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
     offs_dv = tl.arange(0, BDV)
 
     kmask = cols[:, None] < Lk
-    k = _load_block(K + (k_start + n_lo) * stride_kt + h * stride_kh, offs_n, stride_kt, cols, Lk, offs_d, D)
-    v = _load_block(V + (k_start + n_lo) * stride_vt + h * stride_vh, offs_n, stride_vt, cols, Lk, offs_dv, DV)
+    k = _load_block(K + (k_start + n_lo) * stride_kt + hk * stride_kh, offs_n, stride_kt, cols, Lk, offs_d, D)
+    v = _load_block(V + (k_start + n_lo) * stride_vt + hk * stride_vh, offs_n, stride_vt, cols, Lk, offs_dv, DV)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     if ROPE:
-        k = _rope_load(K + (k_start + n_lo) * stride_kt + h * stride_kh, offs_n, stride_kt, cols, Lk, cols, rope_c, D,
+        k = _rope_load(K + (k_start + n_lo) * stride_kt + hk * stride_kh, offs_n, stride_kt, cols, Lk, cols, rope_c, D,
                        BD, BN, UPCAST).to(v.dtype)
     lo, full_lo, full_hi, hi = _query_range(n_lo, n_last, Lq, shift, window, BM, CAUSAL, WINDOWED, block, BLOCKED)
 
-    q_base = Q + q_start * stride_qt + h * stride_qh
-    do_base = DO + q_start * stride_dot + h * stride_doh
-    lse_base = LSE + h.to(tl.int64) * Tq + q_start
-    delta_base = DELTA + h.to(tl.int64) * Tq + q_start
-    dq_base = DK  # never written without FUSED_DQ
-    if FUSED_DQ:
-        dq_base = DQACC + q_start * stride_dqt + h * stride_dqh
     q_row0 = q_start.to(tl.int32)
     rb_kt = _rel_times(RB_KT, k_start, cols, Lk, REL)
     rb_grad = RB_GRAD
@@ -687,30 +724,29 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
         rb_grad = RB_GRAD + (tl.program_id(0) % rb_slots).to(tl.int64) * rb_width
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BDV], tl.float32)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, full_lo,
-                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
-                         stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
-                         BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div, rb_grad,
-                         cols < Lk, REL)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_lo,
-                         full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
-                         dq_base, stride_dqt, D, DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block,
-                         rope_c, BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div,
-                         rb_grad, cols < Lk, REL)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_hi, hi,
-                         cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
-                         stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
-                         BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div, rb_grad,
-                         cols < Lk, REL)
+    if GROUP == 1:
+        dk, dv = _dkdv_q_head(dk, dv, k, v, hk, Q, DO, LSE, DELTA, DQACC, DK, stride_qt, stride_qh, stride_dot,
+                              stride_doh, stride_dqt, stride_dqh, Tq, q_start, Lq, shift, window, lo, full_lo, full_hi,
+                              hi, cols, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, D, DV, BD, BDV, BM, CAUSAL,
+                              WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW,
+                              rb_kt, RB_QT, n_pos, n_tw, rb_div, rb_grad, cols < Lk, REL)
+    else:
+        for g in range(GROUP):  # the query heads of this k/v head's group, summed in registers
+            dk, dv = _dkdv_q_head(dk, dv, k, v, hk * GROUP + g, Q, DO, LSE, DELTA, DQACC, DK, stride_qt, stride_qh,
+                                  stride_dot, stride_doh, stride_dqt, stride_dqh, Tq, q_start, Lq, shift, window, lo,
+                                  full_lo, full_hi, hi, cols, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, D,
+                                  DV, BD, BDV, BM, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED,
+                                  ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, n_pos, n_tw, rb_div, rb_grad, cols < Lk,
+                                  REL)
     dk = dk * dk_scale
     dv = dv * dv_scale
     if ROPE:
-        _rope_store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh, offs_n, stride_dkt, cols, Lk, cols, rope_c, dk,
-                    D, BD, BN, False, UPCAST)
+        _rope_store(DK + (k_start + n_lo) * stride_dkt + hk * stride_dkh, offs_n, stride_dkt, cols, Lk, cols, rope_c,
+                    dk, D, BD, BN, False, UPCAST)
     else:
-        tl.store(DK + (k_start + n_lo) * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-                 dk.to(DK.dtype.element_ty), mask=kmask & (offs_d[None, :] < D))
-    tl.store(DV_ + (k_start + n_lo) * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :],
+        tl.store(DK + (k_start + n_lo) * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt
+                 + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kmask & (offs_d[None, :] < D))
+    tl.store(DV_ + (k_start + n_lo) * stride_dvt + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :],
              dv.to(DV_.dtype.element_ty), mask=kmask & (offs_dv[None, :] < DV))
 
 
@@ -762,12 +798,15 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                        ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
                        BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False, RB_POS=None, RB_TW=None,
-                       RB_QT=None, RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0):
+                       RB_QT=None, RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0,
+                       GROUP: tl.constexpr = 1):
     """dQ of one query block, looping over its keys (with SPLIT: one key split, added to fp32 dQ); REL > 0
-    recomputes the scores with the relative bias (its table gradients come from the dk/dv kernel)."""
+    recomputes the scores with the relative bias (its table gradients come from the dk/dv kernel). One
+    program per query head h, reading k/v head h // GROUP."""
     b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
         return
+    hk = h // GROUP
     shift = Lk - Lq
     m_lo, m_last, offs_m, rows = _q_block(mblk, Lq, BM)
     offs_n, offs_d, offs_dv = tl.arange(0, BN), tl.arange(0, BD), tl.arange(0, BDV)
@@ -787,8 +826,8 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
     if ROPE:
         q = _rope_load(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, rows + shift,
                        rope_c, D, BD, BM, UPCAST).to(do.dtype)
-    k_base = K + k_start * stride_kt + h * stride_kh
-    v_base = V + k_start * stride_vt + h * stride_vh
+    k_base = K + k_start * stride_kt + hk * stride_kh
+    v_base = V + k_start * stride_vt + hk * stride_vh
     k_row0 = k_start.to(tl.int32)
     lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
                                           SPLIT, block, BLOCKED)
@@ -799,15 +838,15 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
     rb_qt = _rel_times(RB_QT, q_start, rows, Lq, REL)
     dq = tl.zeros([BM, BD], tl.float32)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk, shift, window,
-                   qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
+                   qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
                    UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos,
                    n_tw, rb_div, REL)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows, Lk, shift,
-                   window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, False, CAUSAL,
+                   window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD, BDV, BN, False, CAUSAL,
                    WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start,
                    n_pos, n_tw, rb_div, REL)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk, shift, window,
-                   qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
+                   qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
                    UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos,
                    n_tw, rb_div, REL)
     dq = tl.where(_has_key(rows, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED)[:, None], dq * dq_scale, 0.0)

@@ -127,10 +127,40 @@ def all_cases() -> dict:
     return res
 
 
+# Grouped k/v (GQA 4 over 2 and 6 over 3, MQA 4 over 1), head dims 256 and 50: name -> grouped_query_errors
+# keywords (``options``: a KernelOptions for jfa_triton only)
+Q4, K4 = [5, 0, 37, 16], [9, 4, 20, 40]
+GQA_CASES = {
+    "gqa4x2-causal": dict(q_lens=Q4),
+    "mqa4x1-asym-full": dict(q_lens=Q4, k_lens=K4, kv_heads=1, causal=False),
+    "gqa6x3-asym-window": dict(q_lens=Q4, k_lens=K4, heads=6, kv_heads=3, window=5),
+    "gqa4x2-d256": dict(q_lens=[5, 0, 20], head_dim=256),
+    "mqa4x1-d50-window": dict(q_lens=Q4, kv_heads=1, head_dim=50, window=7),
+    "gqa4x2-relative-bias": dict(q_lens=Q4, relative_bias=True),
+    "gqa4x2-fused-dq": dict(q_lens=Q4, k_lens=K4, options=KernelOptions(fused_dq=True)),
+    "gqa4x2-buckets": dict(q_lens=[5, 0, 37, 16, 3, 20], options=KernelOptions(**BUCKETED)),
+}
+
+
+def gqa_cases() -> dict:
+    from functools import partial
+
+    from gemzoo_jfa import jfa_triton
+
+    from gemzoo.testing.attention import grouped_query_errors
+
+    out = {}
+    for name, kw in GQA_CASES.items():
+        kw = dict(kw)
+        fn = partial(jfa_triton, options=kw.pop("options", None))
+        out[name] = grouped_query_errors(fn, **kw)
+    return out
+
+
 def main(which: str) -> None:
     from gemzoo.testing.interpreter import print_group
 
-    print_group({"cases": all_cases, "conformance": conformance,
+    print_group({"cases": all_cases, "conformance": conformance, "gqa": gqa_cases,
                  "compile": lambda: {"compile": compile_check(), "opcheck": opcheck()}}, which)
 
 

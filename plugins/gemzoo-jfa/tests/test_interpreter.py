@@ -13,9 +13,9 @@ from gemzoo.testing.interpreter import assert_conformance, interpreter_results
 pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).with_name("interp_cases.py")
-INTERPRETER_GROUPS = ("cases", "conformance", "compile")  # started in the background when collection ends (gemzoo.testing.interpreter)
+INTERPRETER_GROUPS = ("cases", "conformance", "compile", "gqa")  # started in the background when collection ends (gemzoo.testing.interpreter)
 sys.path.insert(0, str(SCRIPT.parent))
-from interp_cases import CASES  # noqa: E402
+from interp_cases import CASES, GQA_CASES  # noqa: E402
 
 
 def _results(group: str) -> dict:
@@ -50,3 +50,12 @@ def test_torch_compile_traces_custom_op_and_opcheck():
     results = _results("compile")
     assert results["compile"]["ok"], "torch.compile(fullgraph=True) result differs from eager"
     assert results["opcheck"]["ok"]
+
+
+@pytest.mark.parametrize("name", list(GQA_CASES))
+def test_grouped_query_against_fp64_reference(name):
+    """k/v with fewer heads than q (GQA, MQA), head dims 256 and 50: forward and every gradient within 2e-3."""
+    errors = _results("gqa")[name]
+    for key in [k for k in errors if not k.endswith("_finite")]:
+        assert errors[f"{key}_finite"], f"{name}: {key} has NaN/Inf"
+        assert errors[key] < 2e-3, f"{name}: {key} relative error {errors[key]:.2e}"
