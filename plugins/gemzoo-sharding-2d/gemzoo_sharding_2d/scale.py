@@ -399,7 +399,7 @@ def render_scaling(reports: list[dict], console=None, *, details: bool = False) 
     if timed:
         p = first["profile"]
         console.print(f"one GPU: {p['step_s'] * 1e3:,.1f} ms a step of {p['batch']:g} samples, "
-                      f"{p['flops'] / 1e12:,.2f} TFLOP (model), MFU {100 * p['mfu']:.1f}% of "
+                      f"{p['flops'] / 1e12:,.3g} TFLOP (model), MFU {100 * p['mfu']:.1f}% of "
                       f"{p['peak_flops'] / 1e12:g} TFLOP/s, from {p['source']}; overlap {first['overlap']:g} of "
                       "the communication hidden behind compute")
     title = "step time and MFU by world" if timed else "memory and communication by world"
@@ -480,8 +480,7 @@ PLAN_EXAMPLES = """examples:
   gemzoo plan --config configs/gem-bench.toml --world 4096 --group 64 --hbm 141GB
   gemzoo plan --config configs/gem-bench.toml --world 1,8,64,1024 --step-s 0.210 --peak-tflops 989 --overlap 0.5
   gemzoo plan --profile runs/gem-bench --world 8,64,1024 --group 8        # a one-GPU run's measured step
-  gemzoo plan --config configs/gem-bench.toml --world 64,1024 --mfu 0.42 --peak-tflops 989 \\
-      --set model.d_model=2048 --set model.num_layers=16 --set model.num_heads=16   # a gem-1b-like model
+  gemzoo plan --config configs/gem-1b.toml --world 8,64,1024 --mfu 0.42 --peak-tflops 989   # not measured yet
   gemzoo plan --config configs/gem-tiny.toml --world 16 --group 4 --hbm 80GiB --json
 
 With a one-GPU step (--profile, --step-s or --mfu) each world gets its step time, samples/s and MFU: the
