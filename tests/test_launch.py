@@ -211,6 +211,7 @@ def test_ctrl_c_on_two_gloo_ranks_exits_130_with_one_message_and_no_traceback(tm
             proc.wait()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stdout + stderr and "SignalException" not in stderr, stderr
+    assert "death signal" not in stderr and "closing signal" not in stderr, stderr  # torchrun's agent is quiet
     assert stdout == "", stdout
     assert stderr.count("Resume with:") == 1 and stderr.count("stopped after step") == 1, stderr
     resume = stderr.split("Resume with:\n", 1)[1].strip().splitlines()[0]
