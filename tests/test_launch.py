@@ -104,6 +104,8 @@ def test_a_ctrl_c_before_training_is_one_line_from_rank_0(monkeypatch, capsys):
     (["launch", "--", "launch", "--", "train"], "not launch"),
     (["launch", "--", "trian", "--config", TINY], "'trian' is not a gemzoo command"),
     (["launch", "--no-such-torchrun-option", "--", "train", "--config", TINY], "torchrun does not take"),
+    (["launch", "--", "train", "--config", TINY, "--set", "optim.betas=[0.9]"], "optim.betas must list 2"),
+    (["launch", "--", "train", "--config", TINY, "--plugins", "nosuchkernel"], "no plugin named 'nosuchkernel'"),
 ])
 def test_bad_launch_lines_are_refused_before_any_worker_starts(argv, message, capsys):
     assert main(argv) == 2

@@ -17,8 +17,9 @@ EXAMPLE = "gemzoo launch --nproc-per-node 2 -- train --config configs/gem-tiny.t
 
 
 def check_command(command: list[str]) -> None:
-    """The gemzoo command after ``--``: a known command whose arguments parse (argparse exits 2 naming a bad one),
-    so a mistake is reported once here rather than by every worker."""
+    """The gemzoo command after ``--``: a known command whose arguments parse (argparse exits 2 naming a bad one)
+    and, for ``train``, whose config loads with its overrides and plugins, so a mistake is reported once here
+    rather than by every worker."""
     from gemzoo.cli.main import _add_plugin_commands, build_parser
 
     if not command:
@@ -33,7 +34,11 @@ def check_command(command: list[str]) -> None:
     if command[0] not in sub.choices:
         raise ConfigError(f"gemzoo launch: {command[0]!r} is not a gemzoo command (one of: "
                           f"{', '.join(sorted(sub.choices))}); e.g. {EXAMPLE}")
-    parser.parse_args(command)
+    args = parser.parse_args(command)
+    if command[0] == "train":  # its config, overrides and plugin names: refused here once, not by every worker
+        from gemzoo.cli.common import load_run_config
+
+        load_run_config(args)
 
 
 def cmd_launch(args) -> int:
