@@ -113,6 +113,18 @@ def test_bad_launch_lines_are_refused_before_any_worker_starts(argv, message, ca
     assert message in err and "Traceback" not in err
 
 
+def test_a_device_this_node_lacks_is_refused_once(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["launch", "--nproc-per-node", "2", "--", "train", "--config", TINY, "--set", "run.device=cuda"]) == 2
+    assert "run.device asks for cuda but no GPU is visible" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(["launch", "--nproc-per-node", "4", "--", "train", "--config", TINY, "--set", "run.device=cuda"]) == 2
+    assert "--nproc-per-node 4 workers but this node shows 2 GPU(s)" in capsys.readouterr().err
+
+
 def test_the_command_after_the_separator_is_parsed_once_here(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["launch", "--", "train", "--steps", "3"])  # train needs --config
