@@ -178,7 +178,7 @@ def _imported_modules(code: str) -> set[str]:
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["plugins"], ["runs", "/nonexistent"],
-                                  ["train", "--help"]])
+                                  ["train", "--help"], ["launch", "--help"]])
 def test_fast_commands_import_no_torch(argv):
     code = f"from gemzoo.cli.main import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
     modules = _imported_modules(code)

@@ -104,11 +104,25 @@ def test_a_ctrl_c_before_training_is_one_line_from_rank_0(monkeypatch, capsys):
     (["launch", "--", "launch", "--", "train"], "not launch"),
     (["launch", "--", "trian", "--config", TINY], "'trian' is not a gemzoo command"),
     (["launch", "--no-such-torchrun-option", "--", "train", "--config", TINY], "torchrun does not take"),
+    (["launch", "--", "train", "--config", TINY, "--set", "optim.betas=[0.9]"], "optim.betas must list 2"),
+    (["launch", "--", "train", "--config", TINY, "--plugins", "nosuchkernel"], "no plugin named 'nosuchkernel'"),
 ])
 def test_bad_launch_lines_are_refused_before_any_worker_starts(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_device_this_node_lacks_is_refused_once(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["launch", "--nproc-per-node", "2", "--", "train", "--config", TINY, "--set", "run.device=cuda"]) == 2
+    assert "run.device asks for cuda but no GPU is visible" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(["launch", "--nproc-per-node", "4", "--", "train", "--config", TINY, "--set", "run.device=cuda"]) == 2
+    assert "--nproc-per-node 4 workers but this node shows 2 GPU(s)" in capsys.readouterr().err
 
 
 def test_the_command_after_the_separator_is_parsed_once_here(capsys):
@@ -211,6 +225,7 @@ def test_ctrl_c_on_two_gloo_ranks_exits_130_with_one_message_and_no_traceback(tm
             proc.wait()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stdout + stderr and "SignalException" not in stderr, stderr
+    assert "death signal" not in stderr and "closing signal" not in stderr, stderr  # torchrun's agent is quiet
     assert stdout == "", stdout
     assert stderr.count("Resume with:") == 1 and stderr.count("stopped after step") == 1, stderr
     resume = stderr.split("Resume with:\n", 1)[1].strip().splitlines()[0]

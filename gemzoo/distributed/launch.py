@@ -78,7 +78,7 @@ def parse_torchrun(argv: list[str]):
     parser = get_args_parser()
 
     def refuse(message: str):
-        raise ConfigError(f"gemzoo launch: torchrun does not take these options: {message}; see torchrun --help "
+        raise ConfigError(f"launch: torchrun does not take these options: {message}; see torchrun --help "
                           "(the options before --) and gemzoo launch --help")
 
     parser.error = refuse

@@ -15,7 +15,12 @@ model on ``meta`` (dense parameter counts, the tables), then for each layout (1D
 - time at the stated link bandwidths: all-to-all bytes leave the rank in the fraction (n - 1) / n, split
   between peers on the node (NVLink) and off it (inter-node, per GPU); ring collectives move 2 (n-1)/n
   (all-reduce) or (n-1)/n (all-gather, reduce-scatter) of the payload and run at inter-node speed once the
-  group leaves a node. Groups are consecutive ranks, replica groups strided by G.
+  group leaves a node. Groups are consecutive ranks, replica groups strided by G;
+- with a one-GPU step (``--profile RUN``: a run folder's measured mean step time and model FLOPs; or
+  ``--step-s``/``--mfu`` with ``--peak-tflops``): the step time, samples/s and MFU at each world of ``--world
+  8,64,1024``. A rank's compute is the one-GPU step scaled to its batch; the communication above is added, less
+  the ``--overlap`` fraction of it that hides behind that compute (``step_time``). At world 1 there is nothing
+  to communicate, so the measured step comes back unchanged. docs/scaling.md explains the model and its limits.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from gemzoo.api import ConfigError
 from gemzoo_sharding_2d.layout import Layout, plan_layout
@@ -105,8 +111,10 @@ def embedding_traffic(layout: Layout, features: list[str], batch: float, ids_per
     return out
 
 
-def describe_config(cfg, batch_per_rank: float | None = None) -> dict:
-    """What the calculation needs from a config: tables, features, mean tokens and ids per sample, dense sizes."""
+def describe_config(cfg, batch_per_rank: float | None = None, flop_batches: int = 0) -> dict:
+    """What the calculation needs from a config: tables, features, mean tokens and ids per sample, dense sizes;
+    with ``flop_batches`` the model FLOPs a sample (forward + backward, as the trainer counts them for MFU),
+    averaged over that many of the dataset's first batches."""
     import torch
 
     from gemzoo.api import configured, transformer_blocks
@@ -115,6 +123,10 @@ def describe_config(cfg, batch_per_rank: float | None = None) -> dict:
     batch = ds.train_batch(0)
     with torch.device("meta"):
         model = configured("model", cfg.model.family, cfg).build(cfg.model, ds.info)
+    flops_per_sample = None
+    if flop_batches:
+        drawn = [batch, *(ds.train_batch(i) for i in range(1, flop_batches))]
+        flops_per_sample = sum(model.flops(b) for b in drawn) / sum(b.num_samples for b in drawn)
     sparse = {id(p) for p in model.sparse_arch.parameters()} if getattr(model, "sparse_arch", None) else set()
     blocks = {id(p) for b in transformer_blocks(model) for p in b.parameters()}
     dense = [p for p in model.parameters() if id(p) not in sparse]
@@ -128,7 +140,8 @@ def describe_config(cfg, batch_per_rank: float | None = None) -> dict:
             "dense_params": sum(p.numel() for p in dense), "block_params": sum(p.numel() for p in dense
                                                                              if id(p) in blocks),
             "d_model": cfg.model.d_model, "layers": len(transformer_blocks(model)),
-            "ffn_mult": getattr(cfg.model, "ffn_mult", 4), "dense_parallel": cfg.run.dense_parallel}
+            "ffn_mult": getattr(cfg.model, "ffn_mult", 4), "dense_parallel": cfg.run.dense_parallel,
+            "flops_per_sample": flops_per_sample}
 
 
 def layout_estimate(desc: dict, world: int, group: int, strategy: str, links: Links, *, sharding: str = "row_wise",
@@ -171,9 +184,133 @@ def layout_estimate(desc: dict, world: int, group: int, strategy: str, links: Li
             "sharding": sharding, "memory": memory, "traffic": traffic, "seconds": seconds}
 
 
+@dataclass(frozen=True)
+class Profile:
+    """One GPU's step, measured (``--profile RUN``) or stated (``--step-s``, ``--mfu``): its time, the model FLOPs
+    and samples of that step, the peak FLOP/s of the device (MFU's denominator) and where the numbers came from."""
+
+    step_s: float
+    flops: float
+    batch: float
+    peak_flops: float
+    source: str
+
+    def __post_init__(self):
+        for name in ("step_s", "flops", "batch", "peak_flops"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"the one-GPU profile's {name} must be a positive number, got {value!r} "
+                                  f"(from {self.source})")
+
+    @property
+    def mfu(self) -> float:
+        return self.flops / self.step_s / self.peak_flops
+
+
+def _json_lines(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a kill: the rest of the file still counts
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def profile_from_run(folder: str | Path, peak_tflops: float | None = None) -> tuple[Profile, str]:
+    """The one-GPU profile of a ``gemzoo train`` run folder and the path of its config.toml: the mean step time
+    and model FLOPs a step of its steps after warm-up (the last ``end`` event's ``mean_step_s`` and
+    ``mean_tflops``; without one, those of its metrics rows after the first), its batch (``data.batch_size``)
+    and the peak its MFU was measured against (``peak_tflops`` overrides it)."""
+    run = Path(folder)
+    metrics, config = run / "metrics.jsonl", run / "config.toml"
+    if not metrics.is_file() or not config.is_file():
+        raise ConfigError(f"--profile {folder}: not a run folder of gemzoo train (it needs metrics.jsonl and "
+                          "config.toml); give the --out folder of a one-GPU run, e.g. runs/gem-bench")
+    rows = _json_lines(metrics)
+    start = next((r for r in reversed(rows) if r.get("event") in ("start", "resume")), {})
+    if int(start.get("world_size", 1)) != 1:
+        raise ConfigError(f"--profile {folder}: that run had {start['world_size']} ranks, so its step time holds "
+                          "their communication already; profile a one-process run (gemzoo train, no torchrun)")
+    end = next((r for r in reversed(rows) if r.get("event") == "end" and r.get("mean_tflops")), None)
+    if end is not None and (end.get("mean_step_s") or end.get("mean_samples_per_s")):
+        from gemzoo.api import load_config
+
+        batch = float(load_config(str(config)).data.batch_size)
+        step_s = end.get("mean_step_s") or batch / end["mean_samples_per_s"]
+        flops = end["mean_tflops"] * 1e12 * step_s
+        how = f"mean of {end.get('measured_steps', '?')} steps after {end.get('warmup_steps', '?')} warm-up"
+    else:
+        steps = [r for r in rows if "event" not in r and r.get("step_s") and r.get("tflops")]
+        steps = steps[1:] or steps  # the first row holds the warm-up (compiles, first allocations)
+        if not steps:
+            raise ConfigError(f"--profile {folder}: metrics.jsonl has no step rows with step_s and tflops yet; "
+                              "let the run log a few rows (run.log_every) first")
+        from gemzoo.api import load_config
+
+        batch = float(load_config(str(config)).data.batch_size)
+        step_s = sum(r["step_s"] for r in steps) / len(steps)
+        flops = sum(r["tflops"] * 1e12 * r["step_s"] for r in steps) / len(steps)
+        how = f"mean of {len(steps)} metrics rows"
+    peak = peak_tflops * 1e12 if peak_tflops else float(start.get("peak_flops") or 0)
+    if peak <= 0:
+        raise ConfigError(f"--profile {folder}: its start event names no peak_flops; give --peak-tflops")
+    return Profile(step_s, flops, batch, peak, f"{run} ({how})"), str(config)
+
+
+def stated_profile(desc: dict, *, step_s: float | None, mfu: float | None, peak_tflops: float | None) -> Profile:
+    """A one-GPU step from ``--step-s`` or ``--mfu`` (and ``--peak-tflops``) and the config's model FLOPs, at the
+    plan's batch a rank."""
+    if peak_tflops is None or not peak_tflops > 0:
+        raise ConfigError("--step-s and --mfu need --peak-tflops (the device's dense peak, e.g. 989 for an H100 or "
+                          "H200 in bf16), or set run.peak_tflops in the config")
+    if (step_s is None) == (mfu is None):
+        raise ConfigError("give one of --step-s (the measured one-GPU step) and --mfu (an assumed one-GPU MFU)")
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu is a fraction in (0, 1], e.g. 0.42, got {mfu!r}")
+    batch = desc["batch_per_rank"]
+    flops = desc["flops_per_sample"] * batch
+    peak = peak_tflops * 1e12
+    if step_s is None:
+        return Profile(flops / (mfu * peak), flops, batch, peak, f"--mfu {mfu:g} of {peak_tflops:g} TFLOP/s")
+    return Profile(step_s, flops, batch, peak, f"--step-s {step_s:g}")
+
+
+def step_time(layout: dict, profile: Profile, batch: float, overlap: float) -> dict:
+    """Step time, throughput and MFU of one layout at its world: the one-GPU step scaled to ``batch`` samples (the
+    compute: a rank's own forward and backward, which do not depend on the world), plus the layout's
+    communication time, of which the fraction ``overlap`` hides behind the compute (never more than all of it)."""
+    if not 0 <= overlap <= 1:
+        raise ConfigError(f"--overlap is the fraction of communication hidden behind compute, in [0, 1]; "
+                          f"got {overlap!r}")
+    compute = profile.step_s * batch / profile.batch
+    flops = profile.flops * batch / profile.batch
+    comm = layout["seconds"]["total"]
+    hidden = min(overlap * comm, compute)
+    step = compute + comm - hidden
+    return {"compute_s": compute, "comm_s": comm, "exposed_comm_s": comm - hidden, "step_s": step,
+            "samples_per_s": layout["world"] * batch / step, "tflops_per_gpu": flops / step / 1e12,
+            "mfu": flops / step / profile.peak_flops, "scaling_efficiency": compute / step}
+
+
+def group_for(world: int, group: int) -> int:
+    """The group size used at ``world``: ``group``, or the whole world when it is smaller and divides ``group``
+    (``--world 1,8,64`` with groups of 8)."""
+    if world < 1 or group < 1:
+        raise ConfigError(f"--world and --group are positive rank counts, got {world} and {group}")
+    if world % group == 0:
+        return group
+    if group % world == 0:
+        return world
+    raise ConfigError(f"--group {group} does not divide --world {world}: world = group x replicas")
+
+
 def plan_report(cfg, world: int, group: int, hbm: float, links: Links = Links(), *, strategies=("replicated",
                 "fully_sharded"), sharding: str = "row_wise", replica_sync: str = "gradients", sync_every: int = 1,
-                batch_per_rank: float | None = None, desc: dict | None = None) -> dict:
+                batch_per_rank: float | None = None, desc: dict | None = None, profile: Profile | None = None,
+                overlap: float = 0.0) -> dict:
     if world < 1 or group < 1 or world % group:
         raise ConfigError(f"--group {group} does not divide --world {world}: world = group x replicas")
     desc = desc or describe_config(cfg, batch_per_rank)
@@ -183,9 +320,15 @@ def plan_report(cfg, world: int, group: int, hbm: float, links: Links = Links(),
                                           replica_sync=replica_sync, sync_every=sync_every)
     for r in rows.values():
         r["fits_hbm"] = r["memory"]["total"] <= hbm
+        if profile is not None:
+            r["step"] = step_time(r, profile, desc["batch_per_rank"], overlap)
     public = {k: v for k, v in desc.items() if k != "tables"}
     public["table_bytes"] = sum(t.num_embeddings * t.embedding_dim * 4 for t in desc["tables"])
-    return {"world": world, "group": group, "hbm": hbm, "links": links.__dict__, "model": public, "layouts": rows}
+    out = {"world": world, "group": group, "hbm": hbm, "links": links.__dict__, "model": public, "layouts": rows}
+    if profile is not None:
+        out["profile"] = {**asdict(profile), "mfu": profile.mfu}
+        out["overlap"] = overlap
+    return out
 
 
 def _gb(x: float) -> str:
@@ -194,6 +337,10 @@ def _gb(x: float) -> str:
 
 def _ms(x: float) -> str:
     return f"{x * 1e3:,.3f} ms"
+
+
+def _ms1(x: float) -> str:
+    return f"{x * 1e3:,.1f} ms"
 
 
 def render(report: dict, console=None) -> None:
@@ -231,26 +378,114 @@ def render(report: dict, console=None) -> None:
     console.print(comm)
 
 
+def render_scaling(reports: list[dict], console=None, *, details: bool = False) -> None:
+    """One row per world and layout: memory a rank, bytes and seconds of communication a step, and with a
+    profile the step time, samples/s and MFU. Layouts that are 1D in disguise (one replica) are left out."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:  # as wide as the table: nothing cut
+        console = Console()
+        console = Console(width=max(console.width, 190))
+    first = reports[0]
+    timed = "profile" in first
+    if not details:  # the header line `render` prints for one world
+        m, L = first["model"], first["links"]
+        console.print(f"[bold]gemzoo plan[/]: worlds {', '.join(str(r['world']) for r in reports)}, groups of "
+                      f"{reports[-1]['group']}, {m['batch_per_rank']:g} samples a rank, tables "
+                      f"{_gb(m['table_bytes'])} fp32, {m['dense_params'] / 1e6:,.1f} M dense parameters; links: NVLink "
+                      f"{L['nvlink_gbs']:g} GB/s within {L['gpus_per_node']} GPUs, {L['ib_gbs']:g} GB/s between "
+                      f"nodes; HBM {_gb(first['hbm'])}")
+    if timed:
+        p = first["profile"]
+        console.print(f"one GPU: {p['step_s'] * 1e3:,.1f} ms a step of {p['batch']:g} samples, "
+                      f"{p['flops'] / 1e12:,.3g} TFLOP (model), MFU {100 * p['mfu']:.1f}% of "
+                      f"{p['peak_flops'] / 1e12:g} TFLOP/s, from {p['source']}; overlap {first['overlap']:g} of "
+                      "the communication hidden behind compute")
+    title = "step time and MFU by world" if timed else "memory and communication by world"
+    table = Table(title=title)
+    cols = ["world", "layout", "G x R", "memory a rank", "fits HBM", "comm bytes a rank", "comm time"]
+    if timed:
+        cols += ["compute", "exposed comm", "step", "samples/s (all)", "MFU", "vs 1 GPU"]
+    for c in cols:
+        table.add_column(c, justify="left" if c == "layout" else "right", no_wrap=c == "layout")
+    for rep in reports:
+        for name, r in rep["layouts"].items():
+            if name != "1d" and r["replicas"] == 1:
+                continue
+            cells = [str(rep["world"]), name, f"{r['group_size']} x {r['replicas']}", _gb(r["memory"]["total"]),
+                     "yes" if r["fits_hbm"] else "[red]no[/]", _gb(sum(r["traffic"].values())),
+                     _ms1(r["seconds"]["total"])]
+            if timed:
+                st = r["step"]
+                cells += [_ms1(st["compute_s"]), _ms1(st["exposed_comm_s"]), _ms1(st["step_s"]),
+                          f"{st['samples_per_s']:,.0f}", f"{100 * st['mfu']:.1f}%",
+                          f"{st['scaling_efficiency']:.2f}"]
+            table.add_row(*cells)
+    console.print(table)
+
+
+def worlds(text: str) -> list[int]:
+    """``--world 8,64,1024`` -> [8, 64, 1024] (argparse type)."""
+    import argparse
+
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give rank counts separated by commas, e.g. 8,64,1024")
+    return values
+
+
 def cmd_plan(args) -> int:
     from gemzoo.api import load_config
 
-    cfg = load_config(args.config, overrides=list(args.set or []), plugins=args.plugins)
+    if not 0 <= args.overlap <= 1:
+        raise ConfigError(f"--overlap is the fraction of communication hidden behind compute, in [0, 1]; got "
+                          f"{args.overlap!r}")
+    profile, config = None, args.config
+    if args.profile is not None:
+        if args.step_s is not None or args.mfu is not None:
+            raise ConfigError("--profile gives the one-GPU step; leave out --step-s and --mfu")
+        profile, run_config = profile_from_run(args.profile, args.peak_tflops)
+        config = config or run_config
+    if config is None:
+        raise ConfigError("give --config F (e.g. configs/gem-bench.toml) or --profile RUN (a run folder: its "
+                          "config.toml and measured step)")
+    cfg = load_config(config, overrides=list(args.set or []), plugins=args.plugins)
+    timed = profile is not None or args.step_s is not None or args.mfu is not None
+    desc = describe_config(cfg, args.batch_per_rank, flop_batches=args.flop_batches if timed else 0)
+    if timed and profile is None:
+        profile = stated_profile(desc, step_s=args.step_s, mfu=args.mfu,
+                                 peak_tflops=args.peak_tflops or cfg.run.peak_tflops)
     links = Links(args.nvlink, args.ib, args.gpus_per_node)
     strategies = ("replicated", "fully_sharded") if args.strategy == "both" else (args.strategy,)
-    report = plan_report(cfg, args.world, args.group, parse_bytes(args.hbm), links, strategies=strategies,
-                         sharding=args.sharding, replica_sync=args.replica_sync, sync_every=args.sync_every,
-                         batch_per_rank=args.batch_per_rank)
+    hbm = parse_bytes(args.hbm)
+    reports = [plan_report(cfg, w, group_for(w, args.group), hbm, links, strategies=strategies,
+                           sharding=args.sharding, replica_sync=args.replica_sync, sync_every=args.sync_every,
+                           desc=desc, profile=profile, overlap=args.overlap) for w in args.world]
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
+    elif len(reports) == 1:
+        render(reports[0])
+        if profile is not None:
+            render_scaling(reports, details=True)
     else:
-        render(report)
+        render_scaling(reports)
     return 0
 
 
 PLAN_EXAMPLES = """examples:
   gemzoo plan --config configs/gem-bench.toml --world 4096 --group 64 --hbm 141GB
-  gemzoo plan --config configs/gem-bench.toml --world 64 --group 8 --strategy fully_sharded --json
-  gemzoo plan --config configs/gem-tiny.toml --world 16 --group 4 --hbm 80GiB
+  gemzoo plan --config configs/gem-bench.toml --world 1,8,64,1024 --step-s 0.210 --peak-tflops 989 --overlap 0.5
+  gemzoo plan --profile runs/gem-bench --world 8,64,1024 --group 8        # a one-GPU run's measured step
+  gemzoo plan --config configs/gem-1b.toml --world 8,64,1024 --mfu 0.42 --peak-tflops 989   # not measured yet
+  gemzoo plan --config configs/gem-tiny.toml --world 16 --group 4 --hbm 80GiB --json
+
+With a one-GPU step (--profile, --step-s or --mfu) each world gets its step time, samples/s and MFU: the
+one-GPU step scaled to the batch a rank, plus the layout's communication at the link bandwidths, less the
+--overlap fraction of it hidden behind compute. World 1 gives the one-GPU step back. docs/scaling.md.
 """
 
 
@@ -260,9 +495,23 @@ def add_command(cli) -> None:
     p = cli.add_parser("plan", help="per-rank memory and per-step communication of 1D vs 2D embedding sharding "
                                     "at a target scale (no GPU)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PLAN_EXAMPLES)
-    p.add_argument("--config", required=True, help="a TOML config (its tables, model and data)")
-    p.add_argument("--world", type=int, required=True, help="ranks (GPUs) in the target job")
-    p.add_argument("--group", type=int, default=8, help="G: ranks a sharding group (default 8, one node)")
+    p.add_argument("--config", help="a TOML config (its tables, model and data); default: --profile's config.toml")
+    p.add_argument("--world", type=worlds, required=True, metavar="W[,W...]",
+                   help="ranks (GPUs) in the target job, or several: 8,64,1024")
+    p.add_argument("--group", type=int, default=8, help="G: ranks a sharding group (default 8, one node; a "
+                   "smaller world that divides it is one group)")
+    p.add_argument("--profile", metavar="RUN", help="a one-GPU gemzoo train run folder: its measured mean step "
+                   "time and model FLOPs (metrics.jsonl) give step time and MFU at each world")
+    p.add_argument("--step-s", type=float, help="the one-GPU step time in seconds at --batch-per-rank samples "
+                   "(instead of --profile; needs --peak-tflops)")
+    p.add_argument("--mfu", type=float, help="an assumed one-GPU MFU (0-1) for a config not measured yet: the step "
+                   "is its model FLOPs over MFU x peak (needs --peak-tflops)")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s, MFU's denominator (default: the "
+                   "profile's, or the config's run.peak_tflops)")
+    p.add_argument("--overlap", type=float, default=0.0, help="fraction of the communication hidden behind "
+                   "compute, 0-1 (default 0: all of it adds to the step)")
+    p.add_argument("--flop-batches", type=int, default=4, help="batches of the dataset that average the model's "
+                   "FLOPs a sample for --step-s/--mfu (default 4)")
     p.add_argument("--hbm", default="141GB", help="memory a GPU (default 141GB, an H200)")
     p.add_argument("--strategy", default="both", choices=("both", "replicated", "fully_sharded"))
     p.add_argument("--sharding", default="row_wise", choices=("row_wise", "table_wise", "column_wise"),
