@@ -338,6 +338,25 @@ def test_more_ranks_than_gpus_names_the_fix(monkeypatch):
         pick_device("auto", World(rank=1, world_size=2, local_rank=1))
 
 
+def test_cuda_without_a_gpu_is_refused_before_the_process_group_starts(monkeypatch):
+    """Under torchrun with run.device = "cuda" on a machine without GPUs, NCCL would fail on every rank with a
+    traceback; the ConfigError comes first and no process group is started."""
+    import torch.distributed as dist
+
+    from gemzoo.distributed import init_distributed
+    from gemzoo.errors import ConfigError
+
+    class Comms:  # fails the test if the process group were about to start
+        def install(self):
+            raise AssertionError("the process group was started")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"no GPU is visible; set run.device"):
+        init_distributed(Comms(), "cuda")
+    assert not dist.is_initialized()
+
+
 def test_clip_grad_norm_matches_torch_on_cpu_and_cuda():
     """gemzoo's clip (plain tensors and DTensors; foreach kernels for plain CUDA gradients) against torch's."""
     from gemzoo.distributed import clip_grad_norm

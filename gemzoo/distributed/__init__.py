@@ -53,8 +53,14 @@ class World:
         return self.rank == 0
 
 
+NO_GPU = "run.device asks for cuda but no GPU is visible; set run.device = \"cpu\" or \"auto\""
+
+
 def init_distributed(comms, device_type: str) -> World:
-    """Start the process group if launched with several ranks (torchrun sets WORLD_SIZE); no mesh yet."""
+    """Start the process group if launched with several ranks (torchrun sets WORLD_SIZE); no mesh yet. A cuda
+    run on a machine without a visible GPU is refused before the group starts (NCCL would fail on every rank)."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(NO_GPU)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return World()
@@ -167,7 +173,7 @@ def pick_device(name: str, world: World) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("run.device asks for cuda but no GPU is visible; set run.device = \"cpu\" or \"auto\"")
+            raise ConfigError(NO_GPU)
         if device.index is None:
             visible = torch.cuda.device_count()
             if world.local_rank >= visible:
