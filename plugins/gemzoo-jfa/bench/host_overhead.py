@@ -20,6 +20,7 @@ Each rep times 100 calls; the line gives the median and mean over reps of the ms
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -122,6 +123,8 @@ def main() -> int:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also print the N functions with the most own time per call (eager path, per case)")
     ap.add_argument("--only", default="", help="comma-separated case names (default: every case)")
+    ap.add_argument("--json", default="", metavar="FILE",
+                    help="also write every rep's ms per call, {case: {path: [ms, ...]}}, to FILE")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: the cross case's small buffer ops wait on no OpenMP wake-up)")
     args = ap.parse_args()
@@ -136,6 +139,7 @@ def main() -> int:
         return op(*a)
 
     only = {s for s in args.only.split(",") if s}
+    report = {}
     print(f"host ms per fwd+bwd (kernels stubbed), {args.reps} reps of 100 calls: "
           "median / mean (min)")
     for name, call, leaves, grad, member in cases(args.length):
@@ -152,11 +156,15 @@ def main() -> int:
                     step(call, leaves, grad)
                 times[path].append((time.perf_counter() - t0) / 100 * 1e3)
         member.run_attention = eager
+        report[name] = times
         a, b = times["custom op"], times["eager autograd"]
         print(f"  {name:16s} eager autograd {statistics.median(b):.3f} / {statistics.mean(b):.3f} ({min(b):.3f})   "
               f"custom op {statistics.median(a):.3f} / {statistics.mean(a):.3f} ({min(a):.3f})", flush=True)
         if args.cprofile:
             python_top(call, leaves, grad, 200, args.cprofile)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 
