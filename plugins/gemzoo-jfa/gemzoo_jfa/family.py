@@ -19,6 +19,7 @@ default length buckets off for a process.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -211,7 +212,7 @@ def _tma_ok(*tensors, tma: bool | None, causal: bool = True, pointwise: bool = F
         return False
     t0 = tensors[0]
     if t0.device.type == "cuda":
-        if torch.cuda.get_device_capability(t0.device)[0] < 9:
+        if _major(torch.cuda.current_device() if t0.device.index is None else t0.device.index) < 9:
             return False
         if tma is None and not ((causal or pointwise) and t0.element_size() == 2 and t0.shape[-1] in (64, 128)):
             return False
@@ -227,6 +228,13 @@ def _tma_ok(*tensors, tma: bool | None, causal: bool = True, pointwise: bool = F
                 (st * t.element_size()) % 16 for st in t.stride()[:2]):
             return False
     return True
+
+
+@functools.cache
+def _major(index: int) -> int:
+    """The compute capability's major version of CUDA device ``index``, read once per device: ``_tma_ok`` runs
+    on every launch."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _desc(t: torch.Tensor, rows: int):
