@@ -391,3 +391,12 @@ def test_launch_plans_are_reused_only_for_the_same_offsets_and_signature(monkeyp
     assert planned == ["fwd", "dkdv", "dq"] * 4
     fwd = next(a for n, _, a, _ in launched if n == "attn_fwd_kernel")
     assert strided.stride(0) in [x for x in fwd if isinstance(x, int)] and strided.stride(0) != q.stride(0)
+
+
+@pytest.mark.parametrize("shape", [(142, 2, 16), (0, 4, 128), (7, 0, 3), (1, 1, 1), (5, 3, 0)])
+def test_planned_strides_of_a_split_buffer_match_torch(shape):
+    """A split launch's fp32 buffer is allocated per call, after its arguments were planned from its shape."""
+    from gemzoo_jfa import family
+
+    assert family._Strides(shape).stride() == torch.empty(shape, dtype=torch.float32).stride()
+    assert family._Strides(shape).stride(1) == torch.empty(shape).stride(1)
