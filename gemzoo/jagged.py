@@ -35,17 +35,21 @@ class TensorCache:
         self.entries: OrderedDict[tuple, tuple] = OrderedDict()
 
     def get(self, tensors: tuple, key: tuple, build):
-        try:
-            versions = tuple(t._version for t in tensors)
-        except RuntimeError:  # inference tensors keep no version counter
-            return build()
         if torch.compiler.is_compiling():
             return build()
-        full = (*map(id, tensors), *versions, *key)
+        try:  # (ids..., versions..., key...): one flat tuple, hashed once (this runs on every attention call)
+            full = (*[id(t) for t in tensors], *[t._version for t in tensors], *key)
+        except RuntimeError:  # inference tensors keep no version counter
+            return build()
         hit = self.entries.get(full)
-        if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors, strict=True)):
-            self.entries.move_to_end(full)
-            return hit[1]
+        if hit is not None:
+            refs = hit[0]
+            for i, t in enumerate(tensors):
+                if refs[i]() is not t:
+                    break
+            else:
+                self.entries.move_to_end(full)
+                return hit[1]
         value = build()
         self.entries[full] = (tuple(weakref.ref(t) for t in tensors), value)
         while len(self.entries) > self.size:

@@ -275,3 +275,46 @@ def test_relative_bias_without_a_kernel_for_it_is_a_clear_error():
     site.set_kernel("flex", flex)
     with pytest.raises(PluginError, match="does not support relative_bias"):
         site(q, k, v, off, relative_bias=rb)
+
+
+def test_a_passing_check_is_remembered_only_for_the_same_call():
+    """A call identical to one that passed skips the work (same offsets tensors, unchanged); an offsets tensor
+    changed in place, another shape, another option value or other capabilities are checked again in full."""
+    from gemzoo.attention import checks
+    from gemzoo.interfaces.attention import AttentionCapabilities
+
+    q, k, v, q_off, k_off = _inputs((3, 0, 5), (4, 2, 6))
+    caps = AttentionCapabilities(activations=frozenset({"softmax"}), asymmetric=True)
+    full = []
+    real = checks.check_inputs_uncached
+
+    def counting(*a, **kw):
+        full.append(1)
+        return real(*a, **kw)
+
+    checks.check_inputs_uncached = counting
+    try:
+        for _ in range(3):
+            assert checks.check_inputs(q, k, v, q_off, k_off, capabilities=caps) == (q_off, k_off)
+        assert len(full) == 1
+        with pytest.raises(PluginError, match="window"):  # another option value: checked (and refused)
+            checks.check_inputs(q, k, v, q_off, k_off, capabilities=caps, window=4)
+        with pytest.raises(PluginError, match="window"):  # failures are never remembered
+            checks.check_inputs(q, k, v, q_off, k_off, capabilities=caps, window=4)
+        other = AttentionCapabilities(activations=frozenset({"softmax"}), asymmetric=True)
+        checks.check_inputs(q, k, v, q_off, k_off, capabilities=other)  # other capabilities
+        checks.check_inputs(q[:7], k, v, q_off, k_off, capabilities=caps)  # another shape (7 rows for 8)
+    except JaggedShapeError:
+        pass
+    finally:
+        checks.check_inputs_uncached = real
+    assert len(full) == 5
+    k_off[2] = 99  # in place: the version changes, the offsets are validated again
+    with pytest.raises(JaggedShapeError, match="non-decreasing"):
+        checks.check_inputs(q, k, v, q_off, k_off, capabilities=caps)
+    strided = lengths_to_offsets(torch.tensor([3, 9, 0, 9, 5]))[::2]  # a strided view: a contiguous copy, each time
+    q2 = torch.randn(21, 2, 8)
+    first = checks.check_inputs(q2, q2, q2, strided)
+    again = checks.check_inputs(q2, q2, q2, strided)
+    assert first[0] is first[1] and again[0] is again[1] and first[0].is_contiguous()
+    assert torch.equal(first[0], strided) and torch.equal(again[0], strided)

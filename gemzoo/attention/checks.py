@@ -114,9 +114,68 @@ def _check_relative_bias(rb, q, k) -> None:
         raise ValueError(f"relative_bias.bucket_divisor must be a finite number > 0, got {d!r}")
 
 
+# Calls that passed the check already, by signature (below) and by the identity and version of their offsets
+# tensors (gemzoo.jagged.TensorCache): a model's attention sites check the same batch's offsets with the same
+# shapes several times a step, and the full check (option values, the capability request, the registry's error
+# path, the offsets cache) cost ~15 us of host time per call, as much as a short kernel's launch.
+_passed = TensorCache(256)
+
+
+def _signature(q, k, v, q_offsets, k_offsets, activation, capabilities, causal, scale, norm, max_q_len, max_k_len,
+               block_size, window, rope_theta) -> tuple | None:
+    """What the result of a passing check depends on besides the offsets tensors' contents, or None where the
+    call must take the full check (non-tensor inputs, unhashable option values)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and isinstance(q_offsets, torch.Tensor) and (k_offsets is None or isinstance(k_offsets, torch.Tensor))):
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (activation, id(capabilities), causal, scale, norm, max_q_len, max_k_len, block_size, window, rope_theta,
+           k_offsets is None, grad, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+           v.device)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def check_inputs(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax", *, capabilities=None,
                  kernel=None, causal: bool = True, scale=None, norm=None, max_q_len=None, max_k_len=None,
                  block_size=None, window=None, rope_theta=None, bias=None, relative_bias=None):
+    """The one input check of every attention kernel; returns ``(q_offsets, k_offsets)``, contiguous, with
+    ``k_offsets`` defaulting to ``q_offsets``. See :func:`check_inputs_uncached` for what it checks.
+
+    A call identical to one that passed (same offsets tensors, unchanged; same shapes, dtypes, devices, gradient
+    need, option values and capabilities) passes again without repeating the work; calls with ``bias`` or
+    ``relative_bias`` (tensors of their own) and traced calls always run the full check."""
+    kw = dict(capabilities=capabilities, kernel=kernel, causal=causal, scale=scale, norm=norm, max_q_len=max_q_len,
+              max_k_len=max_k_len, block_size=block_size, window=window, rope_theta=rope_theta, bias=bias,
+              relative_bias=relative_bias)
+    key = None
+    if bias is None and relative_bias is None and not torch.compiler.is_compiling():
+        key = _signature(q, k, v, q_offsets, k_offsets, activation, capabilities, causal, scale, norm, max_q_len,
+                         max_k_len, block_size, window, rope_theta)
+    if key is None:
+        return check_inputs_uncached(q, k, v, q_offsets, k_offsets, activation, **kw)
+
+    def check():  # (capabilities, the contiguous copies or None where the offsets are returned as given)
+        qo, ko = check_inputs_uncached(q, k, v, q_offsets, k_offsets, activation, **kw)
+        return (capabilities, None if qo is q_offsets else qo,
+                None if ko is (q_offsets if k_offsets is None else k_offsets) else ko)
+
+    tensors = (q_offsets,) if k_offsets is None else (q_offsets, k_offsets)
+    caps, qo, ko = _passed.get(tensors, key, check)
+    if caps is not capabilities:  # id(capabilities) reused by another object: check in full
+        caps, qo, ko = check()
+    qo = q_offsets if qo is None else qo
+    if ko is None:
+        ko = qo if k_offsets is None else k_offsets
+    return qo, ko
+
+
+def check_inputs_uncached(q, k, v, q_offsets, k_offsets=None, activation: str = "softmax", *, capabilities=None,
+                          kernel=None, causal: bool = True, scale=None, norm=None, max_q_len=None, max_k_len=None,
+                          block_size=None, window=None, rope_theta=None, bias=None, relative_bias=None):
     """The one input check of every attention kernel; returns ``(q_offsets, k_offsets)``, contiguous, with
     ``k_offsets`` defaulting to ``q_offsets``.
 

@@ -110,3 +110,48 @@ def test_split_chunks_cover_the_keys(lk):
         per_split = -(-lk // n)
         chunk = -(-per_split // 64) * 64
         assert n * chunk >= lk and chunk % 64 == 0
+
+
+def test_cross_attention_call_reads_no_device_value(monkeypatch):
+    """gdpa's cross attention from its entry, forward and backward (the shared input check, the split-K plan,
+    schedules, fp32 buffers, launch arguments, eager autograd), reads nothing back from the device once the
+    batch's offsets were validated from their host copy (``validated_longest(host=...)``, as the models do): on
+    the meta device any such read raises. Kernels stubbed; meta tensors take the eager bodies here (the entry
+    routes them to the custom op's fake otherwise). Twice: the second call runs from the check's and the launch
+    plans' caches."""
+    import dataclasses
+
+    import gemzoo_gdpa.ops as ops
+    from gemzoo_jfa import family, kernels
+
+    from gemzoo.api import FunctionKernel, validated_longest
+
+    launched = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((self.name, kw.get("SPLIT", False)))
+
+    for name in ("attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+        monkeypatch.setattr(kernels, name, Stub(name))
+    caps = dataclasses.replace(KERNEL.capabilities, devices=frozenset({"meta"}), backward_devices=frozenset({"meta"}))
+    monkeypatch.setattr(ops, "KERNEL", FunctionKernel(ops.gdpa_triton, caps, "gdpa on the meta device"))
+    monkeypatch.setattr(ops, "run_attention", lambda op, fwd, bwd, *a: family._EagerAttention.apply(fwd, bwd, *a))
+    hist = torch.tensor([70, 9, 300, 45, 1000])
+    q_host, k_host = lengths_to_offsets(torch.full((5,), 8)), lengths_to_offsets(hist)
+    q_off, k_off = q_host.to("meta"), k_host.to("meta")
+    tq, tk = 40, int(hist.sum())
+    validated_longest(q_off, tq, host=q_host)
+    validated_longest(k_off, tk, host=k_host)
+    q = torch.empty(tq, 2, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.empty(tk, 2, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    for _ in range(2):
+        out = ops.gdpa_triton(q, k, v, q_off, k_off, causal=False, activation="silu", norm=1000.0)
+        out.backward(torch.empty_like(out))
+    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert [n for n, split in launched if split] == ["attn_fwd_kernel", "attn_bwd_dq_kernel"] * 2  # split-K, twice
+    with pytest.raises((RuntimeError, NotImplementedError)):  # offsets not validated: the check reads them
+        ops.gdpa_triton(q, k, v, q_off.clone(), k_off, causal=False, activation="silu")

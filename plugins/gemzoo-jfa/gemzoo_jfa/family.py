@@ -19,6 +19,7 @@ default length buckets off for a process.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -26,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from gemzoo.api import ACTIVATION_CODES, AttentionCapabilities, JaggedShapeError, check_inputs
+from gemzoo.api import ACTIVATION_CODES, AttentionCapabilities, JaggedShapeError, TensorCache, check_inputs
 from gemzoo_jfa.schedule import ORDERS
 
 MAX_HEAD_DIM = 256
@@ -211,7 +212,7 @@ def _tma_ok(*tensors, tma: bool | None, causal: bool = True, pointwise: bool = F
         return False
     t0 = tensors[0]
     if t0.device.type == "cuda":
-        if torch.cuda.get_device_capability(t0.device)[0] < 9:
+        if _major(torch.cuda.current_device() if t0.device.index is None else t0.device.index) < 9:
             return False
         if tma is None and not ((causal or pointwise) and t0.element_size() == 2 and t0.shape[-1] in (64, 128)):
             return False
@@ -227,6 +228,13 @@ def _tma_ok(*tensors, tma: bool | None, causal: bool = True, pointwise: bool = F
                 (st * t.element_size()) % 16 for st in t.stride()[:2]):
             return False
     return True
+
+
+@functools.cache
+def _major(index: int) -> int:
+    """The compute capability's major version of CUDA device ``index``, read once per device: ``_tma_ok`` runs
+    on every launch."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _desc(t: torch.Tensor, rows: int):
@@ -304,11 +312,11 @@ def _act_scale(activation: int, scale: float) -> float:
     return scale * LOG2E if activation == 0 else scale  # softmax runs in base 2
 
 
-def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, dest, block, lengths,
+def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activation, block, lengths,
              options: KernelOptions):
-    """Schedule of a query-block kernel (forward, dq): (items, block_m, key splits or 0, target). With a
-    split, ``target`` is a zeroed fp32 buffer the programs add into (``dest`` itself when fp32). ``lengths``
-    is a length bucket (see length_buckets), never split."""
+    """Schedule of a query-block kernel (forward, dq): (items, block_m, key splits or 0). With a split the
+    programs add into a zeroed fp32 buffer (``_split_target``). ``lengths`` is a length bucket (see
+    length_buckets), never split."""
     from gemzoo_jfa.schedule import build_schedule, memo, split_items
 
     win = None if window < 0 else window
@@ -318,26 +326,77 @@ def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activa
     if plan is None:
         items = build_schedule(q_offsets, k_offsets, q.shape[0], c.block_m, over="q", causal=causal, window=win,
                                order=order, block_size=block if block > 0 else None, lengths=lengths)
-        return items, c.block_m, 0, dest
+        return items, c.block_m, 0
     n_splits, bm = plan
     items = memo(q_offsets, k_offsets, ("split", q.shape[0], bm, causal, win, order, n_splits),
                  lambda: split_items(build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal,
                                                     window=win, order=order), n_splits))
-    target = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device,
-                                                                  dtype=torch.float32)
-    return items, bm, n_splits, target.zero_()
+    return items, bm, n_splits
 
 
-def _q_launches(q, k, v, q_offsets, k_offsets, kind, causal, window, activation, dest, block, tma, options):
+def _split_target(dest: torch.Tensor) -> torch.Tensor:
+    """The zeroed fp32 buffer a split launch's programs add into: ``dest`` itself when fp32 (then nothing is
+    copied after), else a new one copied into ``dest`` after the launch."""
+    if dest.dtype == torch.float32:
+        return dest.zero_()
+    return torch.zeros(dest.shape, device=dest.device, dtype=torch.float32)
+
+
+def _q_launches(q, k, dest, q_offsets, k_offsets, kind, causal, window, activation, block, tma, options):
     """Per launch of a query-block kernel (``kind`` fwd or dq), one per length bucket with items: (config,
-    items, block_m, key splits or 0, target, K and V descriptors or tensors). See _q_items for ``target``."""
+    items, block_m, key splits or 0, the launch's target as its strides are known now (``dest``, or for a
+    split of a non-fp32 ``dest`` a contiguous fp32 stand-in of its shape), the TMA box rows for K and V or 0
+    for pointer loads, use_tma, item capacity)."""
     for cfg, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block, options):
-        items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, dest,
-                                              block, lengths, options)
+        items, bm, split_n = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, block, lengths,
+                                      options)
         if items.shape[1]:
-            use_tma = tma and cfg.tma is not False
-            kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if use_tma else (k, v)
-            yield cfg, items, bm, split_n, target, kd, vd, use_tma
+            use_tma = bool(tma and cfg.tma is not False)
+            target = dest if not split_n or dest.dtype == torch.float32 else _Strides(dest.shape)
+            yield cfg, items, bm, split_n, target, cfg.block_n if use_tma else 0, use_tma, items.shape[1]
+
+
+class _Strides:
+    """What a launch plan reads of a contiguous tensor not allocated yet: its strides."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def stride(self, dim=None):
+        strides, step = [], 1
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        strides = tuple(reversed(strides))
+        return strides if dim is None else strides[dim]
+
+
+def _rows(*tensors) -> tuple:
+    """(stride(0), stride(1)) of each tensor, flattened: the kernels' row and head strides."""
+    return tuple(st for t in tensors for st in t.stride()[:2])
+
+
+class _Launch:
+    """One planned launch: grid, schedule, key splits (0: none), TMA box rows for the descriptors built per call
+    (0: pointer loads), the positional arguments after the per-call tensors, and the keyword arguments."""
+
+    __slots__ = ("grid", "items", "split", "desc_rows", "args", "kw")
+
+    def __init__(self, grid, items, split, desc_rows, args, kw):
+        self.grid, self.items, self.split, self.desc_rows, self.args, self.kw = grid, items, split, desc_rows, args, kw
+
+
+# Launch plans by offsets tensors (identity and version) and call signature: a model's layers share one batch's
+# offsets and shapes, so the work between the input check and the launches (length buckets, split plan,
+# schedule look-ups, tile configs, the ~30 launch arguments) runs once per batch and kernel, not per call.
+_plans = TensorCache(64)
+
+
+def _plan(q_offsets, k_offsets, key: tuple, options: KernelOptions, build) -> list[_Launch]:
+    """``build()`` (a list of _Launch), or the list built for an earlier call with the same offsets tensors
+    (unchanged), ``key`` and ``options`` object (the entry holds it, so its id is not reused while cached)."""
+    options_held, launches = _plans.get((q_offsets, k_offsets), (*key, id(options)), lambda: (options, build()))
+    return launches if options_held is options else build()
 
 
 def _warps(c: KernelConfig, bm: int) -> int:
@@ -354,26 +413,31 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
     """out (and, for softmax, the base-2 lse [H, Tq]) of the forward pass; ``activation`` is a code of
     ACTIVATION_CODES. Pointwise short-Q/long-K batches take the split-K path (see split_plan). ``block``
     > 0 is block_size, ``rope_theta`` > 0 fuses RoPE (-1 and 0: off); ``options`` the tiles, order, TMA,
-    split and buckets (KernelOptions); ``rel`` a relative bias's kernel arguments (``relative_bias_args``)."""
-    from gemzoo_jfa import kernels
+    split and buckets (KernelOptions); ``rel`` a relative bias's kernel arguments (``relative_bias_args``).
+    The launches (schedules, tiles, argument lists) are planned once per offsets tensors and call signature
+    (see ``_plan``)."""
+    kernels = _kernels()
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
-    tq, h, d = q.shape
-    dv = v.shape[2]
     tma = rope_theta <= 0 and _tma_ok(k, v, tma=options.tma, causal=causal, pointwise=activation != 0)
-    for cfg, items, bm, split_n, target, kd, vd, use_tma in _q_launches(q, k, v, q_offsets, k_offsets, "fwd", causal,
-                                                                        window, activation, out, block, tma,
-                                                                        options):
-        cap = items.shape[1]
-        kernels.attn_fwd_kernel[(cap * h,)](
-            q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
-            _act_scale(activation, scale), inv_norm, max(window, 0), split_n,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            target.stride(0), target.stride(1),
-            H=h, GROUP=_group(q, k), D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
-            CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=use_tma,
-            ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
-            **_block_rope(block, rope_theta, d), **(rel or {}),
+    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(), out.dtype,
+           q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta, tma)
+    launches = _plan(q_offsets, k_offsets, key, options, lambda: [
+        _Launch((cap * q.shape[1],), items, split_n, rows, (cap, q.shape[0], _act_scale(activation, scale), inv_norm,
+                                                         max(window, 0), split_n, *_rows(q, k, v, target)), dict(
+            H=q.shape[1], GROUP=_group(q, k), D=q.shape[2], DV=v.shape[2], BD=_pow2(q.shape[2]), BDV=_pow2(v.shape[2]),
+            BM=bm, BN=cfg.block_n, CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda",
+            USE_TMA=use_tma, ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm),
+            num_stages=cfg.num_stages, **_block_rope(block, rope_theta, q.shape[2])))
+        for cfg, items, bm, split_n, target, rows, use_tma, cap in _q_launches(q, k, out, q_offsets, k_offsets,
+                                                                              "fwd", causal, window, activation,
+                                                                              block, tma, options)])
+    for launch in launches:
+        target = _split_target(out) if launch.split else out
+        kd, vd = (_desc(k, launch.desc_rows), _desc(v, launch.desc_rows)) if launch.desc_rows else (k, v)
+        kernels.attn_fwd_kernel[launch.grid](
+            q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, launch.items, kd, vd,
+            *launch.args, **launch.kw, **(rel or {}),
         )
         if target is not out:
             out.copy_(target)
@@ -446,18 +510,38 @@ def _rel_table_grads(buf, rel, grad_scale):
     return table(slice(0, n_pos), rel["RB_POS"]), table(slice(n_pos, None), rel["RB_TW"]) if rel["REL"] == 2 else None
 
 
+def _kernels():
+    """gemzoo_jfa.kernels, imported on first use (importing the family does not import Triton). Its kernels are
+    read from the module at each launch, so a replaced attribute (a test's stub) takes effect."""
+    global _KERNELS
+    if _KERNELS is None:
+        from gemzoo_jfa import kernels
+
+        _KERNELS = kernels
+    return _KERNELS
+
+
+_KERNELS = None
+_PREPROCESS: dict = {}  # (shape, strides, device type) -> (grid, arguments after the tensors, keyword arguments)
+
+
 def _launch_preprocess(out, do):
     """delta [H, Tq] = rowsum(out * do) in fp32."""
-    from gemzoo_jfa import kernels
-
+    kernels = _kernels()
     tq, h, dv = out.shape
-    upcast = out.device.type != "cuda"
     delta = torch.empty(h, tq, device=out.device, dtype=torch.float32)
-    bt = 64 if upcast else 128
-    kernels.attn_bwd_preprocess[(_cdiv(tq, bt), h)](
-        out, do, delta, tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
-        DV=dv, BDV=_pow2(dv), BT=bt, num_warps=1 if upcast else 4,
-    )
+    key = (out.shape, out.stride(), do.stride(), out.device.type)
+    plan = _PREPROCESS.get(key)
+    if plan is None:
+        upcast = out.device.type != "cuda"
+        bt = 64 if upcast else 128
+        plan = ((_cdiv(tq, bt), h), (tq, out.stride(0), out.stride(1), do.stride(0), do.stride(1)),
+                dict(DV=dv, BDV=_pow2(dv), BT=bt, num_warps=1 if upcast else 4))
+        if len(_PREPROCESS) >= 256:
+            _PREPROCESS.clear()
+        _PREPROCESS[key] = plan
+    grid, args, kw = plan
+    kernels.attn_bwd_preprocess[grid](out, do, delta, *args, **kw)
     return delta
 
 
@@ -474,54 +558,71 @@ def _common(q, v, causal, window, activation):
 
 def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm,
                  block, rope_theta, options: KernelOptions, dq_acc=None, rel=None):
-    from gemzoo_jfa import kernels
-    from gemzoo_jfa.schedule import build_schedule
-
+    kernels = _kernels()
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     tma = rope_theta <= 0 and _tma_ok(q, do, tma=options.tma, causal=causal, pointwise=activation != 0)
     if activation != 0:  # no lse/delta: any fp32 tensor stands in (never read)
         lse = delta = dk
     kind = "dkdv" if dq_acc is None else "dkdv_fused"
-    for c, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block, options):
-        items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
-                               window=None if window < 0 else window, order=options.order,
-                               block_size=block if block > 0 else None, lengths=lengths)
-        cap = items.shape[1]
-        if cap == 0:
-            continue
-        use_tma = tma and c.tma is not False
-        qd, dod = (_desc(q, c.block_m), _desc(do, c.block_m)) if use_tma else (q, do)
-        kernels.attn_bwd_dkdv_kernel[(cap * k.shape[1],)](  # one program per k/v head: it loops over its group
-            q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, items, qd, dod, cap, q.shape[0],
-            _act_scale(activation, scale), scale * inv_norm, 1.0 if activation == 0 else inv_norm,
-            max(window, 0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv_.stride(0), dv_.stride(1),
-            BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=use_tma,
-            **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]),
-            **({} if dq_acc is None else dict(DQACC=dq_acc, stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1),
-                                              FUSED_DQ=True)), **(rel or {}),
+
+    def build():
+        from gemzoo_jfa.schedule import build_schedule
+
+        launches = []
+        for c, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block, options):
+            items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
+                                   window=None if window < 0 else window, order=options.order,
+                                   block_size=block if block > 0 else None, lengths=lengths)
+            cap = items.shape[1]
+            if cap == 0:
+                continue
+            use_tma = bool(tma and c.tma is not False)
+            launches.append(_Launch(
+                (cap * k.shape[1],), items, 0, c.block_m if use_tma else 0,  # one program per k/v head
+                (cap, q.shape[0], _act_scale(activation, scale), scale * inv_norm,
+                 1.0 if activation == 0 else inv_norm, max(window, 0), *_rows(q, k, v, do, dk, dv_)),
+                dict(BM=c.block_m, BN=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, USE_TMA=use_tma,
+                     **_common(q, v, causal, window, activation), **_block_rope(block, rope_theta, q.shape[2]))))
+        return launches
+
+    key = (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.stride(), dk.stride(),
+           dv_.stride(), q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta, tma)
+    fused = {} if dq_acc is None else dict(DQACC=dq_acc, stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1),
+                                           FUSED_DQ=True)
+    for launch in _plan(q_offsets, k_offsets, key, options, build):
+        qd, dod = (_desc(q, launch.desc_rows), _desc(do, launch.desc_rows)) if launch.desc_rows else (q, do)
+        kernels.attn_bwd_dkdv_kernel[launch.grid](  # a program loops over its k/v head's group of q heads
+            q, k, v, do, lse, delta, dk, dv_, q_offsets, k_offsets, launch.items, qd, dod, *launch.args,
+            **launch.kw, **fused, **(rel or {}),
         )
 
 
 def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dq, activation, inv_norm, block,
                rope_theta, options: KernelOptions, rel=None):
-    from gemzoo_jfa import kernels
+    kernels = _kernels()
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     tma = rope_theta <= 0 and _tma_ok(k, v, tma=options.tma, causal=causal, pointwise=activation != 0)
-    for c, items, bm, split_n, target, kd, vd, use_tma in _q_launches(q, k, v, q_offsets, k_offsets, "dq", causal,
-                                                                      window, activation, dq, block, tma, options):
-        cap = items.shape[1]
-        if activation != 0:
-            lse = delta = target
-        kernels.attn_bwd_dq_kernel[(cap * q.shape[1],)](
-            q, k, v, do, lse, delta, target, q_offsets, k_offsets, items, kd, vd, cap, q.shape[0],
-            _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm), max(window, 0), split_n,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), target.stride(0), target.stride(1),
+    key = ("dq", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.stride(), dq.shape, dq.stride(), dq.dtype,
+           q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta, tma)
+    launches = _plan(q_offsets, k_offsets, key, options, lambda: [
+        _Launch((cap * q.shape[1],), items, split_n, rows, (
+            cap, q.shape[0], _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm),
+            max(window, 0), split_n, *_rows(q, k, v, do, target)), dict(
             BM=bm, BN=c.block_n, num_warps=_warps(c, bm), num_stages=c.num_stages, USE_TMA=use_tma,
             SPLIT=split_n > 0, **_common(q, v, causal, window, activation),
-            **_block_rope(block, rope_theta, q.shape[2]), **(rel or {}),
+            **_block_rope(block, rope_theta, q.shape[2])))
+        for c, items, bm, split_n, target, rows, use_tma, cap in _q_launches(q, k, dq, q_offsets, k_offsets, "dq",
+                                                                            causal, window, activation, block, tma,
+                                                                            options)])
+    for launch in launches:
+        target = _split_target(dq) if launch.split else dq
+        kd, vd = (_desc(k, launch.desc_rows), _desc(v, launch.desc_rows)) if launch.desc_rows else (k, v)
+        if activation != 0:
+            lse = delta = target
+        kernels.attn_bwd_dq_kernel[launch.grid](
+            q, k, v, do, lse, delta, target, q_offsets, k_offsets, launch.items, kd, vd, *launch.args,
+            **launch.kw, **(rel or {}),
         )
         if target is not dq:
             dq.copy_(target)
@@ -569,6 +670,14 @@ class _EagerAttention(torch.autograd.Function):
         return (None, None, dq, dk, dv, None, None) + (None,) * len(ctx.args)
 
 
+def _traced(q: torch.Tensor) -> bool:
+    """Whether ``q`` calls for the custom op (torch.compile, fake or meta tensors) instead of the bodies. A
+    plain tensor that is not functionalized is never fake: the costlier ``is_fake`` runs only for the rest."""
+    if torch.compiler.is_compiling() or q.device.type == "meta":
+        return True
+    return (type(q) is not torch.Tensor or torch._is_functional_tensor(q)) and is_fake(q)
+
+
 def run_attention(op, fwd, bwd, q, k, v, q_offsets, k_offsets, *args) -> torch.Tensor:
     """Attention output through a family member's bodies: ``fwd(q, k, v, q_offsets, k_offsets, *args) ->
     (out, lse or None)`` and ``bwd(do, q, k, v, out, lse, q_offsets, k_offsets, *args) -> (dq, dk, dv)``.
@@ -576,7 +685,7 @@ def run_attention(op, fwd, bwd, q, k, v, q_offsets, k_offsets, *args) -> torch.T
     Under torch.compile (and on fake or meta tensors) ``op(q, k, v, q_offsets, k_offsets, *args) -> out``, the
     custom op, which has a fake implementation; in eager with gradients the bodies through _EagerAttention;
     without gradients the forward body alone."""
-    if torch.compiler.is_compiling() or q.device.type == "meta" or is_fake(q):
+    if _traced(q):
         return op(q, k, v, q_offsets, k_offsets, *args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(fwd, bwd, q, k, v, q_offsets, k_offsets, *args)
@@ -607,7 +716,7 @@ def run_attention_rel(op, fwd, bwd, q, k, v, q_offsets, k_offsets, rb, *args) ->
     v, out, lse, q_offsets, k_offsets, positions, time_weights, q_times, k_times, *args) and returns (dq, dk,
     dv, d positions, d time_weights); ``args`` end with ``rb.bucket_divisor`` where the bodies take it."""
     tensors = (rb.positions, rb.time_weights, rb.q_times, rb.k_times)
-    if torch.compiler.is_compiling() or q.device.type == "meta" or is_fake(q):
+    if _traced(q):
         return op(q, k, v, q_offsets, k_offsets, *tensors, *args)
     grads = [t is not None and t.requires_grad for t in (q, k, v, rb.positions, rb.time_weights)]
     if torch.is_grad_enabled() and any(grads):

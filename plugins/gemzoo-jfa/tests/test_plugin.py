@@ -334,3 +334,69 @@ def test_kernel_options_are_checked_and_cross_the_custom_op_as_an_index():
         family.KernelOptions(buckets=(family.Bucket(128, small), family.Bucket(64, small)))
     with pytest.raises(TypeError, match="KernelOptions"):
         family.options_index({"tma": False})
+
+
+def test_launch_plans_are_reused_only_for_the_same_offsets_and_signature(monkeypatch):
+    """The launches (buckets, split plan, schedules, argument lists) are planned once per offsets tensors and call
+    signature: a second identical call plans nothing and launches with the same arguments; offsets changed in
+    place, another scale or other strides are planned again, with their own schedule and arguments."""
+    from gemzoo_jfa import family, kernels
+
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((self.name, grid, a, kw))
+
+    for name in ("attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+        monkeypatch.setattr(kernels, name, Recorder(name))
+    planned = []
+    real = family.length_buckets
+    monkeypatch.setattr(family, "length_buckets", lambda *a, **kw: planned.append(a[3]) or real(*a, **kw))
+    off = lengths_to_offsets(torch.tensor([5, 0, 130, 7]))
+    q = torch.randn(142, 2, 16)
+    out, lse = torch.empty_like(q), torch.empty(2, 142)
+
+    def call(scale=0.125, k=q):
+        launched.clear()
+        family.launch_fwd(q, k, k, off, off, True, scale, -1, out, lse)
+        family.backward(out, q, k, k, out, lse, off, off, True, scale, -1)
+        return list(launched)
+
+    def items(calls):  # the schedules passed (the only int32 tensors)
+        return [x for _, _, args, _ in calls for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.int32]
+
+    first = call()
+    assert planned == ["fwd", "dkdv", "dq"]
+    assert {n for n, *_ in first} == {"attn_fwd_kernel", "attn_bwd_preprocess", "attn_bwd_dkdv_kernel",
+                                      "attn_bwd_dq_kernel"}
+    again = call()
+    assert planned == ["fwd", "dkdv", "dq"]  # nothing planned again
+    assert [(n, g, kw) for n, g, _, kw in again] == [(n, g, kw) for n, g, _, kw in first]
+    assert [x.data_ptr() for x in items(again)] == [x.data_ptr() for x in items(first)]  # the same schedules
+    before = [x.clone() for x in items(first)]
+    off[2] = 40  # in place: [5, 0, 130, 7] becomes [5, 35, 95, 7]; a new version, new schedules
+    changed = call()
+    assert planned == ["fwd", "dkdv", "dq"] * 2
+    assert any(not torch.equal(a, b) for a, b in zip(items(changed), before, strict=True))
+    call(scale=0.5)  # another scale: its own arguments
+    assert planned == ["fwd", "dkdv", "dq"] * 3
+    fwd = next(a for n, _, a, _ in launched if n == "attn_fwd_kernel")
+    assert 0.5 * family.LOG2E in [x for x in fwd if isinstance(x, float)]
+    strided = torch.randn(142, 4, 16)[:, ::2]  # k and v with other strides: planned again, their strides passed
+    call(k=strided)
+    assert planned == ["fwd", "dkdv", "dq"] * 4
+    fwd = next(a for n, _, a, _ in launched if n == "attn_fwd_kernel")
+    assert strided.stride(0) in [x for x in fwd if isinstance(x, int)] and strided.stride(0) != q.stride(0)
+
+
+@pytest.mark.parametrize("shape", [(142, 2, 16), (0, 4, 128), (7, 0, 3), (1, 1, 1), (5, 3, 0)])
+def test_planned_strides_of_a_split_buffer_match_torch(shape):
+    """A split launch's fp32 buffer is allocated per call, after its arguments were planned from its shape."""
+    from gemzoo_jfa import family
+
+    assert family._Strides(shape).stride() == torch.empty(shape, dtype=torch.float32).stride()
+    assert family._Strides(shape).stride(1) == torch.empty(shape).stride(1)
