@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -342,15 +343,20 @@ def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activa
     return items, bm, n_splits, target.zero_()
 
 
-def _q_launches(q, k, v, q_offsets, k_offsets, kind, causal, window, activation, dest, block, tma, options):
+def _q_launches(q, k, v, q_offsets, k_offsets, kind, causal, window, activation, dest, block, tma, options,
+                descs=None):
     """Per launch of a query-block kernel (``kind`` fwd or dq), one per length bucket with items: (config,
-    items, block_m, key splits or 0, target, K and V descriptors or tensors). See _q_items for ``target``."""
+    items, block_m, key splits or 0, target, K and V descriptors or tensors). See _q_items for ``target``.
+    ``descs(block_n)``, if given, makes the (K, V) descriptors instead of ``_desc`` over k and v (the fp8 ones)."""
     for cfg, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block, options):
         items, bm, split_n, target = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, dest,
                                               block, lengths, options)
         if items.shape[1]:
             use_tma = tma and cfg.tma is not False
-            kd, vd = (_desc(k, cfg.block_n), _desc(v, cfg.block_n)) if use_tma else (k, v)
+            if use_tma:
+                kd, vd = descs(cfg.block_n) if descs is not None else (_desc(k, cfg.block_n), _desc(v, cfg.block_n))
+            else:
+                kd, vd = k, v
             yield cfg, items, bm, split_n, target, kd, vd, use_tma
 
 
@@ -375,14 +381,16 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
     tq, h, d = q.shape
     dv = v.shape[2]
     tma = rope_theta <= 0 and _tma_ok(k, v, tma=options.tma, causal=causal, pointwise=activation != 0)
-    qx, kx, vx, fp8 = q, k, v, {}
+    qx, kx, vx, fp8, descs = q, k, v, {}, None
     if options.fp8 != "off":
+        options = fp8_options(q, options)
         qx, kx, vx, fp8 = _fp8_operands(q, k, v, q_offsets, k_offsets, activation, rope_theta, options)
-        tma = False  # the fp8 tiles load through pointers (V transposed)
+        tma = tma and _fp8_tma_ok(kx, vx)
+        descs = partial(_fp8_descs, kx, vx)
     v_strides = (vx.stride(0), vx.stride(1)) if vx is v else (1, vx.stride(0))
     for cfg, items, bm, split_n, target, kd, vd, use_tma in _q_launches(q, k, v, q_offsets, k_offsets, "fwd", causal,
                                                                         window, activation, out, block, tma,
-                                                                        options):
+                                                                        options, descs):
         cap = items.shape[1]
         kernels.attn_fwd_kernel[(cap * h,)](
             qx, kx, vx, target, lse if activation == 0 else target, q_offsets, k_offsets, items, kd, vd, cap, tq,
@@ -396,6 +404,17 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
         )
         if target is not out:
             out.copy_(target)
+
+
+def fp8_options(q: torch.Tensor, options: KernelOptions) -> KernelOptions:
+    """``options`` with the fp8 forward's main tiles where they differ from bf16's: for "qkv" on CUDA with D <=
+    128 and no configs of the caller's, forward tiles of 128 x 64 (8 warps, 3 stages). Chosen offline
+    (bench/compile_sm90.py, ptxas for sm_90a): the e4m3 V, loaded through pointers, spills 3.1 KB per thread at
+    128 x 128 and 0.7 KB at 128 x 64 (bf16's 128 x 128 TMA forward: 0.4 KB); not yet timed on a GPU."""
+    if options.fp8 != "qkv" or options.configs is not None or q.device.type != "cuda" or q.shape[-1] > 128:
+        return options
+    c = default_configs(q.shape[-1], "cuda", q.element_size())
+    return replace(options, configs=replace(c, fwd=KernelConfig(128, 64, 8, 3)))
 
 
 def fp8_blocks(q: torch.Tensor, options: KernelOptions) -> tuple[int, int]:
@@ -424,8 +443,8 @@ def quantize_fp8(x: torch.Tensor, offsets: torch.Tensor, block: int, transpose: 
     t, h, d = x.shape
     x = last_dim_contiguous(x)
     offsets = _offsets(offsets)
-    if transpose:
-        y = torch.empty(h, d, t, device=x.device, dtype=torch.float8_e4m3fn)
+    if transpose:  # T padded to 16 in the strides (16-byte aligned rows for the kernel's vector loads)
+        y = torch.empty(h, d, -(-t // 16) * 16, device=x.device, dtype=torch.float8_e4m3fn)[:, :, :t]
         ys = (1, y.stride(0), y.stride(1))
     else:
         y = torch.empty(t, h, d, device=x.device, dtype=torch.float8_e4m3fn)
@@ -464,6 +483,23 @@ def quantize_fp8_reference(x: torch.Tensor, offsets: torch.Tensor, block: int) -
 def dequantize_fp8(y: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values an e4m3 tensor [T, H, D] with scales [H, T] stands for, in ``dtype``."""
     return (y.float() * scales.t()[..., None]).to(dtype)
+
+
+def _fp8_tma_ok(k8: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fp8 forward's K (and V, when in the inputs' dtype [T, H, DV]) can be TMA loaded: power-of-two
+    head dims, 16-byte aligned base and strides. An e4m3 V ([H, DV, T]) always loads through pointers."""
+    for t in (k8,) if v.dtype == torch.float8_e4m3fn else (k8, v):
+        d = t.shape[-1]
+        if d != _pow2(d) or t.numel() == 0 or t.data_ptr() % 16 or any(
+                (st * t.element_size()) % 16 for st in t.stride()[:2]):
+            return False
+    return True
+
+
+def _fp8_descs(k8: torch.Tensor, v: torch.Tensor, block_n: int):
+    """(K, V) of the fp8 forward's TMA launches for key tiles of ``block_n`` rows: [T, H, D] descriptors with
+    [rows, 1, D] boxes, except an e4m3 V, passed as itself (the kernel loads it through pointers, see _load_vt)."""
+    return _desc(k8, block_n), v if v.dtype == torch.float8_e4m3fn else _desc(v, block_n)
 
 
 def _fp8_operands(q, k, v, q_offsets, k_offsets, activation, rope_theta, options):
@@ -748,7 +784,7 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["ACTIVATION_CODES", "Bucket", "Configs", "DEFAULT_OPTIONS", "DTYPES", "FAMILY_CAPABILITIES", "KernelConfig",
            "KernelOptions", "E4M3_MAX", "FP8_MODES", "MAX_HEAD_DIM", "ORDERS", "SHORT_AVERAGE", "BUCKETS_BY_DEFAULT", "backward",
-           "check_triton_inputs", "default_buckets", "default_configs", "dequantize_fp8", "fp8_blocks", "last_dim_contiguous", "launch_bwd",
+           "check_triton_inputs", "default_buckets", "default_configs", "dequantize_fp8", "fp8_blocks", "fp8_options", "last_dim_contiguous", "launch_bwd",
            "launch_fwd", "length_buckets", "options_at", "options_index", "relative_bias_args", "REL_SLOTS",
            "quantize_fp8", "quantize_fp8_reference", "run_attention", "run_attention_rel", "short_buckets",
            "split_plan"]

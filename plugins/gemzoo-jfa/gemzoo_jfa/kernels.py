@@ -463,7 +463,9 @@ def _load_scales(base, cols, L, MASKED: tl.constexpr):
 @triton.jit
 def _load_vt(base, n, stride_vd, offs_n, offs_dv, L, DV: tl.constexpr, BDV: tl.constexpr, MASKED: tl.constexpr):
     """Rows [n, n + BN) of one head of a V stored transposed ([H, DV, T], unit stride along T) as [BN, BDV]
-    (rows at or past ``L`` are 0 in MASKED blocks): the B operand of P V with its contraction dim contiguous."""
+    (rows at or past ``L`` are 0 in MASKED blocks): the B operand of P V with its contraction dim contiguous.
+    Pointer loads only: a TMA box's start along its contiguous dim must be 16-byte aligned, and a sequence's
+    keys start anywhere along T."""
     ptrs = base + (n + offs_n)[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
     if MASKED:
         x = tl.load(ptrs, mask=((n + offs_n)[:, None] < L) & (offs_dv[None, :] < DV), other=0.0)
