@@ -406,22 +406,27 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
             out.copy_(target)
 
 
-def fp8_options(q: torch.Tensor, options: KernelOptions) -> KernelOptions:
+def fp8_options(q: torch.Tensor, options: KernelOptions, device_type: str | None = None) -> KernelOptions:
     """``options`` with the fp8 forward's main tiles where they differ from bf16's: for "qkv" on CUDA with D <=
     128 and no configs of the caller's, forward tiles of 128 x 64 (8 warps, 3 stages). Chosen offline
     (bench/compile_sm90.py, ptxas for sm_90a): the e4m3 V, loaded through pointers, spills 3.1 KB per thread at
-    128 x 128 and 0.7 KB at 128 x 64 (bf16's 128 x 128 TMA forward: 0.4 KB); not yet timed on a GPU."""
-    if options.fp8 != "qkv" or options.configs is not None or q.device.type != "cuda" or q.shape[-1] > 128:
+    128 x 128 and 0.7 KB at 128 x 64 (bf16's 128 x 128 TMA forward: 0.4 KB); not yet timed on a GPU.
+    ``device_type`` (default q's) the device whose tiles to take (the CPU emulation takes CUDA's)."""
+    dev = device_type or q.device.type
+    if options.fp8 != "qkv" or options.configs is not None or dev != "cuda" or q.shape[-1] > 128:
         return options
     c = default_configs(q.shape[-1], "cuda", q.element_size())
     return replace(options, configs=replace(c, fwd=KernelConfig(128, 64, 8, 3)))
 
 
-def fp8_blocks(q: torch.Tensor, options: KernelOptions) -> tuple[int, int]:
-    """(rows of Q, rows of K and V) per fp8 scale block: the forward's main tile (block_m, block_n), so a scale
-    covers one tile of the long sequences and a whole short sequence (blocks start at each sequence's start and
-    never straddle two). Any block size is exact in the kernel, whose scales are per row (see quantize_fp8)."""
-    c = _configs(q, options).fwd
+def fp8_blocks(q: torch.Tensor, options: KernelOptions, device_type: str | None = None) -> tuple[int, int]:
+    """(rows of Q, rows of K and V) per fp8 scale block: the forward's main tile (block_m, block_n) on
+    ``device_type`` (default q's), so a scale covers one tile of the long sequences and a whole short sequence
+    (blocks start at each sequence's start and never straddle two). Any block size is exact in the kernel,
+    whose scales are per row (see quantize_fp8)."""
+    dev = device_type or q.device.type
+    options = fp8_options(q, options, dev)
+    c = (options.configs or default_configs(q.shape[-1], dev, q.element_size())).fwd
     return c.block_m, c.block_n
 
 
@@ -430,7 +435,7 @@ def quantize_fp8(x: torch.Tensor, offsets: torch.Tensor, block: int, transpose: 
     """(e4m3 copy of the jagged ``x`` [T, H, D], fp32 scales [H, T]) on x's device, without a host sync.
 
     Each head's rows are cut into blocks of ``block`` rows from every sequence's start; a block's scale is its
-    amax / 448 and its e4m3 values are clamp(x * (448 / amax), +-448) rounded to nearest even (an all-zero
+    amax (ignoring NaN, which stays NaN in its element, and makes its row's scale NaN) / 448 and its e4m3 values are clamp(x * (448 / amax), +-448) rounded to nearest even (an all-zero
     block: scale 0, values 0). Every row of a block holds the block's scale in the [H, T] array, so a kernel
     reads a row's scale without knowing the blocks. ``transpose``: the copy is laid out [H, D, T] (the keys
     contiguous, the K-major B operand Hopper's fp8 wgmma takes for P V). ``quantize_fp8_reference`` is the same
@@ -471,13 +476,15 @@ def quantize_fp8_reference(x: torch.Tensor, offsets: torch.Tensor, block: int) -
     first = torch.cumsum((lengths + block - 1) // block, 0) - (lengths + block - 1) // block
     blk = first[seq] + pos // block  # [T] global block id
     xf = x.float()
-    row_amax = xf.abs().amax(-1) if d else xf.new_zeros(t, h)  # [T, H]
+    row_amax = xf.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax(-1) if d else xf.new_zeros(t, h)  # NaN: kept
+    # in its element (as the kernel), not spread over its block
     n_blocks = t // block + lengths.numel()  # at least the real count, known without a host sync
     amax = torch.zeros(n_blocks, h, device=x.device).scatter_reduce_(
         0, blk[:, None].expand(t, h), row_amax, "amax")[blk]  # [T, H]
     inv = torch.where(amax > 0, 448.0 / torch.where(amax > 0, amax, 1.0), 0.0)
     y = (xf * inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return y, (amax / 448.0).t().contiguous()
+    scales = torch.where(torch.isnan(xf).any(-1) if d else row_amax.bool(), float("nan"), amax / 448.0)
+    return y, scales.t().contiguous()
 
 
 def dequantize_fp8(y: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -445,9 +445,13 @@ def _e4m3(x, EXACT: tl.constexpr):
     if EXACT:
         bits = x.to(tl.int32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-        sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
-    return x.to(tl.float8e4nv)
+        sub = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        r = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -sub, sub), normal)  # -0.0 for tiny negatives
+        # the interpreter casts NaN to 384: put e4m3's NaN (0x7f) back
+        y = tl.where(x != x, tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True), r.to(tl.float8e4nv))
+    else:
+        y = x.to(tl.float8e4nv)
+    return y
 
 
 @triton.jit
@@ -520,7 +524,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
             vv = _load_vt(v_base, n, stride_vd, offs_n, offs_dv, Lk, DV, BDV, MASKED)
             v_s = _load_scales(vs_base, cols, Lk, MASKED)
             v_max = tl.max(v_s, 0)
-            v_max = tl.where(v_max > 0, v_max, 1.0)
+            v_max = tl.where(v_max == 0.0, 1.0, v_max)  # all-zero tile: any; a NaN (interpreter's max) stays
             # P in [0, 1] (softmax) times 256 (a power of two, exact; e4m3 normals then reach down to 2^-14), each
             # key's column times its block's scale over the tile's largest (<= 1); the tile's product is
             # rescaled by v_max / 256
@@ -940,7 +944,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
 def quant_fp8_kernel(X, Y, S, OFF, ITEMS, n_items_cap, T, stride_xt, stride_xh, stride_yt, stride_yh, stride_yd,
                      H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, EXACT: tl.constexpr):
     """e4m3 copy of one block of G rows (from its sequence's start, so no block straddles two sequences) of one
-    head of X [T, H, D], with an amax scale: scale = amax / 448, Y = clamp(X * (448 / amax), +-448) rounded to
+    head of X [T, H, D], with an amax scale (NaN ignored; a NaN stays NaN, and its row's scale is NaN): scale = amax / 448, Y = clamp(X * (448 / amax), +-448) rounded to
     nearest even, and the scale written to every row of the block in S [H, T] (0 for an all-zero block, whose Y
     is 0). Y's strides are arguments, so V can be written transposed ([H, D, T]). One program per (item of a
     ``build_schedule(..., G, over="q")`` schedule over OFF, head). EXACT: the interpreter's cast (see _e4m3)."""
@@ -958,9 +962,14 @@ def quant_fp8_kernel(X, Y, S, OFF, ITEMS, n_items_cap, T, stride_xt, stride_xh, 
     mask = (rows[:, None] < L) & (offs_d[None, :] < D)
     t = start + rows  # int64
     x = tl.load(X + t[:, None] * stride_xt + h * stride_xh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    amax = tl.max(tl.max(tl.where(x == x, tl.abs(x), 0.0), 1), 0)  # NaN stays in its element, not its block
     inv = tl.where(amax > 0, tl.math.div_rn(448.0, tl.where(amax > 0, amax, 1.0)), 0.0)
-    y = _e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0), EXACT)
+    # the clamp keeps a NaN (min/max would drop it: a NaN input must reach every row that sees it)
+    y = _e4m3(tl.minimum(tl.maximum(x * inv, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                         propagate_nan=tl.PropagateNan.ALL), EXACT)
     tl.store(Y + t[:, None] * stride_yt + h * stride_yh + offs_d[None, :].to(tl.int64) * stride_yd, y, mask=mask)
     scale = tl.math.div_rn(amax, 448.0)
-    tl.store(S + h.to(tl.int64) * T + t, tl.zeros([G], tl.float32) + scale, mask=rows < L)
+    # a row holding a NaN gets a NaN scale: the attention kernel multiplies it into the fp32 products, so the NaN
+    # reaches every output that reads the row even where a dot drops it (the interpreter widens e4m3's NaN to 480)
+    nan_row = tl.max(tl.where(x != x, 1, 0), 1) > 0
+    tl.store(S + h.to(tl.int64) * T + t, tl.where(nan_row, float("nan"), scale), mask=rows < L)
