@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from gemzoo.api import FunctionKernel, registry
+from gemzoo.api import FunctionKernel
 from gemzoo_jfa.family import (
     FAMILY_CAPABILITIES,
     KernelOptions,
@@ -214,8 +214,8 @@ def jfa_fp8_attention(q, k, v, q_offsets, k_offsets=None, *, fp8="qkv", options:
     q_offsets, k_offsets = check_triton_inputs(KERNEL_FP8, "jfa-fp8", q, k, v, q_offsets, k_offsets, **kw)
     if kw.get("rope_theta") is not None:
         raise ValueError("jfa-fp8 does not fuse RoPE; rotate q and k first")
-    cpu = registry.get("attention", "cpu" if "cpu" in registry.names("attention") else "reference")
-    return _Fp8Emulated.apply(cpu, kw, fp8_blocks(q, options, "cuda"), fp8, q, k, v, q_offsets, k_offsets)
+    # jfa's kernel object on CPU tensors is the registered "cpu" kernel (else "reference")
+    return _Fp8Emulated.apply(KERNEL, kw, fp8_blocks(q, options, "cuda"), fp8, q, k, v, q_offsets, k_offsets)
 
 
 @dataclasses.dataclass
