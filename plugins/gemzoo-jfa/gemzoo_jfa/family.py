@@ -138,7 +138,7 @@ E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """How the family's kernels run a call; the numerics are the same under every setting.
+    """How the family's kernels run a call; the numerics are the same under every setting but ``fp8``.
 
     ``configs``: tile shapes for every launch (None: ``default_configs`` for the head dim and dtype).
     ``order``: the work schedule's order, one of ``ORDERS`` (see ``schedule.py``).
@@ -435,8 +435,8 @@ def quantize_fp8(x: torch.Tensor, offsets: torch.Tensor, block: int, transpose: 
     """(e4m3 copy of the jagged ``x`` [T, H, D], fp32 scales [H, T]) on x's device, without a host sync.
 
     Each head's rows are cut into blocks of ``block`` rows from every sequence's start; a block's scale is its
-    amax (ignoring NaN, which stays NaN in its element, and makes its row's scale NaN) / 448 and its e4m3 values are clamp(x * (448 / amax), +-448) rounded to nearest even (an all-zero
-    block: scale 0, values 0). Every row of a block holds the block's scale in the [H, T] array, so a kernel
+    amax / 448 and its e4m3 values are clamp(x * (448 / amax), +-448) rounded to nearest even (an all-zero
+    block: scale 0, values 0). The amax ignores NaN: a NaN stays NaN in its element, and its row's scale is NaN. Every row of a block holds the block's scale in the [H, T] array, so a kernel
     reads a row's scale without knowing the blocks. ``transpose``: the copy is laid out [H, D, T] (the keys
     contiguous, the K-major B operand Hopper's fp8 wgmma takes for P V). ``quantize_fp8_reference`` is the same
     rule in torch."""
