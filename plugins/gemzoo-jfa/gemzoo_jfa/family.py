@@ -397,8 +397,8 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
             _act_scale(activation, scale), inv_norm, max(window, 0), split_n,
             qx.stride(0), qx.stride(1), kx.stride(0), kx.stride(1), *v_strides,
             target.stride(0), target.stride(1),
-            H=h, GROUP=_group(q, k), D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=bm, BN=cfg.block_n,
-            CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=use_tma,
+            H=h, GROUP=_group(q, k), D=d, DV=dv, BD=max(_pow2(d), 32) if fp8 else _pow2(d), BDV=_pow2(dv), BM=bm,
+            BN=cfg.block_n, CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda", USE_TMA=use_tma,
             ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm), num_stages=cfg.num_stages,
             **_block_rope(block, rope_theta, d), **(rel or {}), **fp8,
         )
@@ -495,7 +495,10 @@ def dequantize_fp8(y: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 
 def _fp8_tma_ok(k8: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the fp8 forward's K (and V, when in the inputs' dtype [T, H, DV]) can be TMA loaded: power-of-two
-    head dims, 16-byte aligned base and strides. An e4m3 V ([H, DV, T]) always loads through pointers."""
+    head dims of at least 32 (an e4m3 dot contracts over 32 or more: smaller D pads its tile to 32 columns, wider
+    than a TMA box of D), 16-byte aligned base and strides. An e4m3 V ([H, DV, T]) always loads through pointers."""
+    if k8.shape[-1] < 32:
+        return False
     for t in (k8,) if v.dtype == torch.float8_e4m3fn else (k8, v):
         d = t.shape[-1]
         if d != _pow2(d) or t.numel() == 0 or t.data_ptr() % 16 or any(

@@ -208,7 +208,8 @@ def test_schedule_is_built_once_per_offsets_and_rebuilt_when_they_change():
 
 
 HOPPER_VARIANTS = ["bucket64 fwd tma w8", "default dkdv tma (reference)", "fused-dq dkdv tma BM32 BN128 w8 s3",
-                   "fp8 qk fwd tma BM128 BN128 w8 s3", "fp8 qkv fwd tma BM128 BN64 w8 s3", "fp8 quantize G128"]
+                   "fp8 qk fwd tma BM128 BN128 w8 s3", "fp8 qkv fwd tma BM128 BN64 w8 s3", "fp8 qkv fwd ptr D16 BM64 BN64 w4 s1",
+                   "fp8 quantize G128"]
 
 
 @pytest.fixture(scope="module")
