@@ -24,7 +24,9 @@ def _cpu_cases():
 def test_kernel_matches_reference(name, case, backward):
     kernel = gemzoo.registry.get("attention", name)
     dtype = torch.float64 if torch.float64 in kernel.capabilities.dtypes else torch.float32
-    check_attention(kernel, case, device="cpu", dtype=dtype, backward=backward)
+    # a kernel approximate by design (jfa-fp8) declares its bound as forward_tolerance
+    check_attention(kernel, case, device="cpu", dtype=dtype, backward=backward,
+                    tol=getattr(kernel, "forward_tolerance", None))
 
 
 @pytest.mark.parametrize("name", ["reference", "sdpa-padded"])

@@ -141,6 +141,71 @@ def check_small(n_cases=4):
     return ok
 
 
+def fp8_error(out, ref, v) -> dict:
+    """The fp8 forward's error measures: relative L2 to ``ref``, and the RMS error over the RMS of v (a softmax
+    output is a convex combination of v's rows, so v sets its scale; the "normalised" error the 2e-2 bound is on)."""
+    d = out.double() - ref.double()
+    return {"rel": rel(out, ref), "norm": float(d.pow(2).mean().sqrt() / v.double().pow(2).mean().sqrt()),
+            "max_abs": float(d.abs().max()), "finite": bool(torch.isfinite(out).all())}
+
+
+def check_fp8_case(i, d, causal, asym, window, mode):
+    """KernelOptions(fp8=mode) on one mixed-length case with empty sequences (outputs and gradients poisoned):
+    the forward within 2e-2 (normalised, fp8_error) of fp64, the straight-through gradients within 1e-2."""
+    gen = torch.Generator().manual_seed(200 + i)
+    q_lens = torch.randint(1, 700, (11,), generator=gen)
+    q_lens[[1, 6]] = 0
+    k_lens = q_lens + torch.randint(0, 200, (11,), generator=gen) if asym else q_lens
+    q_off, k_off = lengths_to_offsets(q_lens).cuda(), lengths_to_offsets(k_lens).cuda()
+    tq, tk = int(q_lens.sum()), int(k_lens.sum())
+    q = torch.randn(tq, 3, d, generator=gen).to("cuda", DTYPE)
+    k, v = (torch.randn(tk, 3, d, generator=gen).to("cuda", DTYPE) for _ in range(2))
+    grad = torch.randn(tq, 3, d, generator=gen).to("cuda", DTYPE)
+    scale, win = d ** -0.5, -1 if window is None else window
+    options = opts(fp8=mode)
+    out = torch.full((tq, 3, d), float("nan"), device="cuda", dtype=DTYPE)
+    lse = torch.full((3, tq), float("nan"), device="cuda")
+    launch_fwd(q, k, v, q_off, k_off, causal, scale, win, out, lse, options=options)
+    dq, dk, dv = family.backward(grad, q, k, v, out, lse, q_off, k_off, causal, scale, win, options=options)
+    refs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window)
+    ref.backward(grad.double())
+    e = fp8_error(out, ref.detach(), v)
+    grads = {"dq": rel(dq, refs[0].grad), "dk": rel(dk, refs[1].grad), "dv": rel(dv, refs[2].grad)}
+    finite = e["finite"] and all(bool(torch.isfinite(t).all()) for t in (dq, dk, dv))
+    passed = finite and e["norm"] < 2e-2 and all(g < 1e-2 for g in grads.values())
+    log(f"fp8 {mode} check d={d} causal={causal} asym={asym} window={window}: out rel={e['rel']:.1e} "
+        f"norm={e['norm']:.1e} max={e['max_abs']:.1e} " + " ".join(f"{k}={g:.1e}" for k, g in grads.items())
+        + f" finite={finite} {'OK' if passed else 'FAIL'}")
+    return {"mode": mode, "d": d, "causal": causal, "asym": asym, "window": window, "finite": finite, **e, **grads,
+            "ok": passed}
+
+
+def check_fp8_long(mode, length=65600, magnitude=30.0):
+    """One long sequence of large-magnitude bf16 inputs (logits in the thousands): the fp8 forward stays finite;
+    its error against bf16 jfa's output is reported."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    off = lengths_to_offsets(torch.tensor([length, 0, 3])).cuda()
+    q, k, v = (torch.randn(length + 3, H, D, device="cuda", generator=gen).mul_(magnitude).to(DTYPE)
+               for _ in range(3))
+    out = jfa_triton(q, k, v, off, causal=True, options=opts(fp8=mode))
+    e = fp8_error(out, jfa_triton(q, k, v, off, causal=True, options=BASE), v)
+    log(f"fp8 {mode} long L={length} x{magnitude}: vs bf16 rel={e['rel']:.1e} norm={e['norm']:.1e} "
+        f"finite={e['finite']} {'OK' if e['finite'] else 'FAIL'}")
+    return {"mode": mode, "length": length, "magnitude": magnitude, **e, "ok": e["finite"]}
+
+
+def check_fp8(n_cases=4) -> bool:
+    """The fp8 forward's accuracy first (--fp8): small cases against fp64, then the long large-magnitude one."""
+    cases = [(128, True, False, None), (128, True, True, 200), (64, False, True, None), (128, False, False, 50)]
+    entries = []
+    for mode in ("qk", "qkv"):
+        entries += [check_fp8_case(i, *c, mode) for i, c in enumerate(cases[:n_cases])]
+        entries.append(check_fp8_long(mode))
+    RESULTS["fp8_checks"] = entries
+    return all(e["ok"] for e in entries)
+
+
 # -- methods ---------------------------------------------------------------------------------------
 
 class Workload:
@@ -173,6 +238,16 @@ def make_jfa_ptr(w):
 def make_jfa_nobuckets(w):
     """jfa without length buckets (one launch per kernel on the main tiles), whatever BUCKETS_BY_DEFAULT says."""
     return make_jfa(w, opts(buckets=()))
+
+
+def make_jfa_fp8_qk(w):
+    """jfa with the fp8 forward on Q and K (KernelOptions(fp8="qk")); the backward in bf16."""
+    return make_jfa(w, opts(fp8="qk"))
+
+
+def make_jfa_fp8_qkv(w):
+    """jfa with the fp8 forward on Q, K, V and P (KernelOptions(fp8="qkv")); the backward in bf16."""
+    return make_jfa(w, opts(fp8="qkv"))
 
 
 def make_flex(w):
@@ -249,8 +324,10 @@ def make_padded(w):
 
 METHODS = {"jfa": make_jfa, "jfa_ptr": make_jfa_ptr, "jfa_nobuckets": make_jfa_nobuckets, "flex": make_flex,
            "fa_varlen": make_fa_varlen, "njt_sdpa": make_njt, "padded_sdpa": make_padded}
+# --fp8 adds these beside bf16 jfa (their outputs are cross-checked against bf16 jfa's like the others')
+FP8_METHODS = {"jfa_fp8_qk": make_jfa_fp8_qk, "jfa_fp8_qkv": make_jfa_fp8_qkv}
 # the methods on jfa's [T, H, D] layout, whose outputs and gradients are cross-checked against jfa's
-SAME_LAYOUT = ("jfa", "jfa_ptr", "jfa_nobuckets", "flex", "fa_varlen", "njt_sdpa")
+SAME_LAYOUT = ("jfa", "jfa_ptr", "jfa_nobuckets", "flex", "fa_varlen", "njt_sdpa", *FP8_METHODS)
 
 
 def bench(fn, leaves, grad, warmup=25, rep=100):
@@ -289,7 +366,7 @@ def run_workload(w, methods):
     for name in methods:
         t0 = time.time()
         try:
-            fn, leaves, grad = METHODS[name](w)
+            fn, leaves, grad = {**METHODS, **FP8_METHODS}[name](w)
             if name in SAME_LAYOUT:  # cross-check outputs and grads
                 out = fn()
                 out.backward(grad)
@@ -553,6 +630,8 @@ def main():
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     ap.add_argument("--gqa", nargs="?", const="32,8", default=None, metavar="HQ,HKV",
                     help="grouped-query attention: HQ query heads over HKV k/v heads (default 32,8)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="add the fp8 forward (KernelOptions.fp8 qk and qkv) beside bf16 jfa, its accuracy checked first")
     args = ap.parse_args()
     if args.gqa is not None:
         global H, HKV
@@ -576,10 +655,20 @@ def main():
     if not ok:
         print("jfa FAILED its correctness checks; not timing it", flush=True)
         sys.exit(1)
+    methods = args.methods.split(",")
+    if args.fp8:
+        fp8_ok = check_fp8(args.checks)
+        save(args.out)
+        if fp8_ok:
+            methods = [m for m in methods if m not in FP8_METHODS]
+            at = methods.index("jfa") + 1 if "jfa" in methods else 0
+            methods[at:at] = list(FP8_METHODS)
+        else:
+            print("the fp8 forward FAILED its accuracy checks; not timing it", flush=True)
     lengths = {"gem_lognormal": gem_lognormal, "uniform_8k": uniform_8k, "short": short_lengths}
     workloads = [Workload(name, lengths[name]()) for name in args.workloads.split(",")]
     for w in workloads:
-        run_workload(w, args.methods.split(","))
+        run_workload(w, methods)
         if "jfa" in args.methods:
             breakdown(w)
             breakdown(w, tma=False)

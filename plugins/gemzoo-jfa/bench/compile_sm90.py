@@ -34,12 +34,12 @@ INT_PTRS = {"QOFF": "*i64", "KOFF": "*i64", "ITEMS": "*i32"}
 DESCRIPTORS = ("KD", "VD", "QD", "DOD")
 
 
-def _constexprs(fn, const: dict) -> dict:
+def _constexprs(fn, const: dict, types: dict | None = None) -> dict:
     """``const`` plus the defaults of the kernel's other constexpr parameters (and of None-default pointers,
-    which a launch leaves out), as a launch would pass them."""
+    which a launch leaves out, unless ``types`` gives them a type), as a launch would pass them."""
     out = dict(const)
     for name, p in inspect.signature(fn.fn).parameters.items():
-        if name == "DQACC" and out.get("FUSED_DQ"):
+        if (name == "DQACC" and out.get("FUSED_DQ")) or (types and name in types):
             continue  # a pointer then
         if name not in out and p.default is not inspect.Parameter.empty and (
                 p.default is None or "constexpr" in str(p.annotation)):
@@ -47,10 +47,12 @@ def _constexprs(fn, const: dict) -> dict:
     return out
 
 
-def _signature(fn, const: dict, dtype: str, boxes: dict) -> dict:
+def _signature(fn, const: dict, dtype: str, boxes: dict, types: dict | None = None) -> dict:
     sig = {}
     for name in inspect.signature(fn.fn).parameters:
-        if name in const:
+        if types and name in types:
+            sig[name] = types[name]
+        elif name in const:
             sig[name] = "constexpr"
         elif name in DESCRIPTORS:
             sig[name] = f"tensordesc<{dtype}[{boxes[name]}]>" if name in boxes else f"*{dtype}"
@@ -83,6 +85,7 @@ def _ptxas(ptx: str) -> dict:
     spill = re.findall(r"(\d+) bytes spill (stores|loads)", info)
     return {"ok": run.returncode == 0, "regs": int(regs.group(1)) if regs else None,
             "spill_bytes": sum(int(b) for b, _ in spill),
+            "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.\S*?(m64n\d+k\d+\.f32\.\w+\.\w+)", ptx))),
             **({} if run.returncode == 0 else {"error": info[-400:]})}
 
 
@@ -120,15 +123,39 @@ def variants() -> dict:
                                           {"KD": "128,1,128", "VD": "128,1,128"})
     out["default dq tma (reference)"] = (dq, {**base, "BM": 128, "BN": 64, "USE_TMA": True, "SPLIT": False}, 8, 3,
                                          {"KD": "64,1,128", "VD": "64,1,128"})
+    # the fp8 forward (KernelOptions.fp8): e4m3 Q, K (and V, stored [H, DV, T]) with fp32 per-row scales; its
+    # "wgmma" entry shows whether QK^T (and P V) compile to e4m3 wgmma
+    f8 = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32", "VS": "*fp32"}
+    for mode, bm, bn, warps, stages in ((1, 128, 128, 8, 3), (2, 128, 128, 8, 3), (2, 128, 128, 8, 2),
+                                        (2, 128, 64, 8, 3), (2, 64, 128, 4, 3)):
+        types = {**f8, "V": "*fp8e4nv"} if mode == 2 else f8
+        out[f"fp8 {'qkv' if mode == 2 else 'qk'} fwd ptr BM{bm} BN{bn} w{warps} s{stages}"] = (
+            fwd, {**base, "BM": bm, "BN": bn, "USE_TMA": False, "SPLIT": False, "FP8": mode}, warps, stages, {},
+            types)
+    for mode, bm, bn, warps, stages in ((1, 128, 128, 8, 3), (2, 128, 128, 8, 3), (2, 128, 128, 8, 2),
+                                        (2, 128, 64, 8, 3), (2, 128, 128, 4, 3)):
+        types = {**f8, "KD": f"tensordesc<fp8e4nv[{bn},1,128]>"}
+        types.update({"V": "*fp8e4nv", "VD": "*fp8e4nv"} if mode == 2 else
+                     {"VD": f"tensordesc<bf16[{bn},1,128]>"})
+        out[f"fp8 {'qkv' if mode == 2 else 'qk'} fwd tma BM{bm} BN{bn} w{warps} s{stages}"] = (
+            fwd, {**base, "BM": bm, "BN": bn, "USE_TMA": True, "SPLIT": False, "FP8": mode}, warps, stages, {},
+            types)
+    # D = 16: an e4m3 dot contracts over at least 32, so the fp8 launch pads the head dim's tile to 32 (BD)
+    small = {**base, "D": 16, "DV": 16, "BD": 32, "BDV": 16, "BM": 64, "BN": 64, "USE_TMA": False, "SPLIT": False}
+    out["fp8 qkv fwd ptr D16 BM64 BN64 w4 s1"] = (fwd, {**small, "FP8": 2}, 4, 1, {}, {**f8, "V": "*fp8e4nv"})
+    out["fp8 quantize G128"] = (kernels.quant_fp8_kernel, {"H": 4, "D": 128, "BD": 128, "G": 128, "EXACT": False},
+                                8, 1, {}, {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "OFF": "*i64",
+                                           "ITEMS": "*i32", "T": "i32"})
     return out
 
 
-def compile_variant(fn, const: dict, warps: int, stages: int, boxes: dict) -> dict:
-    """Compile one variant for sm_90a: Triton's shared memory, ptxas's registers and spills (or the error)."""
+def compile_variant(fn, const: dict, warps: int, stages: int, boxes: dict, types: dict | None = None) -> dict:
+    """Compile one variant for sm_90a: Triton's shared memory, ptxas's registers and spills (or the error).
+    ``types``: signature types by parameter name, over the defaults of _signature."""
     t0 = time.time()
     try:
-        const = _constexprs(fn, const)
-        src = ASTSource(fn=fn, signature=_signature(fn, const, "bf16", boxes), constexprs=const)
+        const = _constexprs(fn, const, types)
+        src = ASTSource(fn=fn, signature=_signature(fn, const, "bf16", boxes, types), constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps, "num_stages": stages})
         res = {"triton_shared": k.metadata.shared, **_ptxas(k.asm["ptx"])}
     except Exception as exc:  # a compile failure is the result

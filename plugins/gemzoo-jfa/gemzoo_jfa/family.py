@@ -131,9 +131,14 @@ def default_buckets(head_dim: int, device_type: str, elem_bytes: int = 2) -> tup
     return short_buckets(head_dim, device_type, elem_bytes) if BUCKETS_BY_DEFAULT else ()
 
 
+# The fp8 forward's modes (KernelOptions.fp8): off, Q and K in e4m3, or Q, K, V and P in e4m3.
+FP8_MODES = ("off", "qk", "qkv")
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+
+
 @dataclass(frozen=True)
 class KernelOptions:
-    """How the family's kernels run a call; the numerics are the same under every setting.
+    """How the family's kernels run a call; the numerics are the same under every setting but ``fp8``.
 
     ``configs``: tile shapes for every launch (None: ``default_configs`` for the head dim and dtype).
     ``order``: the work schedule's order, one of ``ORDERS`` (see ``schedule.py``).
@@ -144,6 +149,11 @@ class KernelOptions:
     ``buckets``: None applies ``default_buckets`` to short batches; a tuple of Bucket applies to every batch
     (``()``: no buckets).
     ``fused_dq``: dQ inside the dk/dv kernel (fp32 atomics) instead of its own kernel (see ``launch_bwd``).
+    ``fp8``: the forward on float8 e4m3 operands with per-block amax scales (``FP8_MODES``): "off"; "qk" Q and K
+    (QK^T as an fp8 matmul, P V in the inputs' dtype); "qkv" V and P too (softmax only). The one option that
+    changes the numerics: the forward's output is within about 2e-2 (normalised) of the exact one. The backward
+    always runs on the saved inputs in their own dtype (softmax recomputes out and lse there first): gradients
+    are those of the unquantised attention (straight-through). See ``quantize_fp8``.
     """
 
     configs: Configs | None = None
@@ -152,8 +162,12 @@ class KernelOptions:
     split: int | None = None
     buckets: tuple[Bucket, ...] | None = None
     fused_dq: bool = False
+    fp8: str = "off"
 
     def __post_init__(self):
+        if self.fp8 not in FP8_MODES:
+            raise ValueError(f"KernelOptions.fp8={self.fp8!r} is not an fp8 forward mode; choose one of "
+                             f"{', '.join(FP8_MODES)}")
         if self.order not in ORDERS:
             raise ValueError(f"KernelOptions.order={self.order!r} is not a schedule order; choose one of "
                              f"{', '.join(ORDERS)}")
@@ -420,12 +434,21 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
 
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     tma = rope_theta <= 0 and _tma_ok(k, v, tma=options.tma, causal=causal, pointwise=activation != 0)
-    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(), out.dtype,
-           q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta, tma)
+    qx, kx, vx, fp8 = q, k, v, {}
+    if options.fp8 != "off":  # the e4m3 operands and their scales are per call; the plan sees their layouts
+        options = fp8_options(q, options)
+        qx, kx, vx, fp8 = _fp8_operands(q, k, v, q_offsets, k_offsets, activation, rope_theta, options)
+        tma = tma and _fp8_tma_ok(kx, vx)
+    v_strides = (vx.stride(0), vx.stride(1)) if vx is v else (1, vx.stride(0))  # an e4m3 V is [H, DV, T]
+    bd = max(_pow2(q.shape[2]), 32) if fp8 else _pow2(q.shape[2])  # an e4m3 dot contracts over >= 32
+    key = ("fwd", qx.shape, qx.stride(), kx.shape, kx.stride(), vx.shape, vx.stride(), qx.dtype, vx.dtype, out.shape,
+           out.stride(), out.dtype, q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta,
+           tma)
     launches = _plan(q_offsets, k_offsets, key, options, lambda: [
-        _Launch((cap * q.shape[1],), items, split_n, rows, (cap, q.shape[0], _act_scale(activation, scale), inv_norm,
-                                                         max(window, 0), split_n, *_rows(q, k, v, target)), dict(
-            H=q.shape[1], GROUP=_group(q, k), D=q.shape[2], DV=v.shape[2], BD=_pow2(q.shape[2]), BDV=_pow2(v.shape[2]),
+        _Launch((cap * q.shape[1],), items, split_n, rows, (
+            cap, q.shape[0], _act_scale(activation, scale), inv_norm, max(window, 0), split_n, qx.stride(0),
+            qx.stride(1), kx.stride(0), kx.stride(1), *v_strides, target.stride(0), target.stride(1)), dict(
+            H=q.shape[1], GROUP=_group(q, k), D=q.shape[2], DV=v.shape[2], BD=bd, BDV=_pow2(v.shape[2]),
             BM=bm, BN=cfg.block_n, CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda",
             USE_TMA=use_tma, ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm),
             num_stages=cfg.num_stages, **_block_rope(block, rope_theta, q.shape[2])))
@@ -434,13 +457,143 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
                                                                               block, tma, options)])
     for launch in launches:
         target = _split_target(out) if launch.split else out
-        kd, vd = (_desc(k, launch.desc_rows), _desc(v, launch.desc_rows)) if launch.desc_rows else (k, v)
+        if not launch.desc_rows:
+            kd, vd = kx, vx
+        elif fp8:
+            kd, vd = _fp8_descs(kx, vx, launch.desc_rows)
+        else:
+            kd, vd = _desc(k, launch.desc_rows), _desc(v, launch.desc_rows)
         kernels.attn_fwd_kernel[launch.grid](
-            q, k, v, target, lse if activation == 0 else target, q_offsets, k_offsets, launch.items, kd, vd,
-            *launch.args, **launch.kw, **(rel or {}),
+            qx, kx, vx, target, lse if activation == 0 else target, q_offsets, k_offsets, launch.items, kd, vd,
+            *launch.args, **launch.kw, **(rel or {}), **fp8,
         )
         if target is not out:
             out.copy_(target)
+
+
+def fp8_options(q: torch.Tensor, options: KernelOptions, device_type: str | None = None) -> KernelOptions:
+    """``options`` with the fp8 forward's main tiles where they differ from bf16's: for "qkv" on CUDA with D <=
+    128 and no configs of the caller's, forward tiles of 128 x 64 (8 warps, 3 stages). Chosen offline
+    (bench/compile_sm90.py, ptxas for sm_90a): the e4m3 V, loaded through pointers, spills 3.1 KB per thread at
+    128 x 128 and 0.7 KB at 128 x 64 (bf16's 128 x 128 TMA forward: 0.4 KB); not yet timed on a GPU.
+    ``device_type`` (default q's) the device whose tiles to take (the CPU emulation takes CUDA's)."""
+    dev = device_type or q.device.type
+    if options.fp8 != "qkv" or options.configs is not None or dev != "cuda" or q.shape[-1] > 128:
+        return options
+    c = default_configs(q.shape[-1], "cuda", q.element_size())
+    return replace(options, configs=replace(c, fwd=KernelConfig(128, 64, 8, 3)))
+
+
+def fp8_blocks(q: torch.Tensor, options: KernelOptions, device_type: str | None = None) -> tuple[int, int]:
+    """(rows of Q, rows of K and V) per fp8 scale block: the forward's main tile (block_m, block_n) on
+    ``device_type`` (default q's), so a scale covers one tile of the long sequences and a whole short sequence
+    (blocks start at each sequence's start and never straddle two). Any block size is exact in the kernel,
+    whose scales are per row (see quantize_fp8)."""
+    dev = device_type or q.device.type
+    options = fp8_options(q, options, dev)
+    c = (options.configs or default_configs(q.shape[-1], dev, q.element_size())).fwd
+    return c.block_m, c.block_n
+
+
+def quantize_fp8(x: torch.Tensor, offsets: torch.Tensor, block: int, transpose: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 copy of the jagged ``x`` [T, H, D], fp32 scales [H, T]) on x's device, without a host sync.
+
+    Each head's rows are cut into blocks of ``block`` rows from every sequence's start; a block's scale is its
+    amax / 448 and its e4m3 values are clamp(x * (448 / amax), +-448) rounded to nearest even (an all-zero
+    block: scale 0, values 0). The amax ignores NaN: a NaN stays NaN in its element, and its row's scale is NaN. Every row of a block holds the block's scale in the [H, T] array, so a kernel
+    reads a row's scale without knowing the blocks. ``transpose``: the copy is laid out [H, D, T] (the keys
+    contiguous, the K-major B operand Hopper's fp8 wgmma takes for P V). ``quantize_fp8_reference`` is the same
+    rule in torch."""
+    from gemzoo_jfa import kernels
+    from gemzoo_jfa.schedule import build_schedule
+
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"quantize_fp8: block must be a power of two, got {block}")
+    t, h, d = x.shape
+    x = last_dim_contiguous(x)
+    offsets = _offsets(offsets)
+    if transpose:  # T padded to 16 in the strides (16-byte aligned rows for the kernel's vector loads)
+        y = torch.empty(h, d, -(-t // 16) * 16, device=x.device, dtype=torch.float8_e4m3fn)[:, :, :t]
+        ys = (1, y.stride(0), y.stride(1))
+    else:
+        y = torch.empty(t, h, d, device=x.device, dtype=torch.float8_e4m3fn)
+        ys = (y.stride(0), y.stride(1), 1)
+    s = torch.empty(h, t, device=x.device, dtype=torch.float32)
+    if t == 0 or h == 0 or d == 0:
+        return y, s
+    items = build_schedule(offsets, offsets, t, block, over="q", causal=False, window=None, order="natural")
+    cap = items.shape[1]
+    if cap:
+        upcast = x.device.type != "cuda"
+        kernels.quant_fp8_kernel[(cap * h,)](x, y, s, offsets, items, cap, t, x.stride(0), x.stride(1), *ys, H=h, D=d,
+                                             BD=_pow2(d), G=block, EXACT=upcast,
+                                             num_warps=1 if upcast else 8)  # 4 warps spill 15 KB (ptxas, G=D=128)
+    return y, s
+
+
+def quantize_fp8_reference(x: torch.Tensor, offsets: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8's rule in torch (any device; the CPU emulation of the fp8 forward and the kernel's test):
+    (e4m3 [T, H, D], fp32 scales [H, T])."""
+    t, h, d = x.shape
+    lengths = offsets[1:] - offsets[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths, output_size=t)
+    pos = torch.arange(t, device=x.device) - offsets[:-1][seq]
+    first = torch.cumsum((lengths + block - 1) // block, 0) - (lengths + block - 1) // block
+    blk = first[seq] + pos // block  # [T] global block id
+    xf = x.float()
+    row_amax = xf.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax(-1) if d else xf.new_zeros(t, h)  # NaN: kept
+    # in its element (as the kernel), not spread over its block
+    n_blocks = t // block + lengths.numel()  # at least the real count, known without a host sync
+    amax = torch.zeros(n_blocks, h, device=x.device).scatter_reduce_(
+        0, blk[:, None].expand(t, h), row_amax, "amax")[blk]  # [T, H]
+    inv = torch.where(amax > 0, 448.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    y = (xf * inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scales = torch.where(torch.isnan(xf).any(-1) if d else row_amax.bool(), float("nan"), amax / 448.0)
+    return y, scales.t().contiguous()
+
+
+def dequantize_fp8(y: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values an e4m3 tensor [T, H, D] with scales [H, T] stands for, in ``dtype``."""
+    return (y.float() * scales.t()[..., None]).to(dtype)
+
+
+def _fp8_tma_ok(k8: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fp8 forward's K (and V, when in the inputs' dtype [T, H, DV]) can be TMA loaded: power-of-two
+    head dims of at least 32 (an e4m3 dot contracts over 32 or more: smaller D pads its tile to 32 columns, wider
+    than a TMA box of D), 16-byte aligned base and strides. An e4m3 V ([H, DV, T]) always loads through pointers."""
+    if k8.shape[-1] < 32:
+        return False
+    for t in (k8,) if v.dtype == torch.float8_e4m3fn else (k8, v):
+        d = t.shape[-1]
+        if d != _pow2(d) or t.numel() == 0 or t.data_ptr() % 16 or any(
+                (st * t.element_size()) % 16 for st in t.stride()[:2]):
+            return False
+    return True
+
+
+def _fp8_descs(k8: torch.Tensor, v: torch.Tensor, block_n: int):
+    """(K, V) of the fp8 forward's TMA launches for key tiles of ``block_n`` rows: [T, H, D] descriptors with
+    [rows, 1, D] boxes, except an e4m3 V, passed as itself (the kernel loads it through pointers, see _load_vt)."""
+    return _desc(k8, block_n), v if v.dtype == torch.float8_e4m3fn else _desc(v, block_n)
+
+
+def _fp8_operands(q, k, v, q_offsets, k_offsets, activation, rope_theta, options):
+    """(q, k, v as the fp8 forward reads them, the kernel's FP8 arguments) for KernelOptions.fp8 qk / qkv."""
+    if rope_theta > 0:
+        raise ValueError("KernelOptions.fp8 does not combine with the fused RoPE (the kernel rotates tiles it "
+                         "loads in the inputs' dtype); rotate q and k first or use fp8='off'")
+    if options.fp8 == "qkv" and activation != 0:
+        raise ValueError("KernelOptions.fp8='qkv' needs softmax: a pointwise activation's P is unbounded, so it "
+                         "cannot be cast to e4m3 with a fixed scale; use fp8='qk' (P V stays in the inputs' dtype)")
+    gq, gk = fp8_blocks(q, options)
+    q8, qs = quantize_fp8(q, q_offsets, gq)
+    k8, ks = quantize_fp8(k, k_offsets, gk)
+    kw = dict(FP8=1, QS=qs, KS=ks, Tk=k.shape[0])
+    if options.fp8 == "qkv":
+        v, vs = quantize_fp8(v, k_offsets, gk, transpose=True)
+        kw.update(FP8=2, VS=vs, stride_vd=v.stride(1))
+    return q8, k8, v, kw
 
 
 def _block_rope(block, rope_theta, head_dim) -> dict:
@@ -635,6 +788,14 @@ def backward(do, q, k, v, out, lse, q_offsets, k_offsets, causal, scale, window,
     time_weights or None)."""
     do = do.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if options.fp8 != "off":  # straight-through: the gradients of the unquantised attention
+        options = replace(options, fp8="off")
+        if activation == 0 and q.shape[0] and q.shape[1] and k.shape[0]:
+            # out and lse of the saved inputs: the fp8 forward's are off by up to ~2e-2, which would bias delta
+            # and P; pointwise backward reads neither
+            out, lse = torch.empty_like(out), torch.empty_like(lse)
+            launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, activation, inv_norm, block,
+                       rope_theta, options, rel)
     if q.shape[0] == 0 or q.shape[1] == 0 or k.shape[0] == 0:  # no pair: nothing reaches k, v or the tables
         grads = dq.zero_(), dk.zero_(), dv.zero_()
         if rel is None:
@@ -743,7 +904,8 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["ACTIVATION_CODES", "Bucket", "Configs", "DEFAULT_OPTIONS", "DTYPES", "FAMILY_CAPABILITIES", "KernelConfig",
-           "KernelOptions", "MAX_HEAD_DIM", "ORDERS", "SHORT_AVERAGE", "BUCKETS_BY_DEFAULT", "backward",
-           "check_triton_inputs", "default_buckets", "default_configs", "last_dim_contiguous", "launch_bwd",
+           "KernelOptions", "E4M3_MAX", "FP8_MODES", "MAX_HEAD_DIM", "ORDERS", "SHORT_AVERAGE", "BUCKETS_BY_DEFAULT", "backward",
+           "check_triton_inputs", "default_buckets", "default_configs", "dequantize_fp8", "fp8_blocks", "fp8_options", "last_dim_contiguous", "launch_bwd",
            "launch_fwd", "length_buckets", "options_at", "options_index", "relative_bias_args", "REL_SLOTS",
-           "run_attention", "run_attention_rel", "short_buckets", "split_plan"]
+           "quantize_fp8", "quantize_fp8_reference", "run_attention", "run_attention_rel", "short_buckets",
+           "split_plan"]

@@ -436,21 +436,71 @@ def _load_rows_t(base, n, stride, offs, offs_d, desc, row0, h, limit, pos, rope_
 
 
 @triton.jit
+def _e4m3(x, EXACT: tl.constexpr):
+    """fp32 ``x`` (within +-448) as float8 e4m3, rounded to nearest even. EXACT (the interpreter): x is first
+    rounded on the e4m3 grid in fp32 (the bit pattern's 20 low mantissa bits for normals, multiples of 2^-9
+    below 2^-6), because Triton 3.x's interpreter rounds its fp32 -> e4m3 cast half-up without carrying into
+    the exponent (127.9 becomes 64) and truncates subnormals; the cast of a value on the grid is exact there.
+    The GPU's cast (cvt.rn.satfinite) rounds correctly by itself."""
+    if EXACT:
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        sub = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        r = tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -sub, sub), normal)  # -0.0 for tiny negatives
+        # the interpreter casts NaN to 384: put e4m3's NaN (0x7f) back
+        y = tl.where(x != x, tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True), r.to(tl.float8e4nv))
+    else:
+        y = x.to(tl.float8e4nv)
+    return y
+
+
+@triton.jit
+def _load_scales(base, cols, L, MASKED: tl.constexpr):
+    """[len(cols)] fp32 per-row fp8 scales at ``base + cols`` (0 at cols >= L in MASKED blocks)."""
+    if MASKED:
+        s = tl.load(base + cols, mask=cols < L, other=0.0)
+    else:
+        s = tl.load(base + cols)
+    return s
+
+
+@triton.jit
+def _load_vt(base, n, stride_vd, offs_n, offs_dv, L, DV: tl.constexpr, BDV: tl.constexpr, MASKED: tl.constexpr):
+    """Rows [n, n + BN) of one head of a V stored transposed ([H, DV, T], unit stride along T) as [BN, BDV]
+    (rows at or past ``L`` are 0 in MASKED blocks): the B operand of P V with its contraction dim contiguous.
+    Pointer loads only: a TMA box's start along its contiguous dim must be 16-byte aligned, and a sequence's
+    keys start anywhere along T."""
+    ptrs = base + (n + offs_n)[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
+    if MASKED:
+        x = tl.load(ptrs, mask=((n + offs_n)[:, None] < L) & (offs_dv[None, :] < DV), other=0.0)
+    elif BDV != DV:
+        x = tl.load(ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, end, rows, Lk, shift, window,
                qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, h,
                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
                USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr,
-               RB_POS, RB_TW, rb_qt, RB_KT, rb_k0, n_pos, n_tw, rb_div, REL: tl.constexpr):
+               RB_POS, RB_TW, rb_qt, RB_KT, rb_k0, n_pos, n_tw, rb_div, REL: tl.constexpr,
+               FP8: tl.constexpr = 0, q_s=None, ks_base=None, vs_base=None, stride_vd=1):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
         kt = _load_rows_t(k_base, n, stride_kt, offs_n, offs_d, KD, k_row0, h, Lk, cols, rope_c, q, D, BD, BN,
                           MASKED, USE_TMA, UPCAST, ROPE)
-        if not ROPE:  # the rotated keys come in q's dtype already
-            if UPCAST:
-                kt = kt.to(tl.float32)
-        qk = tl.dot(q, kt) * qk_scale
+        if FP8 > 0:  # e4m3 q and k, fp32 accumulate; rows scaled by q_s (qk_scale folded in), columns by k_s
+            k_s = _load_scales(ks_base, cols, Lk, MASKED)
+            qk = tl.dot(q, kt) * q_s[:, None] * k_s[None, :]
+        else:
+            if not ROPE:  # the rotated keys come in q's dtype already
+                if UPCAST:
+                    kt = kt.to(tl.float32)
+            qk = tl.dot(q, kt) * qk_scale
         if REL > 0:
             pidx, tidx = _rel_slots(rows[:, None] + shift - cols[None, :], rb_qt[:, None],
                                     _rel_times(RB_KT, rb_k0, cols, Lk, REL)[None, :], n_pos, n_tw, rb_div, REL, not UPCAST)
@@ -470,12 +520,23 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
             p = _act(qk, ACT, not UPCAST)
             if MASKED:
                 p = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), p, 0.0)
-        vv = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA,
-                        False)
-        if UPCAST:
-            acc = tl.dot(p, vv.to(tl.float32), acc)
+        if FP8 == 2:  # e4m3 V stored [HKV, DV, Tk] (keys contiguous: K-major for Hopper's fp8 wgmma)
+            vv = _load_vt(v_base, n, stride_vd, offs_n, offs_dv, Lk, DV, BDV, MASKED)
+            v_s = _load_scales(vs_base, cols, Lk, MASKED)
+            v_max = tl.max(v_s, 0)
+            v_max = tl.where(v_max == 0.0, 1.0, v_max)  # all-zero tile: any; a NaN (interpreter's max) stays
+            # P in [0, 1] (softmax) times 256 (a power of two, exact; e4m3 normals then reach down to 2^-14), each
+            # key's column times its block's scale over the tile's largest (<= 1); the tile's product is
+            # rescaled by v_max / 256
+            p8 = _e4m3(p * (v_s * (256.0 / v_max))[None, :], UPCAST)
+            acc += tl.dot(p8, vv) * (v_max * 0.00390625)
         else:
-            acc = tl.dot(p.to(vv.dtype), vv, acc)
+            vv = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA,
+                            False)
+            if UPCAST:
+                acc = tl.dot(p, vv.to(tl.float32), acc)
+            else:
+                acc = tl.dot(p.to(vv.dtype), vv, acc)
     return acc, l_i, m_i
 
 
@@ -487,10 +548,16 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
                     BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False, RB_POS=None, RB_TW=None, RB_QT=None,
-                    RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0, GROUP: tl.constexpr = 1):
+                    RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0, GROUP: tl.constexpr = 1,
+                    FP8: tl.constexpr = 0, QS=None, KS=None, VS=None, Tk=0, stride_vd=1):
     """Forward. Softmax writes O and LSE; pointwise writes O (or, with SPLIT, adds to fp32 O). REL > 0 adds
     the relative bias of the tables RB_POS [n_pos] and RB_TW [n_tw] (timestamps RB_QT [Tq], RB_KT [Tk]).
-    One program per query head h, reading k/v head h // GROUP."""
+    One program per query head h, reading k/v head h // GROUP.
+
+    FP8 1: Q and K are e4m3 with per-row fp32 scales QS [H, Tq], KS [HKV, Tk] (each row holds its block's
+    scale; ``quant_fp8_kernel``), QK^T runs on the e4m3 operands and its fp32 product is scaled by q_s * k_s *
+    qk_scale; P V stays in V's dtype. FP8 2 (softmax only): V too, stored transposed [HKV, DV, Tk] (``stride_vt``
+    1, ``stride_vh`` DV * Tk, ``stride_vd`` Tk) with scales VS [HKV, Tk], and P cast to e4m3 (see _fwd_inner)."""
     b, h, mblk, split, q_start, Lq, k_start, Lk = _work(ITEMS, n_items_cap, QOFF, KOFF, H, SPLIT)
     if b < 0:
         return
@@ -506,11 +573,19 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
             q = q.to(Q.dtype.element_ty)
     else:
         q = _load_block(Q + (q_start + m_lo) * stride_qt + h * stride_qh, offs_m, stride_qt, rows, Lq, offs_d, D)
-        if UPCAST:
+        if UPCAST and FP8 == 0:
             q = q.to(tl.float32)
     k_base = K + k_start * stride_kt + hk * stride_kh
     v_base = V + k_start * stride_vt + hk * stride_vh
     k_row0 = k_start.to(tl.int32)
+    q_s = qk_scale
+    ks_base = KS
+    vs_base = VS
+    if FP8 > 0:
+        q_s = tl.load(QS + h.to(tl.int64) * Tq + q_start + rows, mask=rows < Lq, other=0.0) * qk_scale
+        ks_base = KS + hk.to(tl.int64) * Tk + k_start
+        if FP8 == 2:
+            vs_base = VS + hk.to(tl.int64) * Tk + k_start
     lo, full_lo, full_hi, hi = _key_range(m_lo, m_last, Lk, shift, window, split, split_n, BN, CAUSAL, WINDOWED,
                                           SPLIT, block, BLOCKED)
     if SPLIT:
@@ -524,15 +599,18 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD,
                                BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE,
-                               RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
+                               RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL, FP8, q_s, ks_base,
+                               vs_base, stride_vd)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows,
                                Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV,
                                BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED,
-                               ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
+                               ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL, FP8, q_s, ks_base,
+                               vs_base, stride_vd)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD,
                                BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE,
-                               RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL)
+                               RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL, FP8, q_s, ks_base,
+                               vs_base, stride_vd)
 
     o_ptrs = O + (q_start + m_lo) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
     o_mask = (rows[:, None] < Lq) & (offs_dv[None, :] < DV)
@@ -859,3 +937,39 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
         tl.atomic_add(dq_ptrs, dq, mask=dq_mask, sem="relaxed")
     else:
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_mask)
+
+
+
+@triton.jit(do_not_specialize=("n_items_cap", "T"))
+def quant_fp8_kernel(X, Y, S, OFF, ITEMS, n_items_cap, T, stride_xt, stride_xh, stride_yt, stride_yh, stride_yd,
+                     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, G: tl.constexpr, EXACT: tl.constexpr):
+    """e4m3 copy of one block of G rows (from its sequence's start, so no block straddles two sequences) of one
+    head of X [T, H, D], with an amax scale (NaN ignored; a NaN stays NaN, and its row's scale is NaN): scale = amax / 448, Y = clamp(X * (448 / amax), +-448) rounded to
+    nearest even, and the scale written to every row of the block in S [H, T] (0 for an all-zero block, whose Y
+    is 0). Y's strides are arguments, so V can be written transposed ([H, D, T]). One program per (item of a
+    ``build_schedule(..., G, over="q")`` schedule over OFF, head). EXACT: the interpreter's cast (see _e4m3)."""
+    pid = tl.program_id(0)
+    item = pid // H
+    h = pid % H
+    b = tl.load(ITEMS + item)
+    if b < 0:
+        return
+    blk = tl.load(ITEMS + n_items_cap + item)
+    start = tl.load(OFF + b)
+    L = (tl.load(OFF + b + 1) - start).to(tl.int32)
+    rows = blk * G + tl.arange(0, G)
+    offs_d = tl.arange(0, BD)
+    mask = (rows[:, None] < L) & (offs_d[None, :] < D)
+    t = start + rows  # int64
+    x = tl.load(X + t[:, None] * stride_xt + h * stride_xh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.where(x == x, tl.abs(x), 0.0), 1), 0)  # NaN stays in its element, not its block
+    inv = tl.where(amax > 0, tl.math.div_rn(448.0, tl.where(amax > 0, amax, 1.0)), 0.0)
+    # the clamp keeps a NaN (min/max would drop it: a NaN input must reach every row that sees it)
+    y = _e4m3(tl.minimum(tl.maximum(x * inv, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                         propagate_nan=tl.PropagateNan.ALL), EXACT)
+    tl.store(Y + t[:, None] * stride_yt + h * stride_yh + offs_d[None, :].to(tl.int64) * stride_yd, y, mask=mask)
+    scale = tl.math.div_rn(amax, 448.0)
+    # a row holding a NaN gets a NaN scale: the attention kernel multiplies it into the fp32 products, so the NaN
+    # reaches every output that reads the row even where a dot drops it (the interpreter widens e4m3's NaN to 480)
+    nan_row = tl.max(tl.where(x != x, 1, 0), 1) > 0
+    tl.store(S + h.to(tl.int64) * T + t, tl.where(nan_row, float("nan"), scale), mask=rows < L)

@@ -28,10 +28,13 @@ from gemzoo_jfa.family import (
     KernelOptions,
     backward,
     check_triton_inputs,
+    dequantize_fp8,
+    fp8_blocks,
     last_dim_contiguous,
     launch_fwd,
     options_at,
     options_index,
+    quantize_fp8_reference,
     relative_bias_args,
     run_attention,
     run_attention_rel,
@@ -162,6 +165,79 @@ def _backward_rb(ctx, dout, dlse):
 jfa_fwd_rb.register_autograd(_backward_rb, setup_context=_setup_context_rb)
 
 
+# -- the fp8 forward as a kernel of its own ----------------------------------------------------------
+
+class _Fp8Emulated(torch.autograd.Function):
+    """The fp8 forward's CPU emulation: ``kernel`` on the inputs quantised to e4m3 and back with the GPU path's
+    per-block rule (quantize_fp8_reference), and the gradients of ``kernel`` at the unquantised inputs
+    (straight-through, as on the GPU)."""
+
+    @staticmethod
+    def forward(ctx, kernel, kw, blocks, mode, q, k, v, q_offsets, k_offsets):
+        k_off = q_offsets if k_offsets is None else k_offsets
+        gq, gk = blocks
+
+        def qdq(x, off, block):
+            return dequantize_fp8(*quantize_fp8_reference(x, off, block), x.dtype)
+
+        with torch.no_grad():
+            out = kernel(qdq(q, q_offsets, gq), qdq(k, k_off, gk), qdq(v, k_off, gk) if mode == "qkv" else v,
+                         q_offsets, k_offsets, **kw)
+        ctx.kernel, ctx.kw, ctx.has_k_offsets = kernel, kw, k_offsets is not None
+        ctx.save_for_backward(q, k, v, q_offsets, k_off)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, q_offsets, k_offsets = ctx.saved_tensors
+        needs = ctx.needs_input_grad[4:7]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs, strict=True)]
+            out = ctx.kernel(*leaves, q_offsets, k_offsets if ctx.has_k_offsets else None, **ctx.kw)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, dout) if wanted else ())
+        return (None, None, None, None, *(next(grads) if n else None for n in needs), None, None)
+
+
+def jfa_fp8_attention(q, k, v, q_offsets, k_offsets=None, *, fp8="qkv", options: KernelOptions | None = None, **kw):
+    """jfa with the fp8 forward (KernelOptions.fp8 = ``fp8``, "qk" or "qkv"; the registered ``jfa-fp8`` kernel):
+    CUDA tensors run the Triton kernels; CPU tensors the emulation: the CPU kernel ("cpu", else "reference") on
+    q, k (and v) quantised to e4m3 and back with the same per-block rule and block sizes as the GPU path,
+    gradients at the unquantised inputs. The emulation rounds the inputs as the GPU does but not P (the GPU's
+    P V on an e4m3 P, "qkv") nor its tile order. (The Triton path on CPU tensors, under TRITON_INTERPRET=1:
+    ``jfa_triton(..., options=KernelOptions(fp8=...))``.)"""
+    if fp8 not in ("qk", "qkv"):
+        raise ValueError(f"jfa-fp8 takes fp8='qk' or 'qkv', got {fp8!r}; for no fp8 use the 'jfa' kernel")
+    options = dataclasses.replace(options or KernelOptions(), fp8=fp8)
+    if q.device.type == "cuda":
+        return jfa_triton(q, k, v, q_offsets, k_offsets, options=options, **kw)
+    q_offsets, k_offsets = check_triton_inputs(KERNEL_FP8, "jfa-fp8", q, k, v, q_offsets, k_offsets, **kw)
+    if kw.get("rope_theta") is not None:
+        raise ValueError("jfa-fp8 does not fuse RoPE; rotate q and k first")
+    # jfa's kernel object on CPU tensors is the registered "cpu" kernel (else "reference")
+    return _Fp8Emulated.apply(KERNEL, kw, fp8_blocks(q, options, "cuda"), fp8, q, k, v, q_offsets, k_offsets)
+
+
+@dataclasses.dataclass
+class ApproximateKernel(FunctionKernel):
+    """A FunctionKernel whose forward is approximate by design (fp8): ``forward_tolerance`` is the relative error
+    bound the shared conformance suite holds it to instead of its dtype's (tests/test_attention_conformance.py)."""
+
+    forward_tolerance: float = 8e-2
+
+
+# e4m3 keeps 3 mantissa bits: each rounded input is off by up to 2^-4 (about 2.7% RMS), and the conformance
+# cases' outputs (fp32, D=16) came out 2.9-4.8% off in relative L2; 8e-2 leaves room for other seeds
+KERNEL_FP8 = ApproximateKernel(
+    jfa_fp8_attention,
+    FAMILY_CAPABILITIES,  # no relative bias: the CPU emulation does not give its tables' gradients
+    "jfa with an fp8 (e4m3) forward: Q, K, V and P in e4m3 with per-block amax scales (QK^T and P V as fp8 "
+    "matmuls), the backward in the inputs' dtype (straight-through); CPU tensors run an emulation (inputs "
+    "quantised and dequantised with the same rule)",
+    forward_tolerance=8e-2,
+)
+
+
 # -- public entry ------------------------------------------------------------------------------------
 
 def jfa_triton(q, k, v, q_offsets, k_offsets=None, *, causal=True, activation="softmax", scale=None, norm=None,
@@ -204,4 +280,4 @@ KERNEL = FunctionKernel(
     cpu_fallback="cpu",
 )
 
-__all__ = ["KERNEL", "jfa_attention", "jfa_triton", "jfa_fwd", "jfa_bwd", "jfa_fwd_rb", "jfa_bwd_rb"]
+__all__ = ["ApproximateKernel", "KERNEL", "KERNEL_FP8", "jfa_attention", "jfa_fp8_attention", "jfa_triton", "jfa_fwd", "jfa_bwd", "jfa_fwd_rb", "jfa_bwd_rb"]

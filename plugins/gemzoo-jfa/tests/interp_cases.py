@@ -159,10 +159,148 @@ def gqa_cases() -> dict:
     return out
 
 
+# -- the fp8 forward (KernelOptions.fp8) -------------------------------------------------------------
+# Triton 3.x's interpreter runs tl.dot on e4m3 operands (exactly: it widens them to fp16), but its fp32 -> e4m3
+# cast rounds wrongly (kernels._e4m3), so the kernels pre-round on the e4m3 grid there (EXACT / UPCAST): the
+# interpreter runs the same e4m3 tiles and fp8 dots as the GPU, with correctly rounded values.
+
+def fp8_errors(out, ref, v) -> dict:
+    """rel: relative L2 to ``ref``; norm: RMS error over v's RMS (a softmax output is a convex combination of v's
+    rows; the normalised error the 2e-2 bound is on); finite."""
+    d = out.detach().double() - ref.detach().double()
+    return {"rel": float(d.norm() / ref.norm().clamp_min(1e-12)),
+            "norm": float(d.pow(2).mean().sqrt() / v.detach().double().pow(2).mean().sqrt()),
+            "finite": bool(torch.isfinite(out).all())}
+
+
+def fp8_case(mode, q_lens, k_lens=None, causal=True, window=None, d=32, dtype="float32", heads=2, kv_heads=2,
+             **options):
+    """KernelOptions(fp8=mode) forward against fp64, and its straight-through gradients against fp64 (the
+    backward runs on the unquantised inputs, so they match as closely as the plain kernel's)."""
+    from gemzoo_jfa import jfa_triton
+
+    gen = torch.Generator().manual_seed(hash((mode, tuple(q_lens), causal, window, d, heads)) % 2**31)
+    q_lens = torch.tensor(q_lens)
+    k_lens = q_lens if k_lens is None else torch.tensor(k_lens)
+    q_off, k_off = lengths_to_offsets(q_lens), lengths_to_offsets(k_lens)
+    dt = getattr(torch, dtype)
+    q = torch.randn(int(q_lens.sum()), heads, d, generator=gen).to(dt).requires_grad_()
+    k = torch.randn(int(k_lens.sum()), kv_heads, d, generator=gen).to(dt).requires_grad_()
+    v = torch.randn(int(k_lens.sum()), kv_heads, d, generator=gen).to(dt).requires_grad_()
+    out = jfa_triton(q, k, v, q_off, k_off, causal=causal, window=window, options=KernelOptions(fp8=mode, **options))
+    grad = torch.randn(out.shape, generator=gen).to(dt)
+    out.backward(grad)
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*refs, q_off, k_off, causal=causal, window=window)
+    ref.backward(grad.double())
+    res = fp8_errors(out, ref, v)
+    for name, mine, theirs in (("dq", q.grad, refs[0].grad), ("dk", k.grad, refs[1].grad),
+                               ("dv", v.grad, refs[2].grad)):
+        res[name] = float((mine.double() - theirs).norm() / theirs.norm().clamp_min(1e-12))
+        res["finite"] = res["finite"] and bool(torch.isfinite(mine).all())
+    res["dtype_ok"] = out.dtype == dt
+    return res
+
+
+FP8_CASES = {
+    "causal-empty": dict(q_lens=[5, 0, 37, 16]),
+    "asym-full": dict(q_lens=[5, 0, 37, 16], k_lens=[9, 4, 20, 40], causal=False),
+    "asym-window-nokeys": dict(q_lens=[5, 3, 37, 16], k_lens=[0, 4, 20, 40], window=5),
+    "gqa4x2-d24": dict(q_lens=[5, 0, 37, 16], heads=4, kv_heads=2, d=24),
+    "buckets": dict(q_lens=[5, 0, 37, 16, 3, 20], **BUCKETED),
+    "tma": dict(q_lens=[5, 0, 37, 16], k_lens=[9, 4, 20, 40], tma=True),
+    "bf16": dict(q_lens=[33, 0, 20], dtype="bfloat16"),
+}
+
+
+def fp8_quantizer() -> dict:
+    """The Triton quantiser (interpreter) against the torch rule, bit for bit: blocks from each sequence's start,
+    an all-zero block, magnitudes from 1e-6 to 1e4, a non-power-of-two head dim, the transposed layout."""
+    from gemzoo_jfa.family import quantize_fp8, quantize_fp8_reference
+
+    gen = torch.Generator().manual_seed(5)
+    out = {}
+    for name, lens, d, block in (("mixed", [5, 0, 37, 16], 32, 16), ("d24-block8", [9, 1, 30], 24, 8)):
+        off = lengths_to_offsets(torch.tensor(lens))
+        t = int(off[-1])
+        x = torch.randn(t, 2, d, generator=gen) * torch.logspace(-6, 4, t)[:, None, None]
+        x[5:21] = 0  # the third sequence's first block all zero
+        x[7, 1, 3] = float("nan")  # stays NaN in its element; its row's scale is NaN
+        y, s = quantize_fp8(x, off, block)
+        yt, st = quantize_fp8(x, off, block, transpose=True)
+        yr, sr = quantize_fp8_reference(x, off, block)
+        # values compared as floats (the interpreter casts -0.0 to +0.0) with NaN in the same places
+        out[name] = {"values": bool(torch.equal(y.float().nan_to_num(7.0), yr.float().nan_to_num(7.0))),
+                     "transposed": bool(torch.equal(yt.permute(2, 0, 1).float().nan_to_num(7.0),
+                                                    yr.float().nan_to_num(7.0))),
+                     "nan_kept": bool(torch.isnan(y[7, 1, 3].float()) and torch.isnan(s[1, 7])
+                                      and torch.isfinite(s[0]).all()),
+                     "scales": bool(torch.equal(s.nan_to_num(7.0), sr.nan_to_num(7.0)) and torch.equal(
+                         st.nan_to_num(7.0), sr.nan_to_num(7.0)))}
+    return out
+
+
+def fp8_poisoned_and_nan() -> dict:
+    """Outputs poisoned with NaN before the fp8 forward (every row is written: equal to a fresh launch); a NaN in
+    one sequence's q reaches its rows and no other sequence."""
+    from gemzoo_jfa import jfa_triton
+    from gemzoo_jfa.family import launch_fwd
+
+    gen = torch.Generator().manual_seed(9)
+    lens = torch.tensor([5, 0, 37, 16])
+    off = lengths_to_offsets(lens)
+    q, k, v = (torch.randn(58, 2, 32, generator=gen) for _ in range(3))
+    res = {}
+    for mode in ("qk", "qkv"):
+        opt = KernelOptions(fp8=mode)
+        fresh = jfa_triton(q, k, v, off, causal=True, options=opt)
+        out = torch.full_like(fresh, float("nan"))
+        lse = torch.full((2, 58), float("nan"))
+        launch_fwd(q, k, v, off, off, True, 32 ** -0.5, -1, out, lse, options=opt)
+        res[f"{mode}-poisoned"] = bool(torch.equal(out, fresh)) and bool(torch.isfinite(lse).all())
+        bad = q.clone()
+        bad[30, 0, 3] = float("nan")  # sequence 2 (tokens 5..41), row 25
+        o = jfa_triton(bad, k, v, off, causal=True, options=opt)
+        res[f"{mode}-nan-row"] = bool(torch.isnan(o[30, 0]).all())
+        res[f"{mode}-nan-others"] = bool(torch.equal(o[:5], fresh[:5]) and torch.equal(o[42:], fresh[42:])
+                                         and torch.equal(o[:, 1], fresh[:, 1]))
+    return res
+
+
+def fp8_long() -> dict:
+    """A longer sequence (300 tokens, beside an empty one) of large-magnitude inputs: k and v blocks from 1e-2
+    to 1e4 (v past e4m3's 448, so only the scales bring it in range), an all-zero block, q scaled so the logits
+    stay of order 1 (fp8's logit error grows with the logits: at order 3 the output was 9% off); and q, k of 1e3
+    (logits ~1e6, one-hot rows: finite only)."""
+    from gemzoo_jfa import jfa_triton
+
+    gen = torch.Generator().manual_seed(13)
+    off = lengths_to_offsets(torch.tensor([300, 0]))
+    spread = torch.logspace(-2, 4, 19)[torch.randperm(19, generator=gen)].repeat_interleave(16)[:300, None, None]
+    k = torch.randn(300, 2, 32, generator=gen) * spread
+    v = torch.randn(300, 2, 32, generator=gen) * spread
+    q = torch.randn(300, 2, 32, generator=gen) / spread.max()
+    k[32:48] = 0
+    v[32:48] = 0
+    ref = reference_attention(q.double(), k.double(), v.double(), off, off, causal=True)
+    res = {mode: fp8_errors(jfa_triton(q, k, v, off, causal=True, options=KernelOptions(fp8=mode)), ref, v)
+           for mode in ("qk", "qkv")}
+    big = [torch.randn(300, 2, 32, generator=gen) * 1e3 for _ in range(3)]
+    for mode in ("qk", "qkv"):
+        res[f"{mode}-huge-finite"] = bool(torch.isfinite(jfa_triton(*big, off, causal=True,
+                                                                    options=KernelOptions(fp8=mode))).all())
+    return res
+
+
+def fp8_group() -> dict:
+    res = {f"{mode}-{name}": fp8_case(mode, **kw) for name, kw in FP8_CASES.items() for mode in ("qk", "qkv")}
+    return {"cases": res, "quantizer": fp8_quantizer(), "poisoned": fp8_poisoned_and_nan(), "long": fp8_long()}
+
+
 def main(which: str) -> None:
     from gemzoo.testing.interpreter import print_group
 
-    print_group({"cases": all_cases, "conformance": conformance, "gqa": gqa_cases,
+    print_group({"cases": all_cases, "conformance": conformance, "gqa": gqa_cases, "fp8": fp8_group,
                  "compile": lambda: {"compile": compile_check(), "opcheck": opcheck()}}, which)
 
 

@@ -207,7 +207,9 @@ def test_schedule_is_built_once_per_offsets_and_rebuilt_when_they_change():
         assert torch.equal(sched(other), sched(lengths_to_offsets(torch.tensor([3, 30])).clone()))
 
 
-HOPPER_VARIANTS = ["bucket64 fwd tma w8", "default dkdv tma (reference)", "fused-dq dkdv tma BM32 BN128 w8 s3"]
+HOPPER_VARIANTS = ["bucket64 fwd tma w8", "default dkdv tma (reference)", "fused-dq dkdv tma BM32 BN128 w8 s3",
+                   "fp8 qk fwd tma BM128 BN128 w8 s3", "fp8 qkv fwd tma BM128 BN64 w8 s3", "fp8 qkv fwd ptr D16 BM64 BN64 w4 s1",
+                   "fp8 quantize G128"]
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +241,9 @@ def test_kernel_variants_compile_for_hopper_offline(variant, hopper_compiles):
     res = hopper_compiles[variant]
     assert res["ok"], res
     assert res["triton_shared"] <= 232448, "over Hopper's 227 KB of shared memory per block"
+    if "fwd" in variant and variant.startswith("fp8"):  # QK^T (and, with qkv, P V) as e4m3 wgmma
+        assert any(w.endswith("e4m3.e4m3") for w in res["wgmma"]), res
+        assert ("qkv" not in variant) == any(w.endswith("bf16.bf16") for w in res["wgmma"]), res
 
 
 class _NoLaunch:
