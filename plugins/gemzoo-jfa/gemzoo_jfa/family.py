@@ -480,7 +480,14 @@ def fp8_options(q: torch.Tensor, options: KernelOptions, device_type: str | None
     dev = device_type or q.device.type
     if options.fp8 != "qkv" or options.configs is not None or dev != "cuda" or q.shape[-1] > 128:
         return options
-    c = default_configs(q.shape[-1], "cuda", q.element_size())
+    return _fp8_qkv_options(options, q.shape[-1], q.element_size())
+
+
+@functools.lru_cache(maxsize=64)
+def _fp8_qkv_options(options: KernelOptions, head_dim: int, elem_bytes: int) -> KernelOptions:
+    """fp8_options' "qkv" tiles, one object per (options, head dim, element size), so that the launch plans
+    (keyed by the options object) are reused from call to call."""
+    c = default_configs(head_dim, "cuda", elem_bytes)
     return replace(options, configs=replace(c, fwd=KernelConfig(128, 64, 8, 3)))
 
 

@@ -91,6 +91,18 @@ def test_fp8_tiles_and_scale_blocks():
     assert fp8_blocks(q, KernelOptions(fp8="qkv")) == (16, 16)  # the interpreter's tiles
 
 
+def test_fp8_qkv_tiles_are_one_options_object_per_call_signature():
+    """The launch plans are keyed by the options object: "qkv"'s tiles must come back as the same object from
+    call to call, or every call would plan its launches again on the host."""
+    from gemzoo_jfa.family import KernelOptions, fp8_options
+
+    q, options = torch.empty(10, 2, 64, dtype=torch.bfloat16), KernelOptions(fp8="qkv")
+    first = fp8_options(q, options, "cuda")
+    assert first is not options and first.configs.fwd.block_n == 64
+    assert fp8_options(q, options, "cuda") is first
+    assert fp8_options(q, KernelOptions(fp8="qk"), "cuda").configs is None
+
+
 @pytest.mark.parametrize("mode", ["qk", "qkv"])
 def test_cpu_emulation_quantises_inputs_and_passes_gradients_straight_through(mode):
     from gemzoo_jfa.family import KernelOptions, dequantize_fp8, fp8_blocks, quantize_fp8_reference
