@@ -1,7 +1,7 @@
 """Where every table lives inside one group of G ranks: torchrec's planner for ``world_size = G``, else a small
 fallback.
 
-The trap of torchrec issue 3295: a 2D layout must be planned for the *group*, not the world. A plan made for
+The trap to avoid: a 2D layout must be planned for the *group*, not the world. A plan made for
 the world places shards on ranks G..W-1 that no group has. So ``plan_layout`` always asks torchrec's
 ``EmbeddingShardingPlanner`` for a topology of G ranks and reads its shard metadata (offsets, sizes, the group
 rank of each shard) into :class:`Block` s, one per shard: a table-wise table is one block, a row-wise one G
@@ -191,7 +191,7 @@ def plan_layout(tables, group_size: int, replicas: int, strategy: str = "replica
         by = "gemzoo"
     for name, bs in blocks.items():
         bad = [b for b in bs if not 0 <= b.rank < group_size]
-        if bad:  # the issue-3295 trap: a plan for more ranks than the group has
+        if bad:  # a plan for more ranks than the group has (module docstring)
             raise ConfigError(f"table {name!r} was planned onto group rank {bad[0].rank}, but a group has "
                               f"{group_size} ranks")
     return Layout(group_size, replicas, strategy, specs, blocks, types, by)
