@@ -463,8 +463,9 @@ def _check_nan(kernel, case, device, dtype, backward, tol) -> dict[str, float]:
 
 def grouped_query_errors(fn, q_lens, k_lens=None, *, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
                          dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
-                         relative_bias: bool = False, **kw) -> dict[str, float]:
-    """Relative errors of ``fn`` (a kernel function: q, k, v, q_offsets, k_offsets, **kw) against the fp64
+                         relative_bias: bool = False, options=None, **kw) -> dict[str, float]:
+    """Relative errors of ``fn`` (a kernel function: q, k, v, q_offsets, k_offsets, **kw; also ``options=`` when
+    ``options`` is given, e.g. a jfa KernelOptions, which the reference does not take) against the fp64
     reference on grouped k/v (``kv_heads`` dividing ``heads``), forward and dq/dk/dv (and the bias tables'
     gradients with ``relative_bias``: positions and time buckets), each with ``{name}_finite``. For the Triton
     interpreter scripts and GPU tests of the kernels that declare ``grouped_kv`` (jfa, gdpa, block-attention)."""
@@ -481,12 +482,12 @@ def grouped_query_errors(fn, q_lens, k_lens=None, *, heads: int = 4, kv_heads: i
         rb = make_relative_bias(case, q_off, None if k_lens is None else k_off, torch.float32, "cpu", gen)
     grad = torch.randn(tq, heads, head_dim, generator=gen)
 
-    def run(kernel, dt, dev):
+    def run(kernel, dt, dev, own=None):
         leaves = [t.detach().to(device=dev, dtype=dt, copy=True).requires_grad_() for t in qkv]
         table_dtype = torch.float64 if dt == torch.float64 else torch.float32
         tables = [] if rb is None else [t.detach().to(device=dev, dtype=table_dtype, copy=True).requires_grad_()
                                         for t in (rb.positions, rb.time_weights)]
-        extra = dict(kw)
+        extra = dict(kw, **(own or {}))
         if rb is not None:
             extra["relative_bias"] = RelativeAttentionBias(tables[0], tables[1], rb.q_times.to(dev),
                                                            rb.k_times.to(dev), rb.bucket_divisor)
@@ -494,7 +495,8 @@ def grouped_query_errors(fn, q_lens, k_lens=None, *, heads: int = 4, kv_heads: i
         out.backward(grad.to(device=dev, dtype=dt))
         return [out.detach()] + [t.grad for t in leaves + tables]
 
-    mine, ref = run(fn, dtype, device), run(reference_attention, torch.float64, "cpu")
+    mine = run(fn, dtype, device, None if options is None else {"options": options})
+    ref = run(reference_attention, torch.float64, "cpu")
     errors = {}
     for name, a, b in zip(["out", "dq", "dk", "dv", "dpositions", "dtime_weights"], mine, ref, strict=False):
         errors[name] = _rel(a.cpu(), b)

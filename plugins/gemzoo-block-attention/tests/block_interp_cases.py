@@ -175,17 +175,11 @@ GQA_CASES = {
 
 def gqa_cases() -> dict:
     """GQA_CASES through block_attention_triton (``options``: a KernelOptions for it only), against the fp64 reference."""
-    from functools import partial
-
     from gemzoo_block_attention.ops import block_attention_triton
 
     from gemzoo.testing.attention import grouped_query_errors
 
-    out = {}
-    for name, kw in GQA_CASES.items():
-        kw = dict(kw)
-        out[name] = grouped_query_errors(partial(block_attention_triton, options=kw.pop("options", None)), **kw)
-    return out
+    return {name: grouped_query_errors(block_attention_triton, **kw) for name, kw in GQA_CASES.items()}
 
 
 def main(which: str) -> None:

@@ -197,8 +197,6 @@ def all_cases() -> dict:
 
 def gqa_cases() -> dict:
     """GQA_CASES through gdpa_triton (``options``: a KernelOptions for it only), against the fp64 reference."""
-    from functools import partial
-
     from gemzoo_gdpa.ops import gdpa_triton
     from gemzoo_jfa.family import KernelOptions
 
@@ -208,7 +206,7 @@ def gqa_cases() -> dict:
     for name, kw in GQA_CASES.items():
         kw = dict(kw)
         split = kw.pop("options", None) == "split"  # forced key splits (the short-Q/long-K path)
-        out[name] = grouped_query_errors(partial(gdpa_triton, options=KernelOptions(split=4) if split else None), **kw)
+        out[name] = grouped_query_errors(gdpa_triton, options=KernelOptions(split=4) if split else None, **kw)
     return out
 
 

@@ -145,18 +145,12 @@ GQA_CASES = {
 
 
 def gqa_cases() -> dict:
-    from functools import partial
 
     from gemzoo_jfa import jfa_triton
 
     from gemzoo.testing.attention import grouped_query_errors
 
-    out = {}
-    for name, kw in GQA_CASES.items():
-        kw = dict(kw)
-        fn = partial(jfa_triton, options=kw.pop("options", None))
-        out[name] = grouped_query_errors(fn, **kw)
-    return out
+    return {name: grouped_query_errors(jfa_triton, **kw) for name, kw in GQA_CASES.items()}
 
 
 # -- the fp8 forward (KernelOptions.fp8) -------------------------------------------------------------

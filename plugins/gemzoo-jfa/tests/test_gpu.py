@@ -202,15 +202,13 @@ GQA_GPU_CASES = {
 
 @pytest.mark.parametrize("name", list(GQA_GPU_CASES))
 def test_grouped_query_against_fp64_reference(name):
-    from functools import partial
-
     from gemzoo_jfa import jfa_triton
 
     from gemzoo.testing.attention import assert_errors_within, grouped_query_errors
 
     kw = dict(GQA_GPU_CASES[name])
     dtype = kw.pop("dtype")
-    errors = grouped_query_errors(partial(jfa_triton, options=kw.pop("options", None)), device="cuda", dtype=dtype, **kw)
+    errors = grouped_query_errors(jfa_triton, device="cuda", dtype=dtype, **kw)
     assert_errors_within(errors, TOL[dtype], name)
 
 
