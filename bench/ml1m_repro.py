@@ -174,8 +174,7 @@ def train_one(run: dict, out: Path, args, jobs: int) -> dict:
     returns its record (final metrics, timings over every piece it ran in, settings)."""
     import torch
 
-    from gemzoo.api import Trainer, attention_sites, load_config
-    from gemzoo.train.loop import TrainingInterrupted
+    from gemzoo.api import Trainer, TrainingInterrupted, attention_sites, load_config
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -591,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "there (https://grouplens.org/datasets/movielens/1m/)")
         out.mkdir(parents=True, exist_ok=True)
         if args.one is not None:
-            from gemzoo.train.loop import TrainingInterrupted
+            from gemzoo.api import TrainingInterrupted
 
             run = runs[args.one]
             try:

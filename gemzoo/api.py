@@ -110,6 +110,7 @@ from gemzoo.plugins import API_VERSION, hookimpl
 _LAZY = {
     "Trainer": "gemzoo.train.trainer",
     "train": "gemzoo.train.trainer",
+    "TrainingInterrupted": "gemzoo.train.loop",
     "configured": "gemzoo.train.trainer",
     "load_config": "gemzoo.config",
     "peak_flops": "gemzoo.train.flops",
