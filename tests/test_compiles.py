@@ -23,6 +23,24 @@ def test_counts_only_after_arm_and_reports_each_kernel_once():
     assert watch.triton["attn_fwd_kernel"] == 3  # the whole count, warm-up included
 
 
+def test_compiles_inside_excluded_are_neither_counted_nor_reported(monkeypatch):
+    import gemzoo.train.compiles as compiles
+
+    graphs = [5]
+    monkeypatch.setattr(compiles, "_dynamo_graphs", lambda: graphs[0])
+    watch = CompileWatch()
+    watch.arm()
+    with watch.excluded():  # an evaluation: its own graph and kernels, traced once
+        graphs[0] += 1
+        watch.record_triton("eval_kernel")
+    assert watch.after_warmup == 0 and watch.new_events() == []
+    graphs[0] += 1  # a training step traced again: a stall, counted and reported
+    watch.record_triton("attn_fwd_kernel")
+    assert watch.after_warmup == 2
+    events = watch.new_events()
+    assert len(events) == 2 and "1 new graph" in events[1] and "eval_kernel" not in " ".join(events)
+
+
 def test_a_changed_specialisation_is_named():
     watch = CompileWatch()
     watch.record_triton("attn_fwd_kernel", "attn_fwd_kernel[num_warps=4](Q: *bf16:16, Tq: i32:16, scale: fp32)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ class CompileWatch:
     _previous: Any = None
     _knobs: Any = None
     _installed: bool = False
+    _excluded: int = 0  # depth of ``excluded()`` blocks in progress
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> CompileWatch:
@@ -91,7 +93,7 @@ class CompileWatch:
             self.triton[name] += 1
             before = self._signatures.get(name)
             self._signatures[name] = signature
-            if self._armed:
+            if self._armed and not self._excluded:
                 self._after[name] += 1
                 if name not in self._changes and before is not None:
                     self._changes[name] = _difference(before, signature)
@@ -104,6 +106,22 @@ class CompileWatch:
             self._reported.clear()
             self._graphs_at_arm = _dynamo_graphs()
             self._graphs_reported = self._graphs_at_arm
+
+    @contextmanager
+    def excluded(self):
+        """Compiles inside the block are not the training steps' stalls (an evaluation's own graph in eval mode,
+        traced once): neither counted nor reported."""
+        with self._lock:
+            self._excluded += 1
+            graphs = _dynamo_graphs()
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._excluded -= 1
+                new = _dynamo_graphs() - graphs
+                self._graphs_at_arm += new
+                self._graphs_reported += new
 
     @property
     def graphs_after_warmup(self) -> int:

@@ -440,7 +440,8 @@ class StepLoop:
                     at = s.step + 1
                     loss = metrics["loss"]
                     if at == done and evaluated:
-                        last_eval = self.evaluate()
+                        with watch.excluded():  # eval's own graph is no stall of the training steps
+                            last_eval = self.evaluate()
                         metrics.update(last_eval)
                     record = {"step": at, **metrics, "mfu_peak": peak_source}
                     history.append(record)

@@ -11,6 +11,7 @@ on mixed small shapes (outputs poisoned with NaN), and against Flex on the full 
 ``--gqa HQ,HKV`` (default 32,8) runs grouped-query attention: q with HQ heads, k and v with HKV (the FLOPs count
 q's heads); Flex runs with enable_gqa, padded SDPA and NJT+SDPA with enable_gqa, FlashAttention varlen with its
 native grouped heads; the correctness cases use the same ratio (2 k/v heads). Results go to bench_jfa_gqa.json.
+``--heads`` and ``--head-dim`` change H and D (a head_dim other than 128 adds ``_dD`` to the file names).
 
     PYTHONPATH=.:plugins/gemzoo-jfa python3 plugins/gemzoo-jfa/bench/bench_jfa.py [--sweep] [--gqa [HQ,HKV]] [--out DIR]
 """
@@ -80,7 +81,8 @@ def log(msg):
 def save(out_dir):
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_jfa.json" if HKV == H else "bench_jfa_gqa.json"), "w") as f:
+        name = ("bench_jfa" if HKV == H else "bench_jfa_gqa") + ("" if D == 128 else f"_d{D}")
+        with open(os.path.join(out_dir, name + ".json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
 
 
@@ -628,13 +630,19 @@ def main():
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which the sweep stops")
     ap.add_argument("--checks", type=int, default=4, help="how many small correctness cases to run (1-4)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    ap.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
     ap.add_argument("--gqa", nargs="?", const="32,8", default=None, metavar="HQ,HKV",
                     help="grouped-query attention: HQ query heads over HKV k/v heads (default 32,8)")
     ap.add_argument("--fp8", action="store_true",
                     help="add the fp8 forward (KernelOptions.fp8 qk and qkv) beside bf16 jfa, its accuracy checked first")
     args = ap.parse_args()
+    global H, HKV, D
+    if args.heads < 1 or args.head_dim < 1:
+        sys.exit(f"--heads and --head-dim must be positive, got {args.heads} and {args.head_dim}")
+    H = HKV = args.heads
+    D = args.head_dim
     if args.gqa is not None:
-        global H, HKV
         try:
             H, HKV = (int(x) for x in args.gqa.split(","))
         except ValueError:
@@ -642,6 +650,7 @@ def main():
         if HKV < 1 or H % HKV:
             sys.exit(f"--gqa {args.gqa}: the k/v heads must divide the query heads")
     RESULTS["heads"] = {"q": H, "kv": HKV}
+    RESULTS["head_dim"] = D
     if not torch.cuda.is_available():
         sys.exit("bench_jfa needs a CUDA device")
     import triton
@@ -679,6 +688,8 @@ def main():
         save(args.out)
     print(table(), flush=True)
     name = "table.txt" if HKV == H else "table_gqa.txt"
+    if D != 128:
+        name = name.replace(".txt", f"_d{D}.txt")
     with open(os.path.join(args.out, name), "w") if args.out else open(os.devnull, "w") as f:
         f.write(table() + "\n")
 
