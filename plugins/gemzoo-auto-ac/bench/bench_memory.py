@@ -17,7 +17,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import tempfile
 import time
@@ -75,7 +74,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=1e9, help="start no row after this many seconds")
     p.add_argument("--set", action="append", default=[], help="extra overrides for every row")
     p.add_argument("--rows", default="bf16,full-ac,act-quant,target,match,combo")
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_memory.json"))
+    p.add_argument("--json", default="bench_memory.json")
     args = p.parse_args()
 
     t_start = time.perf_counter()

@@ -62,7 +62,7 @@ def parse(argv=None):
     p.add_argument("--budget-s", type=float, default=80.0, help="start no phase after this many seconds")
     p.add_argument("--depth", type=int, default=1, help="partitions in flight, one worker each (overlap_depth)")
     p.add_argument("--set", action="append", default=[], help="config overrides, as gemzoo train --set")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "overhead.json"))
+    p.add_argument("--out", default="overhead.json")
     p.add_argument("--dry-run", action="store_true",
                    help="smoke test on CPU: configs/gem-tiny.toml, its own plugins, 8 steps, warmup 2, worlds 8,64")
     a = p.parse_args(argv)

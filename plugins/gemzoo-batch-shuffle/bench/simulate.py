@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -82,6 +81,7 @@ def baselines(costs: torch.Tensor, w: int) -> dict[str, list[torch.Tensor]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="2,4,8,64")
+    ap.add_argument("--out", default=str(Path(__file__).parent), help="folder for the JSON results")
     ap.add_argument("--dists", default="gem-lognormal,uniform-8k,zipf")
     ap.add_argument("--per-rank", type=int, default=64, help="samples each rank loads (gem-bench: 64)")
     ap.add_argument("--candidates", type=int, default=32, help="candidates per user (gem-bench: 32)")
@@ -111,7 +111,7 @@ def main() -> None:
             row["wait_shuffle"] = 1 - 1 / row["shuffle"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path(os.environ.get("OUT") or Path(__file__).parent)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     head = "| dist | W | none | round-robin | sorted | shuffle | shuffle-eq | wait none → shuffle | assign ms |"

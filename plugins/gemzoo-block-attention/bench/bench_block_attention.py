@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
-from bench_jfa import log, rel  # noqa: E402
+from bench_jfa import gem_lognormal, log, rel  # noqa: E402
 from gemzoo_block_attention import block_attention_triton  # noqa: E402
 from gemzoo_block_attention.ops import rope_jagged  # noqa: E402
 
@@ -46,6 +46,7 @@ DEVICE = "cuda"  # --dry-run: "cpu" under TRITON_INTERPRET=1, tiny shapes, one u
 
 def save(out_dir):
     if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "bench_block_attention.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
 
@@ -220,17 +221,18 @@ def table():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--out", default="bench_out", help="folder for bench_block_attention.json")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds; rows not started by then are skipped")
     p.add_argument("--lengths", default="8192,16384,32768,65536")
     p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes, untimed")
     args = p.parse_args()
     import triton
 
-    global DEVICE, BLOCK, gem_lognormal
+    global DEVICE, BLOCK
+    histories = gem_lognormal  # the batch of the rotary and gem-lognormal rows
     if args.dry_run:
         DEVICE, BLOCK, args.lengths = "cpu", 16, "64,128"
-        gem_lognormal = lambda: torch.tensor([40, 0, 70, 17])  # noqa: E731
+        histories = lambda: torch.tensor([40, 0, 70, 17])  # noqa: E731
     start = time.time()
     RESULTS["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     RESULTS["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
@@ -238,8 +240,8 @@ def main():
     one_seq = {n: (f"one seq L={n}", lambda n=n: compare(f"one_seq_L{n}", torch.tensor([n]), dense=True))
                for n in map(int, args.lengths.split(","))}
     win_l, win = (32768, 1024) if DEVICE == "cuda" else (128, 10)
-    rest = [("rotary", lambda: rotary(gem_lognormal())),
-            ("gem-lognormal", lambda: compare("gem_lognormal_B64", gem_lognormal(), doc_mask=True)),
+    rest = [("rotary", lambda: rotary(histories())),
+            ("gem-lognormal", lambda: compare("gem_lognormal_B64", histories(), doc_mask=True)),
             ("block+window L=32K", lambda: compare(f"one_seq_L{win_l}_win{win}", torch.tensor([win_l]), window=win))]
     lens = sorted(one_seq)
     steps = [one_seq[n] for n in lens[:2]] + rest[:1] + [one_seq[n] for n in lens[2:3]] + rest[1:2] + \

@@ -65,7 +65,7 @@ def cases():
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--out", default="")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also the N Python functions with the most own time per call (cProfile), per case")

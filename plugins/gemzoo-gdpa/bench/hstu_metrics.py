@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -120,7 +119,7 @@ def main() -> None:
                    help="plugins:device, comma-separated")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the cpu run")
     p.add_argument("--seed", type=int, default=0, help="run.seed of every run (the data stays seed 0)")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hstu_metrics.json"))
+    p.add_argument("--out", default="hstu_metrics.json")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="hstu-metrics-"))

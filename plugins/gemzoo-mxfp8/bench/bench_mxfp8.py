@@ -32,8 +32,7 @@ from gemzoo_mxfp8.rowwise import FP8RowwiseLinear  # noqa: E402
 from gemzoo.api import dequantize_mx_torch, quantize_mx_torch  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
-OUT = os.environ.get("OUT", os.path.join(os.getcwd(), "bench_out"))
-os.makedirs(OUT, exist_ok=True)
+OUT = os.path.join(os.getcwd(), "bench_out")  # results go here; --out DIR changes it
 T0 = time.time()
 RESULTS: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)", "torch": torch.__version__,
                  "checks": {}, "cast": {}, "gemm": {}, "mlp": {}, "notes": []}
@@ -460,6 +459,13 @@ def table():
 
 
 def main():
+    global OUT
+    if "--out" in sys.argv[1:]:
+        at = sys.argv.index("--out")
+        if at + 1 >= len(sys.argv):
+            sys.exit("bench_mxfp8.py: --out needs a folder")
+        OUT = sys.argv[at + 1]
+    os.makedirs(OUT, exist_ok=True)
     log(f"device {RESULTS['device']}, torch {torch.__version__}")
     if CUDA:
         choose_cast_variant()

@@ -38,9 +38,10 @@ def main() -> None:
     from gemzoo.api import load_config
 
     ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".", help="folder for the JSON result")
     ap.add_argument("--multi", action="store_true", help="under torchrun: G = W/2 x R = 2 over NCCL")
     args = ap.parse_args()
-    out = Path(os.environ.get("OUT", "."))
+    out = Path(args.out)
     tmp = tempfile.mkdtemp(prefix="s2d-cuda-")
     assert torch.cuda.is_available(), "needs a GPU"
     if not args.multi:

@@ -13,7 +13,6 @@ over ranks and steps; "plan" is the formula on each rank's own batch (mean over 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -100,7 +99,7 @@ def main() -> None:
             head = (f"| {row['layout']} | {row['weights_per_rank']:,.0f} ({row['weights_per_rank'] / row['whole']:.3f})"
                     f" | {row['state_per_rank']:,.0f} ") if i == 0 else "| | | "
             print(f"{head}| {k} | {row['measured'].get(k, 0):,.1f} | {row['plan'].get(k, 0):,.1f} |")
-    dest = Path(os.environ.get("OUT", HERE)) / "gloo_bytes.json"
+    dest = Path(sys.argv[1] if len(sys.argv) > 1 else HERE) / "gloo_bytes.json"  # an output folder may be given
     dest.write_text(json.dumps(rows, indent=1))
     print(f"wrote {dest}", file=sys.stderr)
 

@@ -8,7 +8,6 @@ of 64 from 1024 ranks on), as one markdown table for the README; JSON to ``--out
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -41,7 +40,7 @@ def main() -> None:
             print(f"| {rep['world']} | {name} | {r['group_size']} x {r['replicas']} | "
                   f"{gb(m['tables'] + m['optimizer_state'])} | {gb(a2a)} | {gb(replica)} | "
                   f"{(s['a2a'] + s['replica']) * 1e3:.2f} ms | {gb(m['total'])} ({'yes' if r['fits_hbm'] else 'no'}) |")
-    dest = Path(os.environ.get("OUT", HERE)) / "plan_gem_bench.json"
+    dest = Path(sys.argv[1] if len(sys.argv) > 1 else HERE) / "plan_gem_bench.json"  # an output folder may be given
     dest.write_text(json.dumps(reports, indent=1))
     print(f"wrote {dest}", file=sys.stderr)
 
