@@ -152,6 +152,7 @@ def test_cross_attention_call_reads_no_device_value(monkeypatch):
         out = ops.gdpa_triton(q, k, v, q_off, k_off, causal=False, activation="silu", norm=1000.0)
         out.backward(torch.empty_like(out))
     assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
-    assert [n for n, split in launched if split] == ["attn_fwd_kernel", "attn_bwd_dq_kernel"] * 2  # split-K, twice
+    assert [n for n, split in launched if split] == ["attn_fwd_kernel"] * 2  # split-K forward, twice
+    assert [split for n, split in launched if n == "attn_bwd_dq_kernel"] == [False] * 2  # dQ unsplit
     with pytest.raises((RuntimeError, NotImplementedError)):  # offsets not validated: the check reads them
         ops.gdpa_triton(q, k, v, q_off.clone(), k_off, causal=False, activation="silu")
