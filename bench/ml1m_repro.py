@@ -9,7 +9,10 @@ to its own JSON under --out as it finishes; a run already complete there is skip
 resumes where it stopped. ``--max-wall-s`` bounds a call: no run starts that would not finish in time, and a run
 still going then stops with a checkpoint (also written every ``--checkpoint-every`` steps) that the next call with
 the same --out continues from (``--partial`` starts such runs on purpose, for runs longer than one call).
-``--merge DIR...`` builds the table from the per-run JSONs of several folders (pieces run apart).
+``--merge DIR...`` builds the table from the per-run JSONs of several folders (pieces run apart); with
+``--select-by METRIC`` it adds early-stopped rows: runs on both splits with ``--eval-every`` curves give the test
+metrics at the step the val curve is best in METRIC (the paper's figures are read that way, not at the last
+epoch).
 
     python bench/ml1m_repro.py --data data/ml-1m --seeds 0 1 2 --list                 # the plan: 9 runs
     python bench/ml1m_repro.py --data data/ml-1m --seeds 0 1 2 --out runs/ml1m          # train them all
@@ -407,9 +410,43 @@ def table_md(rows: list[dict], delta_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def merge(sources: list[Path], out: Path, command: str) -> tuple[list[dict], str]:
-    """Write table.md and table.json into ``out`` from the runs in ``sources``; returns the rows and the text."""
+def early_stopped(records: list[dict], metric: str) -> list[dict]:
+    """The test figures at the epoch the validation split picks, as the reference's authors read their table
+    (the last epoch is not it: github.com/meta-recsys/generative-recommenders/issues/61). For every run on the test split
+    whose twin on the val split (same model, variant, plugins, steps, items, settings and seed) has an
+    evaluation curve (``--eval-every``), the val curve's first step with the best ``metric`` is taken and the
+    test curve's metrics at that step make a new record, variant ``<variant>+es``."""
+    def twin_key(rec: dict) -> tuple:
+        return (rec["model"], rec["variant"], rec["plugins"], rec["steps"], rec["items"], tuple(rec["set"]),
+                rec["seed"])
+
+    val = {twin_key(r): r for r in records if r["split"] == "val" and r.get("curve")}
+    out = []
+    for rec in records:
+        twin = val.get(twin_key(rec))
+        if rec["split"] != "test" or twin is None or not rec.get("curve"):
+            continue
+        scored = [p for p in twin["curve"] if p.get(metric) is not None]
+        if not scored:
+            continue
+        best = max(scored, key=lambda p: p[metric])  # max keeps the first of equal values
+        at = {p["step"]: p for p in rec["curve"]}.get(best["step"])
+        if at is None:
+            continue
+        variant = f"{rec['variant']}+es"
+        out.append({**rec, "variant": variant, "key": {**rec["key"], "select": metric},
+                    "tag": rec["tag"].replace(rec["variant"], variant, 1),
+                    "metrics": {m: at.get(m) for m in METRICS}, "selected_step": best["step"],
+                    "selected_by": f"val {metric}", "epochs": rec["epochs"] * best["step"] / rec["steps"]})
+    return out
+
+
+def merge(sources: list[Path], out: Path, command: str, select: str | None = None) -> tuple[list[dict], str]:
+    """Write table.md and table.json into ``out`` from the runs in ``sources``; returns the rows and the text.
+    ``select``: also the early-stopped rows (:func:`early_stopped`) by this validation metric."""
     records = load_records(sources)
+    if select:
+        records = records + early_stopped(records, select)
     rows = summarise(records)
     delta_rows = deltas(rows)
     devices = sorted({r["device"] for r in records})
@@ -552,6 +589,9 @@ def parser() -> argparse.ArgumentParser:
     sel.add_argument("--merge", nargs="*", metavar="DIR",
                      help="build table.md and table.json in --out from the per-run JSONs of these folders "
                           "(none: --out itself); trains nothing")
+    sel.add_argument("--select-by", metavar="METRIC", choices=METRICS,
+                     help="with --merge: also rows '<variant>+es', the test metrics at the step where the val "
+                          "run's curve (--eval-every, --split val) is best in METRIC, as the paper's table is read")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: train plan index N, write its JSON
     return p
 
@@ -564,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.merge is not None:
             sources = [Path(s) for s in args.merge] or [out]
-            rows, text = merge(sources, out, command)
+            rows, text = merge(sources, out, command, args.select_by)
             print(text)
             print(f"ml1m_repro: {len(rows)} rows from {sum(len(r['seeds']) for r in rows)} runs; "
                   f"table.md and table.json in {out}")

@@ -364,3 +364,33 @@ def test_a_run_cut_off_continues_from_its_checkpoint_to_the_same_result(capsys, 
     whole = json.loads((tmp_path / "whole" / f"{run['tag']}.json").read_text())
     assert len(whole["segments"]) == 1 and resumed["metrics"] == whole["metrics"]
     assert resumed["final_loss"] == whole["final_loss"]
+
+
+def test_select_by_reads_the_test_curve_at_the_step_val_picks(capsys, tmp_path):
+    def with_curve(split, seed, points):
+        rec = _record("hstu", seed, points[-1][1])
+        curve = [{"step": s, **dict(zip(repro.METRICS, m, strict=True))} for s, m in points]
+        rec.update(split=split, curve=curve, tag=rec["tag"].replace("_test_", f"_{split}_"),
+                   key={**rec["key"], "split": split})
+        return rec
+
+    val = with_curve("val", 0, [(47, [0.20, 0.10, 0.5, 0.2]), (94, [0.22, 0.13, 0.5, 0.2]),
+                                (141, [0.23, 0.12, 0.5, 0.2]), (4767, [0.21, 0.11, 0.5, 0.2])])
+    test = with_curve("test", 0, [(47, [0.25, 0.14, 0.5, 0.2]), (94, [0.31, 0.18, 0.58, 0.23]),
+                                  (141, [0.30, 0.17, 0.57, 0.22]), (4767, [0.28, 0.15, 0.55, 0.21])])
+    lone = with_curve("test", 1, [(47, [0.1, 0.1, 0.1, 0.1])])  # no val twin: no early-stopped row
+    _write(tmp_path / "a", val, test, lone)
+    by_ndcg = {r["seed"]: r for r in repro.early_stopped([val, test, lone], "ndcg@10")}
+    assert list(by_ndcg) == [0]
+    es = by_ndcg[0]
+    assert es["selected_step"] == 94 and es["variant"] == "shipped+es" and es["split"] == "test"
+    assert es["metrics"] == dict(zip(repro.METRICS, [0.31, 0.18, 0.58, 0.23], strict=True))
+    assert es["epochs"] == pytest.approx(101.0 * 94 / 4767)
+    assert repro.early_stopped([val, test], "hr@10")[0]["selected_step"] == 141
+
+    code, text, _ = _main(capsys, "--merge", tmp_path / "a", "--out", tmp_path / "t", "--select-by", "ndcg@10")
+    rows = {(r["model"], r["variant"], r["split"]): r for r in json.loads((tmp_path / "t" / "table.json")
+                                                                           .read_text())["rows"]}
+    assert rows["hstu", "shipped+es", "test"]["metrics"]["hr@10"]["mean"] == pytest.approx(0.31)
+    assert rows["hstu", "shipped", "test"]["per_seed"]["0"]["hr@10"] == pytest.approx(0.28)  # the last step's
+    assert "shipped+es" in text
