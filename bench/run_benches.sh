@@ -3,8 +3,8 @@
 # folder as soon as its benchmark finishes. docs/benchmarks.md lists what each one measures and its last figures.
 set -uo pipefail
 
-STEPS=(jfa jfa-short gdpa block-attention host mxfp8 auto-ac act-quant step-profile fp8-gem1b batch-shuffle
-       ncclx sharding-2d e2e)
+STEPS=(jfa jfa-short jfa-d256 jfa-gqa jfa-fp8 gdpa relative-bias block-attention host mxfp8 auto-ac act-quant
+       step-profile gem-bench-300 fp8-gem1b batch-shuffle ncclx sharding-2d e2e)
 
 usage() {
   cat <<'USAGE'
@@ -28,13 +28,19 @@ Steps:
   jfa             jagged flash attention against Flex, FA varlen, NJT SDPA and padded SDPA (gem-lognormal,
                   uniform-8k, short histories), and the fused-dQ sweep          -> jfa/bench_jfa.json
   jfa-short       the short-history workload alone with its length-bucket tile sweep -> jfa-short/bench_jfa.json
+  jfa-d256        head_dim 256 on gem_lognormal against Flex and FA varlen       -> jfa/bench_jfa_d256.json
+  jfa-gqa         grouped-query attention, 32 q over 8 k/v heads, gem_lognormal  -> jfa/bench_jfa_gqa.json
+  jfa-fp8         jfa's fp8 forward (QK, QKV) against bf16, gem_lognormal        -> jfa-fp8/bench_jfa.json
   gdpa            GDPA activations, cross attention and short histories          -> gdpa/bench_gdpa.json
+  relative-bias   HSTU's relative bias fused in gdpa against the materialised bias -> gdpa/bench_relative_bias.json
   block-attention block-sparse attention against Flex, fused RoPE                -> block-attention/*.json
   host            host time of one attention call (torch.profiler and cProfile)  -> host/
   mxfp8           MX casts, MX GEMM and the MXFP8 / fp8-rowwise MLP              -> mxfp8/bench_out/
   auto-ac         gem-bench compiled under the memory plugins (auto-ac, full-ac, act-quant) -> auto-ac.json
   act-quant       gem-bench step profile with and without act-quant              -> act-quant.json
   step-profile    where a compiled jfa,bf16 gem-bench step's time goes (kernels, GPU idle) -> step-profile.json
+  gem-bench-300   gem-bench jfa,bf16 compiled, 300 steps after 30: mean wall-clock MFU, slowest step, compiles
+                  after warm-up                                                  -> gem-bench-300/metrics.jsonl
   fp8-gem1b       gem-1b (1.16e9 dense parameters) compiled under bf16, fp8-rowwise, fp8-tensorwise and mxfp8:
                   samples/s, MFU, loss against bf16, GEMM against cast time -> fp8-gem1b/fp8_gem1b.json, .md
   batch-shuffle   base-batch-shuffle's per-step overhead, simulated 8 / 64 / 512 and 8192 ranks -> batch-shuffle*.json
@@ -94,7 +100,14 @@ step() {  # step NAME CMD...: run CMD under the step limit, its output in logs/N
 step jfa "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --sweep fused_dq --checks 2 --out "$out_dir/jfa"
 step jfa-short "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --workloads short --checks 1 \
   --methods jfa,jfa_nobuckets,fa_varlen,flex --sweep short --out "$out_dir/jfa-short"
+step jfa-d256 "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --checks 1 --head-dim 256 --workloads gem_lognormal \
+  --methods jfa,flex,fa_varlen --out "$out_dir/jfa"
+step jfa-gqa "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --checks 1 --gqa 32,8 --workloads gem_lognormal \
+  --methods jfa,flex,fa_varlen --out "$out_dir/jfa"
+step jfa-fp8 "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --checks 1 --fp8 --workloads gem_lognormal --methods jfa \
+  --out "$out_dir/jfa-fp8"
 step gdpa "$py" plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$out_dir/gdpa"
+step relative-bias "$py" plugins/gemzoo-gdpa/bench/bench_relative_bias.py "$out_dir/gdpa"
 step block-attention "$py" plugins/gemzoo-block-attention/bench/bench_block_attention.py --out "$out_dir/block-attention"
 step host "$py" plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$out_dir/host"
 # bench_mxfp8.py writes into bench_out/ under its working folder
@@ -104,6 +117,8 @@ step act-quant "$py" plugins/gemzoo-act-quant/bench/profile_step.py --config con
   --profile 3 --out "$out_dir/act-quant.json"
 step step-profile "$py" plugins/gemzoo-act-quant/bench/profile_step.py --config configs/gem-bench.toml \
   --sets "jfa,bf16" --steps 8 --profile 2 --out "$out_dir/step-profile.json" --trace "$out_dir"
+step gem-bench-300 "$py" -m gemzoo.cli train --config configs/gem-bench.toml --plugins jfa,bf16 --steps 330 \
+  --set run.warmup=30 --set checkpoint.every=0 --overwrite --out "$out_dir/gem-bench-300"
 # 115 steps a row (~2 s each on an H200, estimated) and no row started after 25 min: within the step limit
 step fp8-gem1b "$py" bench/fp8_gem1b.py --out "$out_dir/fp8-gem1b" --steps 100 --warmup 15 --budget-s 1500
 step batch-shuffle bash -c '
