@@ -15,12 +15,29 @@ E4M3_MAX = 448.0
 EPS = 1e-12  # smallest amax a scale is taken from (an all-zero row or column)
 TOKEN_PAD = 16  # wgrad contracts over tokens: _scaled_mm needs a multiple of 16 (else an fp32 fallback)
 
+# The casts below spell E4M3_MAX and EPS as literals: code the autograd Functions run reads no float from a
+# module global, a default argument or an attribute. Under dynamic shapes (torch.compile(dynamic=True), auto-ac's
+# dynamic = true) Dynamo makes such a float a graph input and reads it with .item() inside the subgraph of the
+# first autograd Function that touches it; the next fp8 linear of the same graph then reuses that value from the
+# first one's forward and tracing stops with "lift_tracked_freevar_to_input should not be called on root
+# SubgraphTracer" (the second fp8 linear of a compiled gem-1b block).
 
-def quantize_rowwise(x: torch.Tensor, eps: float = EPS):
+
+def _row_scale(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax, EPS) / E4M3_MAX."""
+    return amax.clamp_min(1e-12) / 448.0
+
+
+def _to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """v saturated to +-E4M3_MAX, rounded to e4m3."""
+    return v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def quantize_rowwise(x: torch.Tensor):
     """x [R, C] -> (e4m3 [R, C], fp32 scale [R, 1]) with x ~= data * scale, scale = amax(row) / 448."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(eps) / E4M3_MAX
-    data = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = _row_scale(xf.abs().amax(dim=1, keepdim=True))
+    data = _to_e4m3(xf / scale)
     return data.contiguous(), scale.contiguous()
 
 
@@ -37,11 +54,11 @@ def quantize_rowwise_t(x: torch.Tensor, pad_to: int = 1):
     rows, cols = x.shape
     if rows == 0:
         return (torch.zeros(cols, pad_to, device=x.device).to(torch.float8_e4m3fn),
-                torch.full((cols, 1), EPS / E4M3_MAX, device=x.device))
+                torch.full((cols, 1), 1e-12 / 448.0, device=x.device))  # EPS / E4M3_MAX
     xf = x.float()
-    scale = xf.abs().amax(dim=0, keepdim=True).clamp_min(EPS) / E4M3_MAX  # [1, C]: one per column of x
+    scale = _row_scale(xf.abs().amax(dim=0, keepdim=True))  # [1, C]: one per column of x
     scaled = F.pad(xf / scale, (0, 0, 0, (-rows) % pad_to))
-    data = scaled.t().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    data = _to_e4m3(scaled.t())
     return data.contiguous(), scale.view(cols, 1)  # view, not .t(): _scaled_mm wants stride (1, 1)
 
 
@@ -114,7 +131,8 @@ class FP8RowwiseFunction(torch.autograd.Function):
         # X^T quantized along tokens [K, M] for wgrad (empty placeholders when W needs no grad)
         saved = xt if xt is not None else (x2.new_empty(0), x2.new_empty(0))
         ctx.save_for_backward(weight, *saved)
-        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        # plain constants only: no shapes (SymInts under dynamic shapes); backward takes them from dy and W
+        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -128,7 +146,7 @@ class FP8RowwiseFunction(torch.autograd.Function):
         drow, dcol = _casts(dy2, need_x, need_w, pad_to=TOKEN_PAD)  # dY along N (dgrad); dY^T [N, M] along tokens (wgrad)
         if need_x:
             _, (wtq, swt) = _casts(weight, False, True)  # W^T [K, N] along N
-            dx = _mm(*drow, wtq, swt, out32).to(ctx.x_dtype).view(ctx.x_shape)
+            dx = _mm(*drow, wtq, swt, out32).to(ctx.x_dtype).view(*dy.shape[:-1], weight.shape[1])
         if need_w:
             dw = _mm(*dcol, xtq, sxt, out32).to(weight.dtype)
         if need_b and ctx.has_bias:

@@ -24,7 +24,8 @@ from gemzoo_mxfp8.rowwise import TOKEN_PAD, compiled_cast
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-EPS = 1e-12  # smallest amax a scale is taken from (an all-zero tensor); torchao's EPS
+EPS = 1e-12  # smallest amax a scale is taken from (an all-zero tensor); torchao's EPS; spelled as a literal in
+# tensor_scale, since the autograd Function must read no float global (see the note in rowwise.py)
 # Tests set this to run CPU tensors through torch._scaled_mm (which CPU builds of torch have) with the operand
 # layouts CUDA requires, instead of the emulation.
 SCALED_MM_ON_CPU = False
@@ -34,7 +35,7 @@ def tensor_scale(x: torch.Tensor, elem: torch.dtype = E4M3, pow2: bool = False) 
     """fp32 0-dim scale = fp8_max / max(amax(|x|), EPS); ``pow2`` rounds it down to a power of two (then the
     scaling multiplies exactly and only the cast rounds). NaN in x gives a NaN scale, inf a zero one (an infinite
     inverse scale): either way every dequantized value, and so every GEMM output, is NaN; nothing is hidden."""
-    amax = x.abs().amax().float().clamp_min(EPS)
+    amax = x.abs().amax().float().clamp_min(1e-12)  # EPS
     # an IEEE division (a Python number over a tensor would be reciprocal(amax) * fp8_max, rounded twice)
     scale = torch.full_like(amax, torch.finfo(elem).max) / amax
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
@@ -109,8 +110,8 @@ class FP8TensorwiseFunction(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         empty = x2.new_empty(0)
         ctx.save_for_backward(xt if xt is not None else empty, sx, wt if wt is not None else empty, sw)
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias, ctx.pow2 = x.shape, x.dtype, weight.dtype, \
-            bias is not None, pow2
+        # plain constants only: no shapes (SymInts under dynamic shapes); backward takes them from dy and W^T
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias, ctx.pow2 = x.dtype, weight.dtype, bias is not None, pow2
         return y.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -123,7 +124,7 @@ class FP8TensorwiseFunction(torch.autograd.Function):
         # dY row-major along N for dgrad; dY^T along tokens (padded to 16) for wgrad; e5m2: gradients need range
         dyq, dyt, sdy = _cast(dy2, E5M2, need_x, need_w, TOKEN_PAD, ctx.pow2)
         if need_x:
-            dx = scaled_mm(dyq, sdy, wt.t(), sw, torch.float32).to(ctx.x_dtype).view(ctx.x_shape)
+            dx = scaled_mm(dyq, sdy, wt.t(), sw, torch.float32).to(ctx.x_dtype).view(*dy.shape[:-1], wt.shape[0])
         if need_w:
             dw = scaled_mm(dyt, sdy, xt.t(), sx, torch.float32).to(ctx.w_dtype)
         if need_b and ctx.has_bias:
