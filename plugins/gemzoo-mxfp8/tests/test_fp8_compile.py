@@ -43,6 +43,7 @@ def _step(block, fn, x, g):
             **{name: p.grad.float() for name, p in block.named_parameters()}}
 
 
+@pytest.mark.slow  # 3-5 s a case: one dynamic-shape compile each
 @pytest.mark.parametrize("precision", list(MAKERS))
 def test_block_compiles_with_dynamic_shapes(precision, monkeypatch):
     """fullgraph, dynamic shapes from the first call, the CUDA GEMM path where CPU has it (torch._scaled_mm):
