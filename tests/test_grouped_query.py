@@ -296,6 +296,7 @@ def _gqa_blocks_under_tp(rank: int, port: int, path: str) -> None:
     if rank == 0:
         with open(path, "w") as f:
             json.dump(out, f)
+    torch.distributed.barrier()  # no rank tears gloo down while its peer still talks to it (a SIGABRT otherwise)
     torch.distributed.destroy_process_group()
 
 

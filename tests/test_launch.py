@@ -138,8 +138,13 @@ def test_a_second_ctrl_c_goes_to_the_workers_at_once(monkeypatch):
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    worker = subprocess.Popen([sys.executable, "-c", "import time\ntry:\n    time.sleep(60)\nexcept "
-                               "KeyboardInterrupt:\n    raise SystemExit(42)"], start_new_session=True)
+    # the child restores Python's SIGINT handler itself: a test run started in the background inherits SIGINT
+    # ignored, and Python then leaves it ignored
+    worker = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                               "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                               "try:\n    print('up', flush=True)\n    time.sleep(60)\n"
+                               "except KeyboardInterrupt:\n    raise SystemExit(42)"],
+                              start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
         assert worker.pid in children(os.getpid())
         handler = Interruption()
@@ -151,7 +156,7 @@ def test_a_second_ctrl_c_goes_to_the_workers_at_once(monkeypatch):
             handler(signal.SIGINT, None)
         assert exc.value.sigval == signal.SIGINT and handler.signum == signal.SIGINT
         assert logging.getLogger("torch.distributed.elastic.agent.server.api").level == logging.CRITICAL
-        time.sleep(0.5)  # the child's interpreter is up
+        assert worker.stdout.readline() == "up\n"  # the child waits inside its try: a SIGINT is its KeyboardInterrupt
         handler(signal.SIGTERM, None)  # a SIGTERM after the first signal changes nothing
         assert worker.poll() is None
         handler(signal.SIGINT, None)
@@ -159,6 +164,7 @@ def test_a_second_ctrl_c_goes_to_the_workers_at_once(monkeypatch):
     finally:
         worker.kill()
         worker.wait()
+        worker.stdout.close()
 
 
 def test_a_failed_worker_is_one_line_with_its_rank_and_code(monkeypatch, capsys, tmp_path):
