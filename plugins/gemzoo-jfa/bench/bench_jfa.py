@@ -12,6 +12,7 @@ on mixed small shapes (outputs poisoned with NaN), and against Flex on the full 
 q's heads); Flex runs with enable_gqa, padded SDPA and NJT+SDPA with enable_gqa, FlashAttention varlen with its
 native grouped heads; the correctness cases use the same ratio (2 k/v heads). Results go to bench_jfa_gqa.json.
 ``--heads`` and ``--head-dim`` change H and D (a head_dim other than 128 adds ``_dD`` to the file names).
+With ``--head-dim 256``, ``--sweep configs`` times D256_CANDIDATES (``sweep_d256``) instead of the D=128 tiles.
 
     PYTHONPATH=.:plugins/gemzoo-jfa python3 plugins/gemzoo-jfa/bench/bench_jfa.py [--sweep] [--gqa [HQ,HKV]] [--out DIR]
 """
@@ -452,7 +453,9 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
         return do_bench(lambda: fn().backward(grad), warmup=10, rep=50, grad_to_none=leaves,
                         return_mode="median")
 
-    if "configs" in parts:
+    if "configs" in parts and D == 256:
+        sweep_d256(workloads, deadline)
+    elif "configs" in parts:
         for kind, cfgs in (("fwd", fwd_cfgs), ("dkdv", dkdv_cfgs), ("dq", dq_cfgs)):
             for c in cfgs:
                 if time.time() > deadline:
@@ -497,6 +500,155 @@ def sweep(workloads, deadline, parts=("configs", "order", "tma")):
     short = [w for w in workloads if w.name == "short"]
     if "short" in parts and short:
         sweep_short(short[0], deadline)
+
+
+# D = 256 candidates per kernel, (BM, BN, warps, stages, TMA), in the order timed: the backward first (dk/dv
+# 10.0 ms and dq 6.8 of fwd+bwd's 20.5 on the H200), pointer loads before TMA (D = 256 on TMA crashed ptxas in
+# an early triton 3.6 GPU run; offline every candidate compiles with triton 3.6.0 and 3.7.1, and a failure on
+# the GPU is recorded and the sweep goes on). From bench/compile_sm90.py (ptxas for sm_90a, triton 3.7.1,
+# 2026-12-04): bytes spilled per thread (stores + loads) in the comments; all fit 227 KB of shared memory.
+# Today's tiles (default_configs: dk/dv 32 q x 64 k, dq 64 q x 32 k, fwd 64 x 64, 8 warps, 2 stages, pointer
+# loads) spill 9,332 / 3,968 / 6,640: the pointer path holds a 64-bit address per element of each 256-wide
+# tile. 32-row tiles (dk/dv's keys, dq's queries) run mma.sync, not wgmma (whose M is 64).
+D256_CANDIDATES = {
+    "dkdv": [(32, 32, 8, 2, False),  # 560, mma.sync
+             (16, 64, 8, 2, False),  # 5,880
+             (32, 64, 8, 2, True),  # 1,980: today's tiles through TMA
+             (64, 32, 8, 2, True),  # 0, mma.sync
+             (32, 32, 8, 2, True),  # 0 (232 registers), mma.sync
+             (32, 32, 4, 2, True),  # 256, mma.sync; 98 KB of shared memory: two programs per SM
+             (64, 32, 8, 1, True),  # 8, mma.sync
+             (16, 64, 8, 2, True),  # 1,972
+             (64, 64, 8, 2, True)],  # 3,488
+    "dq": [(32, 64, 4, 2, False),  # 3,244, mma.sync
+           (128, 32, 8, 2, False),  # 5,812
+           (64, 32, 8, 2, True),  # 720: today's tiles through TMA
+           (32, 64, 8, 1, True),  # 0, mma.sync
+           (32, 64, 4, 2, True),  # 136, mma.sync
+           (64, 64, 8, 2, True),  # 704
+           (64, 32, 4, 1, True),  # 940; 96 KB of shared memory: two programs per SM
+           (128, 32, 8, 1, True),  # 1,296
+           (64, 64, 16, 2, True)],  # 1,286 (128 registers)
+    "fwd": [(128, 32, 8, 2, False),  # 3,972
+            (64, 64, 8, 2, True),  # 0: today's tiles through TMA
+            (64, 64, 8, 3, True),  # 0, 224 KB of shared memory
+            (64, 64, 8, 1, True),  # 384
+            (128, 64, 16, 2, True),  # 932 (128 registers)
+            (128, 64, 8, 1, True),  # 936
+            (128, 64, 8, 2, True)],  # 1,876
+}
+
+
+def kernel_ms(w, kind: str, options: KernelOptions) -> float:
+    """Median ms of kernel ``kind`` (fwd, dkdv or dq) alone on workload ``w`` under ``options``, schedule included."""
+    from triton.testing import do_bench
+
+    off = w.offsets
+    q, k, v = (t.detach() for t in (w.q, w.k, w.v))
+    scale = D ** -0.5
+    out, lse = torch.empty_like(q), torch.empty(H, w.T, device="cuda")
+    launch_fwd(q, k, v, off, off, True, scale, -1, out, lse, options=options)
+    if kind == "fwd":
+        return do_bench(lambda: launch_fwd(q, k, v, off, off, True, scale, -1, out, lse, options=options),
+                        warmup=25, rep=200, return_mode="median")
+    delta = family._launch_preprocess(out, w.grad)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    if kind == "dkdv":
+        fn = lambda: family._launch_dkdv(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dk, dv,  # noqa: E731
+                                         0, 1.0, -1, 0.0, options)
+    else:
+        fn = lambda: family._launch_dq(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dq, 0, 1.0,  # noqa: E731
+                                       -1, 0.0, options)
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def d256_options(configs: Configs) -> KernelOptions:
+    """Options running ``configs`` at D = 256 as given: _tma_ok refuses TMA there unless asked (tma=True), so a
+    config that asks for TMA (tma None) turns it on for the call, and the others keep pointer loads (tma False)."""
+    if all(configs.of(kind).tma is False for kind in ("fwd", "dkdv", "dq")):
+        return opts(configs=configs)
+    return opts(configs=configs, tma=True)
+
+
+def sweep_d256(workloads, deadline):
+    """--sweep configs at --head-dim 256: each kernel's D256_CANDIDATES with the other two on today's tiles,
+    pointer loads before TMA; each candidate's out, dq, dk, dv checked against the launch on default_configs
+    (max relative error < 1e-2) before it is timed (fwd+bwd, and its kernel alone); then the best per kernel
+    together, and the best pointer-load ones together (a fallback should TMA fail at D = 256)."""
+    from triton.testing import do_bench
+
+    base = default_configs(D, "cuda")
+    ptr = Configs(*(dataclasses.replace(base.of(kind), tma=False) for kind in ("fwd", "dkdv", "dq")))
+    out = RESULTS["sweep"].setdefault("d256", {})
+    flops = {"fwd": 2, "dkdv": 4, "dq": 3}  # / (H D sum L^2): 2 per matmul (fwd 2, dk/dv 4, dq 3), causal half
+
+    def outputs(w, options):
+        fn, leaves, grad = make_jfa(w, options)
+        for t in leaves:
+            t.grad = None
+        o = fn()
+        o.backward(grad)
+        res = [o.detach().clone()] + [t.grad.clone() for t in leaves]
+        for t in leaves:
+            t.grad = None
+        return res
+
+    refs = {w.name: outputs(w, opts(configs=ptr)) for w in workloads}
+
+    def measure(key, configs, kind):
+        """{workload: {fwd_bwd_ms, fwd_ms, <kind>_ms, <kind>_tflops, max_rel_vs_default, ok}}; False past the
+        deadline."""
+        if time.time() > deadline:
+            log("sweep d256: out of time budget, stopping")
+            return False
+        options, res = d256_options(configs), {}
+        for w in workloads:
+            try:
+                err = max(rel(a, b) for a, b in zip(outputs(w, options), refs[w.name], strict=True))
+                r = {"max_rel_vs_default": err, "ok": err < 1e-2}
+                if r["ok"]:
+                    fn, leaves, grad = make_jfa(w, options)
+                    r["fwd_bwd_ms"] = do_bench(lambda fn=fn, grad=grad: fn().backward(grad), warmup=25, rep=200,
+                                               grad_to_none=leaves, return_mode="median")
+                    for t in leaves:
+                        t.grad = None
+                    for k in ("fwd", "dkdv", "dq") if kind == "all" else (kind,):
+                        r[f"{k}_ms"] = ms = kernel_ms(w, k, options)
+                        r[f"{k}_tflops"] = flops[k] * H * D * w.sum_l2 / ms / 1e9
+            except Exception as exc:
+                r = {"error": f"{type(exc).__name__}: {exc}"[:300], "ok": False}
+            res[w.name] = r
+        out[key] = res
+        log(f"sweep d256 {key}: " + str({w: {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                                         for w, r in res.items()}))
+        return res
+
+    if measure("default", ptr, "all") is False:
+        return
+    best = {False: {}, True: {}}  # per TMA use: kind -> (ms of the kernel on the first workload, config)
+    for tma in (False, True):
+        for kind, tiles in D256_CANDIDATES.items():
+            for bm, bn, warps, stages, use_tma in tiles:
+                if use_tma != tma:
+                    continue
+                c = KernelConfig(bm, bn, warps, stages, tma=None if tma else False)
+                key = f"{kind} BM{bm} BN{bn} w{warps} s{stages} {'tma' if tma else 'ptr'}"
+                res = measure(key, dataclasses.replace(ptr, **{kind: c}), kind)
+                if res is False:
+                    return
+                first = res[workloads[0].name]
+                if first.get("ok") and (kind not in best[tma] or first[f"{kind}_ms"] < best[tma][kind][0]):
+                    best[tma][kind] = (first[f"{kind}_ms"], c)
+    default = {kind: (out["default"][workloads[0].name].get(f"{kind}_ms", float("inf")), ptr.of(kind))
+               for kind in ("fwd", "dkdv", "dq")}
+    pointer = {kind: min(default[kind], best[False].get(kind, default[kind]), key=lambda x: x[0])
+               for kind in default}
+    overall = {kind: min(pointer[kind], best[True].get(kind, pointer[kind]), key=lambda x: x[0]) for kind in default}
+    for name, pick in (("best pointer loads", pointer), ("best", overall)):
+        configs = Configs(*(pick[kind][1] for kind in ("fwd", "dkdv", "dq")))
+        RESULTS["sweep"][f"d256 {name}"] = {kind: str(pick[kind][1]) for kind in pick}
+        if measure(f"combo {name}", configs, "all") is False:
+            return
 
 
 SHORT_TILES = {  # candidates for a short bucket's tiles: (BM, BN, warps, stages) per kernel

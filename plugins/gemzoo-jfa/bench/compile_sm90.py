@@ -146,6 +146,44 @@ def variants() -> dict:
     out["fp8 quantize G128"] = (kernels.quant_fp8_kernel, {"H": 4, "D": 128, "BD": 128, "G": 128, "EXACT": False},
                                 8, 1, {}, {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "OFF": "*i64",
                                            "ITEMS": "*i32", "T": "i32"})
+    out.update(d256_variants())
+    return out
+
+
+# D = 256 tiles (BM, BN, warps, stages) per kernel, each with pointer loads and TMA: the current defaults
+# (family.default_configs: fwd 64 x 64, dk/dv 32 q x 64 k, dq 64 q x 32 k, 8 warps, 2 stages) first, then more
+# rows per program (the forward's and dq's queries, dk/dv's keys) and the other orientation of each tile.
+# ``--only 'd256 '`` compiles these alone (2026-12-04: all 110 compile with triton 3.7.1 and 3.6.0, none crashes
+# ptxas; TMA spills far less than pointer loads, and dk/dv with 128 keys spills 10 KB or more per thread).
+D256_TILES = {
+    "fwd": [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (64, 64, 8, 1), (128, 64, 8, 2), (128, 64, 8, 3),
+            (128, 64, 8, 1), (128, 32, 8, 2), (128, 32, 4, 2), (64, 128, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2),
+            (128, 64, 16, 2), (128, 64, 16, 1), (128, 128, 16, 2)],
+    "dkdv": [(32, 64, 8, 2), (32, 64, 4, 2), (32, 64, 8, 3), (32, 64, 8, 1), (64, 64, 8, 2), (64, 64, 8, 1),
+             (64, 32, 8, 2), (64, 32, 4, 2), (64, 32, 8, 3), (64, 32, 8, 1), (64, 32, 4, 1), (128, 32, 8, 2),
+             (32, 32, 8, 2), (32, 32, 4, 2), (16, 64, 8, 2), (16, 64, 4, 2), (16, 128, 8, 2), (32, 128, 8, 2),
+             (64, 128, 8, 2), (32, 64, 16, 2), (64, 64, 16, 2), (32, 128, 16, 2), (64, 128, 16, 2)],
+    "dq": [(64, 32, 8, 2), (64, 32, 4, 2), (64, 32, 8, 3), (64, 32, 8, 1), (64, 32, 4, 1), (64, 64, 8, 2),
+           (64, 64, 4, 2), (32, 64, 8, 2), (32, 64, 8, 1), (32, 64, 4, 2), (128, 32, 8, 2), (128, 32, 8, 1),
+           (128, 64, 8, 2), (64, 32, 16, 2), (64, 64, 16, 2), (128, 32, 16, 2), (128, 64, 16, 2)],
+}
+
+
+def d256_variants() -> dict:
+    """The D = 256 grid of D256_TILES, named "d256 KIND ptr|tma BM.. BN.. w.. s.."."""
+    base = dict(H=4, D=256, DV=256, BD=256, BDV=256, CAUSAL=True, WINDOWED=False, UPCAST=False, ACT=0,
+                BLOCKED=False, ROPE=False)
+    fns = {"fwd": kernels.attn_fwd_kernel, "dkdv": kernels.attn_bwd_dkdv_kernel, "dq": kernels.attn_bwd_dq_kernel}
+    out = {}
+    for kind, tiles in D256_TILES.items():
+        for bm, bn, warps, stages in tiles:
+            for tma in (False, True):
+                const = {**base, "BM": bm, "BN": bn, "USE_TMA": tma, **({} if kind == "dkdv" else {"SPLIT": False})}
+                # TMA boxes: the tile's rows of K and V (fwd, dq) or of Q and dO (dk/dv), all 256 columns
+                box = f"{bm if kind == 'dkdv' else bn},1,256"
+                boxes = ({"QD": box, "DOD": box} if kind == "dkdv" else {"KD": box, "VD": box}) if tma else {}
+                name = f"d256 {kind} {'tma' if tma else 'ptr'} BM{bm} BN{bn} w{warps} s{stages}"
+                out[name] = (fns[kind], const, warps, stages, boxes)
     return out
 
 
