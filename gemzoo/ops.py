@@ -108,12 +108,18 @@ def extension_info() -> dict:
     return info
 
 
-def _use_extension(name: str, *tensors: torch.Tensor) -> bool:
+@torch.compiler.assume_constant_result
+def _extension_serves(name: str, device_type: str) -> bool:
+    """Whether gemzoo._C has op ``name`` for ``device_type``. Under torch.compile it is called once while tracing
+    and its answer kept as a constant, so loading the extension never happens inside a graph."""
     if _load_extension() is None:
         return False
-    device = tensors[0].device.type
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device)
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"gemzoo::{name}", key)
+
+
+def _use_extension(name: str, *tensors: torch.Tensor) -> bool:
+    return _extension_serves(name, tensors[0].device.type)
 
 
 # --------------------------------------------------------------------------------------------- jagged

@@ -73,6 +73,19 @@ def test_extension_built_for_another_torch_warns_and_falls_back(monkeypatch):
         assert ops._load_extension.__wrapped__() is None
 
 
+def test_ops_trace_into_one_graph_whether_or_not_the_extension_loads():
+    """Whether gemzoo._C serves an op is decided once while tracing and kept as a constant: loading the extension
+    never happens inside a graph, so a compiled caller traces in one piece (fullgraph) on either path."""
+    values, off = torch.randn(10, 4), torch.tensor([0, 3, 10])
+
+    def fn(v, o):
+        return ops.jagged_to_padded(v, o, 8) * 2
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="eager")(values, off)
+    assert torch.equal(got, fn(values, off))
+
+
 # ------------------------------------------------------------------------------------ jagged <-> padded
 
 
