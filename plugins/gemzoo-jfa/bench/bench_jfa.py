@@ -401,9 +401,23 @@ def breakdown(w, tma=None):
     return _breakdown(w, "jfa_ptr" if tma is False else "jfa", opts(tma=tma))
 
 
-def _breakdown(w, tag, options):
-    from triton.testing import do_bench
+def fwd_bwd_outputs(w, options: KernelOptions) -> list[torch.Tensor]:
+    """[out, dq, dk, dv] of one jfa fwd+bwd on workload ``w`` under ``options`` (the leaves' grads left cleared):
+    what a sweep candidate is checked against."""
+    fn, leaves, grad = make_jfa(w, options)
+    for t in leaves:
+        t.grad = None
+    o = fn()
+    o.backward(grad)
+    res = [o.detach().clone()] + [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return res
 
+
+def kernel_calls(w, options: KernelOptions) -> dict:
+    """Each kernel of jfa's causal fwd+bwd on workload ``w`` under ``options`` as a callable (fwd, preprocess, dkdv,
+    dq), schedules included; their inputs (out, lse, delta) come from one forward and preprocess run first."""
     off = w.offsets
     q, k, v = (t.detach() for t in (w.q, w.k, w.v))
     scale = D ** -0.5
@@ -412,8 +426,7 @@ def _breakdown(w, tag, options):
     launch_fwd(q, k, v, off, off, True, scale, -1, out, lse, options=options)
     delta = family._launch_preprocess(out, w.grad)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    parts = {
-        "schedule": lambda: build_schedule(off, off, w.T, 128, over="q", causal=True, window=None),
+    return {
         "fwd": lambda: launch_fwd(q, k, v, off, off, True, scale, -1, out, lse, options=options),
         "preprocess": lambda: family._launch_preprocess(out, w.grad),
         "dkdv": lambda: family._launch_dkdv(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dk, dv, 0, 1.0,
@@ -421,6 +434,14 @@ def _breakdown(w, tag, options):
         "dq": lambda: family._launch_dq(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dq, 0, 1.0, -1, 0.0,
                                         options),
     }
+
+
+def _breakdown(w, tag, options):
+    from triton.testing import do_bench
+
+    off = w.offsets
+    parts = {"schedule": lambda: build_schedule(off, off, w.T, 128, over="q", causal=True, window=None),
+             **kernel_calls(w, options)}
     res = {name: do_bench(fn, warmup=10, rep=50, return_mode="median") for name, fn in parts.items()}
     fl = H * D * w.sum_l2
     res["dkdv_tflops"] = 8 * fl / 2 / res["dkdv"] / 1e9  # 4 matmuls over the causal half
@@ -543,23 +564,7 @@ def kernel_ms(w, kind: str, options: KernelOptions) -> float:
     """Median ms of kernel ``kind`` (fwd, dkdv or dq) alone on workload ``w`` under ``options``, schedule included."""
     from triton.testing import do_bench
 
-    off = w.offsets
-    q, k, v = (t.detach() for t in (w.q, w.k, w.v))
-    scale = D ** -0.5
-    out, lse = torch.empty_like(q), torch.empty(H, w.T, device="cuda")
-    launch_fwd(q, k, v, off, off, True, scale, -1, out, lse, options=options)
-    if kind == "fwd":
-        return do_bench(lambda: launch_fwd(q, k, v, off, off, True, scale, -1, out, lse, options=options),
-                        warmup=25, rep=200, return_mode="median")
-    delta = family._launch_preprocess(out, w.grad)
-    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    if kind == "dkdv":
-        fn = lambda: family._launch_dkdv(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dk, dv,  # noqa: E731
-                                         0, 1.0, -1, 0.0, options)
-    else:
-        fn = lambda: family._launch_dq(w.grad, q, k, v, lse, delta, off, off, True, scale, -1, dq, 0, 1.0,  # noqa: E731
-                                       -1, 0.0, options)
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return do_bench(kernel_calls(w, options)[kind], warmup=25, rep=200, return_mode="median")
 
 
 def d256_options(configs: Configs) -> KernelOptions:
@@ -582,18 +587,7 @@ def sweep_d256(workloads, deadline):
     out = RESULTS["sweep"].setdefault("d256", {})
     flops = {"fwd": 2, "dkdv": 4, "dq": 3}  # / (H D sum L^2): 2 per matmul (fwd 2, dk/dv 4, dq 3), causal half
 
-    def outputs(w, options):
-        fn, leaves, grad = make_jfa(w, options)
-        for t in leaves:
-            t.grad = None
-        o = fn()
-        o.backward(grad)
-        res = [o.detach().clone()] + [t.grad.clone() for t in leaves]
-        for t in leaves:
-            t.grad = None
-        return res
-
-    refs = {w.name: outputs(w, opts(configs=ptr)) for w in workloads}
+    refs = {w.name: fwd_bwd_outputs(w, opts(configs=ptr)) for w in workloads}
 
     def measure(key, configs, kind):
         """{workload: {fwd_bwd_ms, fwd_ms, <kind>_ms, <kind>_tflops, max_rel_vs_default, ok}}; False past the
@@ -604,7 +598,7 @@ def sweep_d256(workloads, deadline):
         options, res = d256_options(configs), {}
         for w in workloads:
             try:
-                err = max(rel(a, b) for a, b in zip(outputs(w, options), refs[w.name], strict=True))
+                err = max(rel(a, b) for a, b in zip(fwd_bwd_outputs(w, options), refs[w.name], strict=True))
                 r = {"max_rel_vs_default": err, "ok": err < 1e-2}
                 if r["ok"]:
                     fn, leaves, grad = make_jfa(w, options)
@@ -676,15 +670,7 @@ class ShortSweep:
         self.ref = self.outputs((), None)
 
     def outputs(self, buckets, tma):
-        fn, leaves, grad = make_jfa(self.w, opts(buckets=buckets, tma=tma))
-        for t in leaves:
-            t.grad = None
-        o = fn()
-        o.backward(grad)
-        res = [o.detach().clone()] + [t.grad.clone() for t in leaves]
-        for t in leaves:
-            t.grad = None
-        return res
+        return fwd_bwd_outputs(self.w, opts(buckets=buckets, tma=tma))
 
     def timed(self, buckets, mode, tma=None):
         from triton.testing import do_bench

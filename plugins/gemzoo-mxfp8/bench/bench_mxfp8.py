@@ -9,6 +9,7 @@ On a machine without CUDA it runs a tiny dry run (Triton interpreter) to check t
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -460,11 +461,9 @@ def table():
 
 def main():
     global OUT
-    if "--out" in sys.argv[1:]:
-        at = sys.argv.index("--out")
-        if at + 1 >= len(sys.argv):
-            sys.exit("bench_mxfp8.py: --out needs a folder")
-        OUT = sys.argv[at + 1]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=OUT, help="folder for bench_mxfp8.json and table.txt (default ./bench_out)")
+    OUT = ap.parse_args().out
     os.makedirs(OUT, exist_ok=True)
     log(f"device {RESULTS['device']}, torch {torch.__version__}")
     if CUDA:
