@@ -99,17 +99,6 @@ def test_cross_attention_short_q_long_k(act, causal, split):
     check(128, 128, causal, "history", None, torch.bfloat16, act, 32.0, split=split, batch=12, max_q=64)
 
 
-def test_split_plan_picks_the_cross_path():
-    from gemzoo_jfa.family import split_plan
-
-    q = torch.empty(64 * 64, 4, 128, device="cuda")
-    k = torch.empty(64 * 1500, 4, 128, device="cuda")
-    plan = split_plan(q, k, 64, 1, 128, 128)
-    assert plan == (8, 64)  # 1500 keys per history: 8 splits; 64 candidates: 64-row query blocks
-    assert split_plan(q, k, 64, 0, 128, 128) is None  # softmax never splits
-    assert split_plan(k, k, 64, 1, 128, 128) is None  # self-attention does not
-
-
 def test_conformance_suite_on_cuda():
     from gemzoo_gdpa.ops import KERNEL
 

@@ -156,3 +156,18 @@ def test_cross_attention_call_reads_no_device_value(monkeypatch):
     assert [split for n, split in launched if n == "attn_bwd_dq_kernel"] == [False] * 2  # dQ unsplit
     with pytest.raises((RuntimeError, NotImplementedError)):  # offsets not validated: the check reads them
         ops.gdpa_triton(q, k, v, q_off.clone(), k_off, causal=False, activation="silu")
+
+
+@pytest.mark.parametrize("candidates,plan", [(16, (8, 64)), (64, (8, 64)), (256, None)])
+def test_split_plan_splits_few_candidates_over_long_histories(candidates, plan):
+    """The split is a shape rule (no kernel runs): up to 64 candidates a user over 1500-key histories split the
+    keys 8 ways on 64-row query blocks; 256 candidates already fill the GPU unsplit."""
+    from gemzoo_jfa.family import split_plan
+
+    q = torch.empty(64 * candidates, 4, 128, device="meta")
+    k = torch.empty(64 * 1500, 4, 128, device="meta")
+    assert split_plan(q, k, 64, 1, 128, 128) == plan
+    assert split_plan(q, k, 64, 0, 128, 128) is None  # softmax never splits
+    assert split_plan(k, k, 64, 1, 128, 128) is None  # self-attention does not
+    assert split_plan(q, k, 64, 1, 128, 128, split=0) is None  # KernelOptions.split = 0: never
+    assert split_plan(q, k, 64, 1, 128, 128, split=4)[0] == 4  # a fixed split count is kept
