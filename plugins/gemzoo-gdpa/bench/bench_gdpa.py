@@ -11,7 +11,8 @@ Workloads (H=4, D=128, bf16; distributions from plugins/gemzoo-jfa/bench/bench_j
   4. short: B=4096, lognormal median 48, sigma 0.7, clipped 1..1024, silu causal: vs eager and jfa.
 Median of triton.testing.do_bench(warmup=25, rep=100). Useful FLOPs count allowed pairs only: causal
 fwd 2*H*D*sum L^2, fwd+bwd 7*H*D*sum L^2 (docs/benchmarks.md); cross fwd 4*H*D*pairs, fwd+bwd 14*H*D*pairs.
-Correctness first: gdpa against the eager padded implementation on every workload it is timed on.
+Correctness first: gdpa against the eager padded implementation on every workload it is timed on; on the cross
+rows also (with --no-eager too) the split plan against the unsplit kernel and jfa softmax against Flex.
 
     PYTHONPATH=.:plugins/gemzoo-jfa:plugins/gemzoo-gdpa python3 plugins/gemzoo-gdpa/bench/bench_gdpa.py [--out DIR]
 """
@@ -169,6 +170,36 @@ def flex_cross(q, k, v, q_off, k_off):
     return lambda: compiled(heads_first(q), heads_first(k), heads_first(v), block_mask=mask).squeeze(0).transpose(0, 1)
 
 
+def outputs_and_grads(fn, leaves, grad):
+    for t in leaves:
+        t.grad = None
+    out = fn()
+    out.backward(grad)
+    got = [out.detach().clone()] + [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return got
+
+
+def check_cross(name, q, k, v, q_off, k_off, grad, norm):
+    """Checked before any timing, also under --no-eager: the split plan against the unsplit kernel (out, dq, dk,
+    dv), and jfa softmax against Flex's output, on the workload's own tensors. The eager padded reference adds
+    its own checks when it runs."""
+    from gemzoo_jfa.family import KernelOptions
+
+    leaves = [q, k, v]
+    plans = [outputs_and_grads(lambda s=s: gdpa_triton(q, k, v, q_off, k_off, causal=False, activation="silu",
+                                                         norm=norm, options=KernelOptions(split=s)), leaves, grad)
+             for s in (None, 0)]
+    for n, a, b in zip(("out", "dq", "dk", "dv"), *plans, strict=True):
+        RESULTS["checks"][f"{name} split vs unsplit {n}"] = rel(a, b)
+    with torch.no_grad():
+        RESULTS["checks"][f"{name} jfa vs flex out"] = rel(jfa_triton(q, k, v, q_off, k_off, causal=False),
+                                                             flex_cross(q, k, v, q_off, k_off)())
+    log(f"{name} checks: " + ", ".join(f"{k.split(' ', 1)[1]} {v:.1e}" for k, v in RESULTS["checks"].items()
+                                      if k.startswith(name + " ")))
+
+
 def cross_attention(n_cand=64):
     hist = gem_lognormal()
     B = hist.numel()
@@ -190,6 +221,7 @@ def cross_attention(n_cand=64):
     res = {}
     from gemzoo_jfa.family import KernelOptions
 
+    check_cross(name, q, k, v, q_off, k_off, grad, norm)
     for tag, split in (("gdpa silu", None), ("gdpa silu unsplit", 0)):
         options = KernelOptions(split=split)
         fn = lambda options=options: gdpa_triton(  # noqa: E731
