@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
-from bench_jfa import Workload, gem_lognormal, log, rel, short_lengths, uniform_8k  # noqa: E402
+from bench_jfa import Workload, gem_lognormal, log, outputs_and_grads, rel, short_lengths, uniform_8k  # noqa: E402
 from gemzoo_gdpa import gdpa_triton  # noqa: E402
 from gemzoo_jfa import jfa_triton  # noqa: E402
 
@@ -168,17 +168,6 @@ def flex_cross(q, k, v, q_off, k_off):
     compiled = torch.compile(flex_attention, dynamic=False)
     heads_first = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
     return lambda: compiled(heads_first(q), heads_first(k), heads_first(v), block_mask=mask).squeeze(0).transpose(0, 1)
-
-
-def outputs_and_grads(fn, leaves, grad):
-    for t in leaves:
-        t.grad = None
-    out = fn()
-    out.backward(grad)
-    got = [out.detach().clone()] + [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    return got
 
 
 def check_cross(name, q, k, v, q_off, k_off, grad, norm):

@@ -401,10 +401,8 @@ def breakdown(w, tma=None):
     return _breakdown(w, "jfa_ptr" if tma is False else "jfa", opts(tma=tma))
 
 
-def fwd_bwd_outputs(w, options: KernelOptions) -> list[torch.Tensor]:
-    """[out, dq, dk, dv] of one jfa fwd+bwd on workload ``w`` under ``options`` (the leaves' grads left cleared):
-    what a sweep candidate is checked against."""
-    fn, leaves, grad = make_jfa(w, options)
+def outputs_and_grads(fn, leaves, grad) -> list[torch.Tensor]:
+    """[out, *grads of leaves] of one call of ``fn`` backpropagating ``grad``, the leaves' grads left cleared."""
     for t in leaves:
         t.grad = None
     o = fn()
@@ -413,6 +411,12 @@ def fwd_bwd_outputs(w, options: KernelOptions) -> list[torch.Tensor]:
     for t in leaves:
         t.grad = None
     return res
+
+
+def fwd_bwd_outputs(w, options: KernelOptions) -> list[torch.Tensor]:
+    """[out, dq, dk, dv] of one jfa fwd+bwd on workload ``w`` under ``options``: what a sweep candidate is checked
+    against."""
+    return outputs_and_grads(*make_jfa(w, options))
 
 
 def kernel_calls(w, options: KernelOptions) -> dict:
