@@ -141,14 +141,14 @@ class FP8RowwiseFunction(torch.autograd.Function):
         n = weight.shape[0]
         dy2 = dy.reshape(-1, n)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        out32 = torch.float32
         dx = dw = db = None
         drow, dcol = _casts(dy2, need_x, need_w, pad_to=TOKEN_PAD)  # dY along N (dgrad); dY^T [N, M] along tokens (wgrad)
         if need_x:
             _, (wtq, swt) = _casts(weight, False, True)  # W^T [K, N] along N
-            dx = _mm(*drow, wtq, swt, out32).to(ctx.x_dtype).view(*dy.shape[:-1], weight.shape[1])
+            # dX in x's dtype (on CUDA the rowwise GEMM writes bf16 either way: no bf16 -> fp32 -> bf16 round trip)
+            dx = _mm(*drow, wtq, swt, ctx.x_dtype).view(*dy.shape[:-1], weight.shape[1])
         if need_w:
-            dw = _mm(*dcol, xtq, sxt, out32).to(weight.dtype)
+            dw = _mm(*dcol, xtq, sxt, torch.float32).to(weight.dtype)
         if need_b and ctx.has_bias:
             db = dy2.float().sum(0)
         return dx, dw, db, None
