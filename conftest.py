@@ -29,18 +29,11 @@ for tests_dir in sorted(glob.glob(os.path.join(HERE, "plugins", "*", "tests"))):
     if tests_dir not in sys.path:
         sys.path.insert(0, tests_dir)
 
-# The one GPU-or-not switch of the test suite. Triton runs on a CPU only under its interpreter, which must
-# be on before any kernel is defined, so a machine without CUDA sets it here, before any test module
-# imports triton. On a GPU machine it stays off for the whole process: interpreter cases there run in
-# subprocesses that set it themselves (plugins/gemzoo-jfa/tests/interp_cases.py).
-import torch  # noqa: E402
+# The one GPU-or-not switch of the test suite (Triton's interpreter on a machine without CUDA), before any test
+# module imports triton.
+from gemzoo.testing.interpreter import select_triton_backend  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from gemzoo.testing.interpreter import fix_interpreter  # noqa: E402
-
-    fix_interpreter()  # Triton 3.6 with numpy >= 2.4 (triton-lang/triton#9171)
+CUDA = select_triton_backend()
 
 # Cases that take more than about 2 s on a 2-core CPU, of tests parametrised over the registry (``<kind>_name``,
 # gemzoo.testing.pytest_plugin) or over shipped files: no decorator names them. The other cases of the same

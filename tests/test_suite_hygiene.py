@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+from gemzoo.testing.timeouts import hang_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_DIRS = [ROOT / "tests", *sorted((ROOT / "plugins").glob("*/tests"))]
@@ -48,7 +53,7 @@ def test_interpreter_is_off_in_process_on_a_gpu_machine():
     if torch.cuda.is_available():
         assert os.environ.get("TRITON_INTERPRET", "0") != "1", "the interpreter is on in a CUDA test process"
     else:
-        assert os.environ.get("TRITON_INTERPRET") == "1", "root conftest.py should switch the interpreter on"
+        assert os.environ.get("TRITON_INTERPRET") == "1", "select_triton_backend should switch the interpreter on"
 
 
 def test_plugin_test_helper_modules_have_unique_names():
@@ -62,3 +67,19 @@ def test_plugin_test_helper_modules_have_unique_names():
     assert not clashes, f"helper modules share a name on sys.path; give each a plugin-specific name: {clashes}"
     generic = sorted(n for n in seen if n in {"cases", "helpers", "utils", "common", "support"})
     assert not generic, f"give these helper modules plugin-specific names: {generic}"
+
+
+@pytest.mark.multiprocess
+def test_a_plugin_runs_its_own_tests_from_its_folder():
+    """``pytest`` inside a plugin's folder (its own pyproject the config, no root conftest) loads
+    gemzoo.testing.pytest_plugin, which picks Triton's backend and registers gemzoo's markers: a Triton cast runs
+    (under the interpreter on a CPU), and a module marked ``multiprocess`` collects under --strict-markers."""
+    def pytest_in(plugin: str, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a fresh shell has it
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                              cwd=ROOT / "plugins" / plugin, env=env, capture_output=True, text=True,
+                              timeout=hang_guard(600))
+        assert proc.returncode == 0, f"pytest {' '.join(args)} in plugins/{plugin}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+
+    pytest_in("gemzoo-mxfp8", "tests/test_cast.py", "-k", "test_triton_rowwise_casts")
+    pytest_in("gemzoo-ncclx", "--collect-only", "tests/test_ncclx.py")

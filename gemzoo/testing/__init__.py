@@ -8,14 +8,17 @@ A third-party plugin gets the same checks by calling these from its own tests::
         check_attention(MY_KERNEL, case, device="cpu")
 """
 
-from gemzoo.embedding import torchrec_available
-from gemzoo.testing.attention import AttentionCase, attention_cases, check_attention, random_jagged_lengths
-from gemzoo.testing.batching import BatchingCase, batching_cases, check_assignment, check_global_loss
-from gemzoo.testing.comms import check_comms_on_gloo
-from gemzoo.testing.memory import check_memory_policy
-from gemzoo.testing.models import check_dataset, check_model
-from gemzoo.testing.planner import check_planner_local, check_planner_on_gloo, check_planner_protocol_on_gloo
-from gemzoo.testing.precision import check_precision_apply, check_precision_linear, precision_linear_cases
+# The suites, one module per kind (gemzoo.kinds lists which), imported on first use: importing gemzoo.testing (or
+# gemzoo.testing.pytest_plugin) loads no kernel library, so a test session can pick Triton's backend first.
+_SUITES = {
+    "gemzoo.testing.attention": ("AttentionCase", "attention_cases", "check_attention", "random_jagged_lengths"),
+    "gemzoo.testing.batching": ("BatchingCase", "batching_cases", "check_assignment", "check_global_loss"),
+    "gemzoo.testing.comms": ("check_comms_on_gloo",),
+    "gemzoo.testing.memory": ("check_memory_policy",),
+    "gemzoo.testing.models": ("check_dataset", "check_model"),
+    "gemzoo.testing.planner": ("check_planner_local", "check_planner_on_gloo", "check_planner_protocol_on_gloo"),
+    "gemzoo.testing.precision": ("check_precision_apply", "check_precision_linear", "precision_linear_cases"),
+}
 
 # Names a plugin's tests and benchmarks use beside gemzoo.api, from modules above the plugin layer; imported on
 # first use so that collecting a test file does not build the trainer.
@@ -35,6 +38,7 @@ _LAZY = {
     "Planned": ("gemzoo.data.lookahead", "Planned"),
     "move": ("gemzoo.data.lookahead", "move"),
     "CompileWatch": ("gemzoo.train.compiles", "CompileWatch"),
+    **{name: (module, name) for module, names in _SUITES.items() for name in names},
 }
 
 
@@ -48,21 +52,16 @@ def __getattr__(name: str):
     globals()[name] = value
     return value
 
-__all__ = ["AttentionCase", "attention_cases", "check_attention", "random_jagged_lengths", "check_precision_linear",
-           "skip_unless_torchrec",
-           # one suite per kind (gemzoo.kinds lists which); gemzoo.testing.pytest_plugin parametrises over entries
-           "check_precision_apply", "precision_linear_cases", "check_memory_policy", "check_planner_local",
-           "check_planner_on_gloo", "check_planner_protocol_on_gloo", "check_comms_on_gloo", "BatchingCase",
-           "batching_cases", "check_assignment",
-           "check_global_loss", "check_dataset", "check_model",
-           # harness helpers for plugin tests and benchmarks, loaded on first use
-           *sorted(_LAZY)]
+# the suites (gemzoo.testing.pytest_plugin parametrises over entries) and the harness helpers, loaded on first use
+__all__ = ["skip_unless_torchrec", *sorted(_LAZY)]
 
 
 def skip_unless_torchrec() -> None:
     """Skip the calling test when the sparse side would not use torchrec (not installed, or
     ``GEMZOO_NO_TORCHREC`` set), as on the GPU image."""
     import pytest
+
+    from gemzoo.embedding import torchrec_available
 
     if not torchrec_available():
         pytest.skip("needs torchrec (not installed, or GEMZOO_NO_TORCHREC is set)")

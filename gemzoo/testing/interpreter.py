@@ -144,6 +144,24 @@ def start_groups(script: str | Path, groups, timeout: float | None = None) -> No
             _runs[key] = _GroupRun(str(script), group, limit)
 
 
+def select_triton_backend() -> bool:
+    """The one GPU-or-not switch of a test session; returns whether CUDA is there.
+
+    Triton runs on a CPU only under its interpreter, which must be on before triton is imported, so on a machine
+    without CUDA this sets ``TRITON_INTERPRET=1`` (unless already set) and patches the interpreter
+    (``fix_interpreter``). gemzoo's root ``conftest.py`` and ``gemzoo.testing.pytest_plugin`` (which each plugin's
+    pytest config loads with ``-p``, so ``pytest`` inside a plugin's folder behaves as the whole suite) call it
+    before any test module is imported. On a GPU machine the interpreter stays off for the whole process:
+    interpreter cases there run in subprocesses that set it themselves."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    fix_interpreter()
+    return False
+
+
 def fix_interpreter() -> None:
     """Make Triton 3.6's interpreter take shape-[1] scalars as loop bounds and indices.
 

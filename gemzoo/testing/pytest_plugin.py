@@ -1,6 +1,8 @@
 """A pytest plugin for conformance tests: parametrisation over every registered entry of a kind.
 
-Load it from a root ``conftest.py`` (gemzoo's does) or a plugin's own::
+Load it from a root ``conftest.py`` (gemzoo's does) or a plugin's own, or with ``-p gemzoo.testing.pytest_plugin``
+in the plugin's pytest ``addopts`` (each plugin under ``plugins/`` does). Loaded, it picks Triton's backend (the
+interpreter on a machine without CUDA) and registers gemzoo's test markers (``gpu``, ``slow``, ``multiprocess``)::
 
     pytest_plugins = ["gemzoo.testing.pytest_plugin"]
 
@@ -20,7 +22,11 @@ from __future__ import annotations
 
 import pytest
 
-from gemzoo.kinds import KINDS
+from gemzoo.testing.interpreter import select_triton_backend
+
+select_triton_backend()  # first: a plugin's own run (its folder the rootdir) has no root conftest to do it
+
+from gemzoo.kinds import KINDS  # noqa: E402
 
 
 def registered(kind: str, *, device: str | None = None, pattern: str | None = None) -> list:
@@ -86,3 +92,16 @@ def _interpreter_groups(request):
             start_groups(module.SCRIPT, groups)
     yield
     stop_all()
+
+
+MARKERS = (
+    "gpu: needs a CUDA device (skipped, with the reason, on a machine without one)",
+    "slow: takes more than about 2 s on a 2-core CPU (left out of the quick tier, -m 'not slow')",
+    "multiprocess: spawns processes (gloo ranks, CLI or pytest subprocesses, Triton interpreter groups); also slow",
+)
+
+
+def pytest_configure(config) -> None:
+    """gemzoo's test tiers as markers, so that a plugin's own run (``--strict-markers``) knows them too."""
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)

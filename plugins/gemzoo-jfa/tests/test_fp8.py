@@ -6,11 +6,14 @@ under the interpreter in test_interpreter.py (group fp8) and on the GPU in test_
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from gemzoo.api import lengths_to_offsets, registry
+
+TINY = str(Path(__file__).resolve().parents[3] / "configs" / "gem-tiny.toml")  # the repository's, whatever the cwd
 
 
 class _NoLaunch:
@@ -140,7 +143,7 @@ def test_fp8_attention_with_fp8_linears_trains_gem_tiny_on_cpu(tmp_path):
         pytest.skip("gemzoo-mxfp8 (fp8-tensorwise) is not installed")
     from gemzoo.api import load_config, train
 
-    cfg = load_config("configs/gem-tiny.toml", plugins="jfa-fp8,fp8-tensorwise",
+    cfg = load_config(TINY, plugins="jfa-fp8,fp8-tensorwise",
                       overrides=["run.steps=3", "run.log_every=1", "data.batch_size=8", "eval.every=0",
                                  "checkpoint.every=0", "run.device=cpu"])
     assert cfg.plugins.attention == "jfa-fp8" and cfg.plugins.precision == "fp8-tensorwise"
