@@ -9,10 +9,10 @@ to its own JSON under --out as it finishes; a run already complete there is skip
 resumes where it stopped. ``--max-wall-s`` bounds a call: no run starts that would not finish in time, and a run
 still going then stops with a checkpoint (also written every ``--checkpoint-every`` steps) that the next call with
 the same --out continues from (``--partial`` starts such runs on purpose, for runs longer than one call).
-``--merge DIR...`` builds the table from the per-run JSONs of several folders (pieces run apart); with
-``--select-by METRIC`` it adds early-stopped rows: runs on both splits with ``--eval-every`` curves give the test
+``--merge DIR...`` builds the table from the per-run JSONs of several folders (pieces run apart).
+``--select-by METRIC`` adds early-stopped rows: runs on both splits with ``--eval-every`` curves give the test
 metrics at the step the val curve is best in METRIC (the paper's figures are read that way, not at the last
-epoch).
+epoch); ``--split test val`` plans each test run's val twin, so one call trains both and builds those rows.
 
     python bench/ml1m_repro.py --data data/ml-1m --seeds 0 1 2 --list                 # the plan: 9 runs
     python bench/ml1m_repro.py --data data/ml-1m --seeds 0 1 2 --out runs/ml1m          # train them all
@@ -21,6 +21,8 @@ epoch).
     python bench/ml1m_repro.py --merge runs/ml1m-1 runs/ml1m-2 runs/ml1m-3 --out runs/ml1m   # the table
     python bench/ml1m_repro.py --data data/ml-1m --seeds 0 --variant short=@300 \\
         --variant reference=reference@300 --variant bf16=bf16                         # + kernel, precision rows
+    python bench/ml1m_repro.py --data data/ml-1m --seeds 0 1 2 --split test val --eval-every 47 \
+        --select-by ndcg@10 --out runs/ml1m-es                                       # + early-stopped rows
 
 --data is a folder with MovieLens-1M's ratings.dat and movies.dat (never commit them). A variant
 NAME=PLUGINS[@STEPS] trains the same configs with ``--plugins PLUGINS`` on top of their own (the base variant,
@@ -91,16 +93,18 @@ def config_steps(model: str) -> int:
 
 
 def plan(args) -> list[dict]:
-    """Every planned run, in index order: variants (as given, shipped first), then models, then seeds."""
+    """Every planned run, in index order: variants (as given, shipped first), then models, then seeds, then
+    splits (a seed's runs on each split side by side: ``--split test val`` plans each test run's val twin)."""
     runs = []
     for variant, (plugins, steps) in parse_variants(args.variant).items():
         for model in args.models:
             full = config_steps(model)
             for seed in args.seeds:
                 n = steps or args.steps or full
-                runs.append({"index": len(runs), "model": model, "seed": seed, "variant": variant,
-                             "plugins": plugins, "steps": n, "config_steps": full, "split": args.split,
-                             "tag": f"{model}_{variant}_{args.split}_{n}steps_seed{seed}"})
+                for split in args.split:
+                    runs.append({"index": len(runs), "model": model, "seed": seed, "variant": variant,
+                                 "plugins": plugins, "steps": n, "config_steps": full, "split": split,
+                                 "tag": f"{model}_{variant}_{split}_{n}steps_seed{seed}"})
     return runs
 
 
@@ -184,7 +188,7 @@ def train_one(run: dict, out: Path, args, jobs: int) -> dict:
     data = Path(args.data)
     folder = out / run["tag"]
     overrides = [f"data.path='{data / 'ratings.dat'}'", f"data.items='{args.items}'",
-                 f"data.eval_split='{args.split}'", f"run.out_dir='{folder}'", f"run.seed={run['seed']}",
+                 f"data.eval_split='{run['split']}'", f"run.out_dir='{folder}'", f"run.seed={run['seed']}",
                  f"run.steps={run['steps']}", *args.set]
     if (data / "movies.dat").is_file():
         overrides.insert(1, f"data.movies_path='{data / 'movies.dat'}'")
@@ -223,7 +227,7 @@ def train_one(run: dict, out: Path, args, jobs: int) -> dict:
             curve.append({"step": row["step"], **{m: row.get(f"eval/{m}{tag}") for m in METRICS}})
     return {"kind": RECORD, "complete": True, "key": run_key(run, args), "tag": run["tag"],
             "model": run["model"], "variant": run["variant"], "config": CONFIGS[run["model"]],
-            "plugins": run["plugins"], "seed": run["seed"], "split": args.split, "items": args.items,
+            "plugins": run["plugins"], "seed": run["seed"], "split": run["split"], "items": args.items,
             "set": list(args.set), "steps": steps, "config_steps": run["config_steps"],
             "epochs": steps / steps_per_epoch, "metrics": final, "curve": curve, "final_loss": result.final_loss,
             "attention": kernels, "precision": cfg.plugins.precision,
@@ -562,7 +566,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=PLUGINS[@STEPS]",
                    help="also train with --plugins PLUGINS (for STEPS steps), e.g. bf16=bf16, "
                         "reference=reference@300, short=@300")
-    p.add_argument("--split", default="test", choices=("val", "test"), help="test: the paper's table")
+    p.add_argument("--split", nargs="+", default=["test"], choices=("val", "test"),
+                   help="test: the paper's table; test val: each test run with its val twin, for --select-by")
     p.add_argument("--items", default="movies", choices=("movies", "rated", "auto"),
                    help="movies: the reference's 3,883 items (default)")
     p.add_argument("--steps", type=int, help="override run.steps (default: the config's full schedule)")
@@ -590,8 +595,9 @@ def parser() -> argparse.ArgumentParser:
                      help="build table.md and table.json in --out from the per-run JSONs of these folders "
                           "(none: --out itself); trains nothing")
     sel.add_argument("--select-by", metavar="METRIC", choices=METRICS,
-                     help="with --merge: also rows '<variant>+es', the test metrics at the step where the val "
-                          "run's curve (--eval-every, --split val) is best in METRIC, as the paper's table is read")
+                     help="also rows '<variant>+es': the test metrics at the step where the val twin's curve "
+                          "(--eval-every; --split test val, or --merge of folders of each split) is best in METRIC, "
+                          "as the paper's table is read")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: train plan index N, write its JSON
     return p
 
@@ -609,16 +615,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ml1m_repro: {len(rows)} rows from {sum(len(r['seeds']) for r in rows)} runs; "
                   f"table.md and table.json in {out}")
             return 0 if rows else 1
+        if len(set(args.split)) != len(args.split):
+            raise UsageError(f"--split {' '.join(args.split)} names a split twice; give each once, e.g. --split test val")
+        if args.select_by and not args.eval_every:
+            raise UsageError(f"--select-by {args.select_by} reads the val run's curve, and runs evaluate only at "
+                             "the end without --eval-every; add --eval-every N (e.g. 47, every epoch)")
         runs = plan(args)
         chosen = select(runs, args)
         if args.list:
-            lines = [f"{'idx':>4}  {'model':<11}{'seed':>5}  {'variant':<14}{'plugins':<16}{'steps':>6}  status"]
+            lines = [f"{'idx':>4}  {'model':<11}{'seed':>5}  {'variant':<14}{'plugins':<16}{'split':<6}{'steps':>6}"
+                     "  status"]
             for r in chosen:
                 rec = stored(r, out, args)
                 at = 0 if rec else checkpointed_step(r, out)
                 status = f"done ({rec['wall_s']:.0f} s)" if rec else f"at step {at} (checkpoint)" if at else "to train"
                 lines.append(f"{r['index']:>4}  {r['model']:<11}{r['seed']:>5}  {r['variant']:<14}"
-                             f"{r['plugins'] or '-':<16}{r['steps']:>6}  {status}")
+                             f"{r['plugins'] or '-':<16}{r['split']:<6}{r['steps']:>6}  {status}")
             print("\n".join(lines))
             print(f"({len(chosen)} of {len(runs)} planned runs; results in {out})")
             return 0
@@ -652,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 todo.append(r)
         code = run_calls(runs, todo, out, args, argv) if todo else 0
-        rows, text = merge([out], out, command)
+        rows, text = merge([out], out, command, args.select_by)
         if rows:
             print("\n" + text)
             print(f"ml1m_repro: table.md and table.json in {out} (every complete run there, not only this call's)")

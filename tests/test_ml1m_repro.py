@@ -82,9 +82,9 @@ def test_list_gives_every_planned_run_an_index_and_only_and_shard_select(capsys,
     assert code == 0
     rows = [line.split() for line in out.splitlines()[1:-1]]
     assert [int(r[0]) for r in rows] == list(range(12)) and "(12 of 12 planned runs" in out
-    assert rows[0][:6] == ["0", "sasrec", "0", "shipped", "-", "4767"]
-    assert rows[5][:6] == ["5", "hstu-large", "1", "shipped", "-", "4767"]
-    assert rows[9][:6] == ["9", "hstu", "1", "reference", "reference", "300"]
+    assert rows[0][:7] == ["0", "sasrec", "0", "shipped", "-", "test", "4767"]
+    assert rows[5][:7] == ["5", "hstu-large", "1", "shipped", "-", "test", "4767"]
+    assert rows[9][:7] == ["9", "hstu", "1", "reference", "reference", "test", "300"]
     assert all(r[-2:] == ["to", "train"] for r in rows)
 
     args = repro.parser().parse_args(["--seeds", "0", "1", "2"])
@@ -110,6 +110,8 @@ def test_list_gives_every_planned_run_an_index_and_only_and_shard_select(capsys,
     (["--shard", "4/3"], "1 <= K <= N"),
     (["--only", "3,x"], "expected indices and ranges"),
     (["--only", "7"], r"\[7\] not in the plan's indices 0..2"),
+    (["--split", "test", "test"], "names a split twice"),
+    (["--select-by", "ndcg@10"], "add --eval-every N"),
 ])
 def test_bad_arguments_name_the_problem_and_the_fix(capsys, tmp_path, argv, problem):
     code, _, err = _main(capsys, *argv, "--list", "--out", tmp_path)
@@ -393,4 +395,29 @@ def test_select_by_reads_the_test_curve_at_the_step_val_picks(capsys, tmp_path):
                                                                            .read_text())["rows"]}
     assert rows["hstu", "shipped+es", "test"]["metrics"]["hr@10"]["mean"] == pytest.approx(0.31)
     assert rows["hstu", "shipped", "test"]["per_seed"]["0"]["hr@10"] == pytest.approx(0.28)  # the last step's
+    assert "shipped+es" in text
+
+
+def test_one_call_trains_each_test_run_with_its_val_twin_and_builds_the_early_stopped_rows(capsys, tmp_path,
+                                                                                           monkeypatch):
+    """--split test val plans the twins side by side (indices: seed, then split); both train with the split
+    they name, and the call's table has the '+es' row read from the test curve where val's is best."""
+    data, out = write_movielens(tmp_path / "ml"), tmp_path / "out"
+    args = repro.parser().parse_args(["--models", "hstu", "--seeds", "0", "1", "--split", "test", "val"])
+    assert [(r["seed"], r["split"]) for r in repro.plan(args)] == [(0, "test"), (0, "val"), (1, "test"),
+                                                                   (1, "val")]
+    InProcess.launched = []
+    monkeypatch.setattr(repro, "launch", InProcess)
+    code, text, _ = _main(capsys, "--data", data, "--models", "hstu", "--steps", 4, "--eval-every", 2,
+                          "--split", "test", "val", "--select-by", "ndcg@10", *TINY, "--out", out)
+    assert code == 0 and len(InProcess.launched) == 2
+    test, val = (json.loads((out / f"hstu_shipped_{s}_4steps_seed0.json").read_text()) for s in ("test", "val"))
+    assert (test["split"], val["split"]) == ("test", "val")
+    assert "data.eval_split='val'" in val["overrides"] and "data.eval_split='test'" in test["overrides"]
+    assert [p["step"] for p in val["curve"]] == [p["step"] for p in test["curve"]] == [2, 4]
+    rows = {(r["variant"], r["split"]): r for r in json.loads((out / "table.json").read_text())["rows"]}
+    assert set(rows) == {("shipped", "test"), ("shipped", "val"), ("shipped+es", "test")}
+    best = max(val["curve"], key=lambda p: p["ndcg@10"])
+    picked = next(p for p in test["curve"] if p["step"] == best["step"])
+    assert rows["shipped+es", "test"]["metrics"]["hr@10"]["mean"] == pytest.approx(picked["hr@10"])
     assert "shipped+es" in text
