@@ -274,7 +274,10 @@ def load_records(sources: list[Path]) -> list[dict]:
                 raise UsageError(f"--merge: {path} is not JSON ({e}); remove it or fix it") from None
             recs = obj.get("runs", []) if isinstance(obj, dict) and obj.get("kind") == "ml1m-repro-table" else [obj]
             for rec in recs:
-                if isinstance(rec, dict) and rec.get("kind") == RECORD and rec.get("complete"):
+                # an early-stopped record is read from its runs' curves, never from a file (a table.json written
+                # before they were kept apart lists them among its runs)
+                if isinstance(rec, dict) and rec.get("kind") == RECORD and rec.get("complete") \
+                        and "selected_step" not in rec:
                     found.setdefault(json.dumps(rec["key"], sort_keys=True), rec)
     return list(found.values())
 
@@ -448,9 +451,9 @@ def early_stopped(records: list[dict], metric: str) -> list[dict]:
 def merge(sources: list[Path], out: Path, command: str, select: str | None = None) -> tuple[list[dict], str]:
     """Write table.md and table.json into ``out`` from the runs in ``sources``; returns the rows and the text.
     ``select``: also the early-stopped rows (:func:`early_stopped`) by this validation metric."""
-    records = load_records(sources)
-    if select:
-        records = records + early_stopped(records, select)
+    trained = load_records(sources)
+    derived = early_stopped(trained, select) if select else []
+    records = trained + derived
     rows = summarise(records)
     delta_rows = deltas(rows)
     devices = sorted({r["device"] for r in records})
@@ -465,7 +468,8 @@ def merge(sources: list[Path], out: Path, command: str, select: str | None = Non
         "kind": "ml1m-repro-table", "command": command, "sources": [str(s) for s in sources],
         "date": time.strftime("%Y-%m-%d"), "tolerance": TOLERANCE, "limits": LIMITS,
         "paper": {k: dict(zip(METRICS, v, strict=True)) for k, v in PAPER.items()}, "rows": rows,
-        "deltas": delta_rows, "runs": sorted(records, key=lambda r: (r["model"], r["variant"], r["seed"]))})
+        "deltas": delta_rows, "runs": sorted(trained, key=lambda r: (r["model"], r["variant"], r["seed"])),
+        "early_stopped": sorted(derived, key=lambda r: (r["model"], r["variant"], r["seed"]))})
     return rows, text
 
 

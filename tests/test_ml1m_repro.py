@@ -421,3 +421,7 @@ def test_one_call_trains_each_test_run_with_its_val_twin_and_builds_the_early_st
     picked = next(p for p in test["curve"] if p["step"] == best["step"])
     assert rows["shipped+es", "test"]["metrics"]["hr@10"]["mean"] == pytest.approx(picked["hr@10"])
     assert "shipped+es" in text
+    # merged again from that folder (its table.json beside the runs): the early-stopped row once, not twice
+    code, _, _ = _main(capsys, "--merge", out, "--select-by", "ndcg@10", "--out", tmp_path / "again")
+    again = {(r["variant"], r["split"]): r for r in json.loads((tmp_path / "again" / "table.json").read_text())["rows"]}
+    assert code == 0 and again["shipped+es", "test"]["seeds"] == [0]
