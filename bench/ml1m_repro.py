@@ -241,11 +241,18 @@ def train_one(run: dict, out: Path, args, jobs: int) -> dict:
 
 
 def git_commit() -> str | None:
+    """The checkout's commit, with ``+dirty`` when tracked files differ from it (the code that ran is then not
+    that commit's alone); None outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
+    return head + ("+dirty" if dirty else "") if head else None
 
 
 def write_json(path: Path, obj) -> None:

@@ -425,3 +425,21 @@ def test_one_call_trains_each_test_run_with_its_val_twin_and_builds_the_early_st
     code, _, _ = _main(capsys, "--merge", out, "--select-by", "ndcg@10", "--out", tmp_path / "again")
     again = {(r["variant"], r["split"]): r for r in json.loads((tmp_path / "again" / "table.json").read_text())["rows"]}
     assert code == 0 and again["shipped+es", "test"]["seeds"] == [0]
+
+
+def test_a_record_names_its_commit_and_says_when_the_checkout_differs_from_it(tmp_path, monkeypatch):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    monkeypatch.setattr(repro, "ROOT", tmp_path)
+    assert repro.git_commit() is None  # not a checkout
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("1")
+    git("add", "a.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    clean = repro.git_commit()
+    assert clean and "+" not in clean
+    (tmp_path / "b.txt").write_text("untracked files are not the code that ran")
+    assert repro.git_commit() == clean
+    (tmp_path / "a.txt").write_text("2")
+    assert repro.git_commit() == clean + "+dirty"
