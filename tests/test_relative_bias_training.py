@@ -3,7 +3,7 @@ on tiny synthetic jagged batches with timestamps (zero-length sequences included
 computes the bias inside its tiles (``gdpa``, whose CPU path is the C++ ``cpu`` kernel; ``jfa`` for softmax
 attention) and once on the ``reference`` kernel given the bias materialised as a padded ``[B, 1, L, L]`` tensor
 (``materialize_relative_bias``, as a site serves a kernel that declares only ``bias``). The losses of every step
-agree within 1e-4 relative and both bias tables' gradients of every block within 1e-5. The GPU variant runs
+agree within 1e-4 relative and both bias tables' gradients of every block within 1e-4. The GPU variant runs
 gdpa's and jfa's Triton kernels (skipped without CUDA); ``materialize_relative_bias`` itself is checked
 against the per-sequence definition and on the meta device (it reads nothing back from the device)."""
 
@@ -31,7 +31,11 @@ from gemzoo.jagged import lengths_to_offsets
 STEPS = 4
 NUM_ITEMS, MAX_LEN = 30, 12
 LENGTHS = [[0, 7, 1, 12, 0, 5], [3, 0, 0, 12, 9, 2, 0], [12, 11, 0, 4, 1, 6]]  # zero first, inside and last
-LOSS_RTOL, GRAD_RTOL = 1e-4, 1e-5
+# Gradients agree to fp32 rounding at the first step (a few 1e-7); each model then trains on its own, and Adam,
+# which scales every update to about lr whatever the gradient's size, turns rounding-level differences in
+# near-zero gradient entries into lr-sized parameter differences: by step 2 jfa's softmax position_time case
+# measured 5.3e-5 on a 2-core x86 host (1.2e-6 on another). A wrong bias is off by order one.
+LOSS_RTOL, GRAD_RTOL = 1e-4, 1e-4
 
 # the reference oracle serving the bias only materialised: the site builds the padded tensor for it
 MATERIALISED = FunctionKernel(reference_attention, dataclasses.replace(REFERENCE_CAPABILITIES, relative_bias=False),
