@@ -129,13 +129,15 @@ def test_positions_count_from_the_window_start(tmp_path):
 
 # -- negatives -----------------------------------------------------------------------------------------
 def _drawn_negatives(model, batch):
+    """The per-position [P, k] draw of one forward."""
     seen = []
-    hook = model.item_emb.register_forward_hook(lambda m, args, out: seen.append(args[0].clone()))
+    score = model.negative_logits
+    model.negative_logits = lambda user, negatives: seen.append(negatives.clone()) or score(user, negatives)
     try:
         model(batch)
     finally:
-        hook.remove()
-    return next(ids for ids in seen if ids.dim() == 2)  # the per-position [P, k] draw
+        del model.negative_logits
+    return seen[0]
 
 
 def test_redrawn_negatives_never_equal_the_target_and_cover_the_rest(tmp_path):
@@ -172,6 +174,29 @@ def test_loss_is_cosine_over_temperature_with_drawn_targets_masked(tmp_path):
         negs = torch.einsum("pd,pkd->pk", user, items[neg]).masked_fill(neg == target.unsqueeze(1), -math.inf)
         want = -torch.log_softmax(torch.cat([pos, negs], 1) / 0.07, 1)[:, 0].mean()
     assert float(loss) == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.parametrize("items,k", [(6, 16), (40, 2)])  # 6 <= 16·d: every item scored; 40 > 2·d: gathered
+def test_negative_logits_equal_the_gathered_cosines_with_their_gradients(tmp_path, items, k):
+    """Whichever way negative_logits takes (every item scored then picked, or the k embeddings gathered), the
+    cosines and the gradients reaching the user vectors and the item table are those of the gather."""
+    ds = MovieLensDataset(MovieLensConfig(path=str(write_ml(tmp_path, items=items)), batch_size=4, max_len=8))
+    model = build("hstu", ds.info, negatives="per_position", num_negatives=k)
+    d = model.item_emb.weight.shape[1]
+    assert (ds.info["num_items"] <= k * d) == (items == 6)
+    gen = torch.Generator().manual_seed(0)
+    user = F.normalize(torch.randn(9, d, generator=gen), dim=-1).requires_grad_()
+    negatives = torch.randint(ds.info["num_items"], (9, k), generator=gen)
+    weight = torch.randn(9, k, generator=gen)
+    got = model.negative_logits(user, negatives)
+    (got * weight).sum().backward()
+    got_user, got_table = user.grad.clone(), model.item_emb.weight.grad.clone()
+    user.grad, model.item_emb.weight.grad = None, None
+    want = torch.einsum("pd,pkd->pk", user, F.normalize(model.item_emb(negatives), dim=-1))
+    (want * weight).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_user, user.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_table, model.item_emb.weight.grad, rtol=1e-5, atol=1e-5)  # fp32 sum order
 
 
 # -- relative attention bias -------------------------------------------------------------------------
