@@ -45,6 +45,9 @@ class RunConfig:
     # blocks share one compiled graph, so compile time does not grow with depth); "model" the whole forward
     compile_scope: str = bounded("blocks", choices=("blocks", "model"))
     peak_tflops: float | None = bounded(None, min=1e-9)  # overrides the device table for MFU
+    # torch.set_float32_matmul_precision for the run: "highest" (torch's default) multiplies fp32 in full fp32,
+    # "high" in TF32 (GPU), in torch's matmuls, Inductor's kernels and gemzoo's attention kernels alike
+    matmul_precision: str = bounded("highest", choices=("highest", "high", "medium"))
     # several ranks: "fsdp" shards transformer blocks (FSDP2), "ddp" replicates them
     dense_parallel: str = bounded("fsdp", choices=("fsdp", "ddp"))
     # 3D dense layout, e.g. {replicate = 2, shard = 2, tp = 2}: HSDP (FSDP2 over shard, replicated over replicate)

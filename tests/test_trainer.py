@@ -308,3 +308,15 @@ def test_regional_compile_shares_one_graph_across_blocks(tmp_path):
         "run.steps=2", "eval.every=0", "checkpoint.every=0", "model.num_layers=1", "run.device=cpu",
         f"run.out_dir='{tmp_path / 'eager'}'"])
     assert loss1 == pytest.approx(train(eager, progress=False).final_loss, rel=1e-5)
+
+
+def test_a_run_sets_its_fp32_matmul_precision(toy, tmp_path):
+    """run.matmul_precision reaches torch (and through it gemzoo's Triton kernels, whose fp32 dots follow it)."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        train(_cfg(tmp_path, run={"steps": 2, "matmul_precision": "high"}), progress=False)
+        assert torch.get_float32_matmul_precision() == "high"
+        train(_cfg(tmp_path / "b", run={"steps": 2}), progress=False)
+        assert torch.get_float32_matmul_precision() == "highest"  # the default, torch's own
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -24,7 +24,8 @@ from gemzoo.errors import JaggedShapeError, PluginError
 from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionRequest, RelativeAttentionBias
 from gemzoo.jagged import lengths_to_offsets, max_length
 
-# bf16/fp16 kernels land under 1e-2 (docs/benchmarks.md); fp32 kernels may use tf32 dots on GPU.
+# bf16/fp16 kernels land under 1e-2 (docs/benchmarks.md); fp32 kernels may use TF32 dots on GPU under
+# torch.set_float32_matmul_precision("high").
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 

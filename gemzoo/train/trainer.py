@@ -202,6 +202,7 @@ class Trainer(StepLoop):
         run_folder.check_run_folder(self.out_dir, resume=bool(self.resume), overwrite=self.overwrite)
         self.hook.gemzoo_configure(config=cfg)
         torch.manual_seed(cfg.run.seed)
+        torch.set_float32_matmul_precision(cfg.run.matmul_precision)
 
         # 2. Distributed init through the comms backend; the DeviceMesh with the planner's dims (+ dense dp), and
         #    with run.mesh the dense (replicate, shard, tp) mesh of HSDP and tensor parallelism.

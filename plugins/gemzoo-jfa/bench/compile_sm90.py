@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-from gemzoo_jfa import kernels  # noqa: E402
+from gemzoo_jfa import family, kernels  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -146,6 +146,22 @@ def variants() -> dict:
     out["fp8 quantize G128"] = (kernels.quant_fp8_kernel, {"H": 4, "D": 128, "BD": 128, "G": 128, "EXACT": False},
                                 8, 1, {}, {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "OFF": "*i64",
                                            "ITEMS": "*i32", "T": "i32"})
+    # fp32 operands with each dot precision (DOT) on family.default_configs' tiles: "ieee" compiles the dots to
+    # FMA (HSTU's head dim 50 in 64-wide tiles, and D = 128; SiLU), "tf32" to tf32 wgmma (the fp32 defaults)
+    f32 = {name: "*fp32" for name in ("Q", "K", "V", "O", "DO", "DK", "DV_", "DQ", "KD", "VD", "QD", "DOD")}
+    for d, bd in ((50, 64), (128, 128)):
+        c = {**base, "D": d, "DV": d, "BD": bd, "BDV": bd, "ACT": 1, "USE_TMA": False, "DOT": "ieee"}
+        tiles = family.default_configs(d, "cuda", 4, ieee=True)
+        for kind, fn, extra in (("fwd", fwd, {"SPLIT": False}), ("dkdv", dkdv, {}), ("dq", dq, {"SPLIT": False})):
+            t = tiles.of(kind)
+            out[f"fp32 ieee D{d} {kind} ptr"] = (fn, {**c, **extra, "BM": t.block_m, "BN": t.block_n}, t.num_warps,
+                                                 t.num_stages, {}, f32)
+    c = {**base, "D": 50, "DV": 50, "BD": 64, "BDV": 64, "ACT": 1, "USE_TMA": False, "DOT": "tf32"}
+    tiles = family.default_configs(50, "cuda", 4)
+    for kind, fn, extra in (("fwd", fwd, {"SPLIT": False}), ("dkdv", dkdv, {}), ("dq", dq, {"SPLIT": False})):
+        t = tiles.of(kind)
+        out[f"fp32 tf32 D50 {kind} ptr"] = (fn, {**c, **extra, "BM": t.block_m, "BN": t.block_n}, t.num_warps,
+                                            t.num_stages, {}, f32)
     out.update(d256_variants())
     return out
 

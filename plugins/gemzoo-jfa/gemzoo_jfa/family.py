@@ -74,12 +74,19 @@ class Configs:
         return self.dkdv if c is None else c
 
 
-def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2) -> Configs:
+def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2, ieee: bool = False) -> Configs:
     """Block shapes per head dim and element size. H100/H200 picks from the sweeps in bench/ (bf16, D=128);
-    fp32 tiles are halved so shared memory fits (checked with ptxas for sm_90); tiny ones for the interpreter."""
+    fp32 tiles are halved so shared memory fits (checked with ptxas for sm_90); tiny ones for the interpreter.
+    ``ieee``: fp32 dots in full fp32 (``_dot_precision``), which run on the FMA units and hold their products in
+    registers: 32 x 32 tiles (dk/dv 16 x 16 above D = 64), the shapes that compile for sm_90 with (almost) no
+    spills (compile_sm90.py "fp32 ieee"; 64 x 64 spilled 2 to 90 KB a thread)."""
     if device_type != "cuda":
         c = KernelConfig(16, 16, 1, 1)
         return Configs(c, c, c)
+    if ieee and head_dim <= 128:
+        small = KernelConfig(32, 32, 4, 2, tma=False)
+        dkdv = KernelConfig(32, 32, 8, 2, tma=False) if head_dim <= 64 else KernelConfig(16, 16, 4, 2, tma=False)
+        return Configs(small, dkdv, small)
     if elem_bytes >= 4:
         if head_dim <= 128:
             return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 4, 2))
@@ -261,7 +268,7 @@ def _desc(t: torch.Tensor, rows: int):
 def _configs(q: torch.Tensor, options: KernelOptions) -> Configs:
     if options.configs is not None:
         return options.configs
-    return default_configs(q.shape[-1], q.device.type, q.element_size())
+    return default_configs(q.shape[-1], q.device.type, q.element_size(), ieee=_dot_precision(q) == "ieee")
 
 
 def _pow2(n: int) -> int:
@@ -450,14 +457,14 @@ def launch_fwd(q, k, v, q_offsets, k_offsets, causal, scale, window, out, lse, a
     bd = max(_pow2(q.shape[2]), 32) if fp8 else _pow2(q.shape[2])  # an e4m3 dot contracts over >= 32
     key = ("fwd", qx.shape, qx.stride(), kx.shape, kx.stride(), vx.shape, vx.stride(), qx.dtype, vx.dtype, out.shape,
            out.stride(), out.dtype, q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta,
-           tma)
+           tma, _dot_precision(q))
     launches = _plan(q_offsets, k_offsets, key, options, lambda: [
         _Launch((cap * q.shape[1],), items, split_n, rows, (
             cap, q.shape[0], _act_scale(activation, scale), inv_norm, max(window, 0), split_n, qx.stride(0),
             qx.stride(1), kx.stride(0), kx.stride(1), *v_strides, target.stride(0), target.stride(1)), dict(
             H=q.shape[1], GROUP=_group(q, k), D=q.shape[2], DV=v.shape[2], BD=bd, BDV=_pow2(v.shape[2]),
             BM=bm, BN=cfg.block_n, CAUSAL=causal, WINDOWED=window >= 0, UPCAST=q.device.type != "cuda",
-            USE_TMA=use_tma, ACT=activation, SPLIT=split_n > 0, num_warps=_warps(cfg, bm),
+            USE_TMA=use_tma, ACT=activation, SPLIT=split_n > 0, DOT=_dot_precision(q), num_warps=_warps(cfg, bm),
             num_stages=cfg.num_stages, **_block_rope(block, rope_theta, q.shape[2])))
         for cfg, items, bm, split_n, target, rows, use_tma, cap in _q_launches(q, k, out, q_offsets, k_offsets,
                                                                               "fwd", causal, window, activation,
@@ -712,6 +719,13 @@ def _launch_preprocess(out, do):
     return delta
 
 
+def _dot_precision(q: torch.Tensor) -> str:
+    """The kernels' dot precision (their ``DOT``) for operands of q's dtype: fp32 operands multiply in full fp32
+    ("ieee") under torch's default ``float32_matmul_precision`` ("highest"), and in TF32 under "high" or "medium",
+    as torch.matmul and Inductor's templates do. Other dtypes ignore it ("tf32", Triton's default)."""
+    return "ieee" if q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
 def _group(q: torch.Tensor, kv: torch.Tensor) -> int:
     """Query heads per k/v head (grouped-query attention; 1 for multi-head): q head h reads k/v head h // group."""
     return q.shape[1] // max(kv.shape[1], 1)
@@ -720,7 +734,7 @@ def _group(q: torch.Tensor, kv: torch.Tensor) -> int:
 def _common(q, v, causal, window, activation):
     d, dv = q.shape[2], v.shape[2]
     return dict(H=q.shape[1], GROUP=_group(q, v), D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), CAUSAL=causal, WINDOWED=window >= 0,
-                UPCAST=q.device.type != "cuda", ACT=activation)
+                UPCAST=q.device.type != "cuda", ACT=activation, DOT=_dot_precision(q))
 
 
 def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, window, dk, dv_, activation, inv_norm,
@@ -753,7 +767,8 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
         return launches
 
     key = (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.stride(), dk.stride(),
-           dv_.stride(), q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta, tma)
+           dv_.stride(), q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta, tma,
+           _dot_precision(q))
     fused = {} if dq_acc is None else dict(DQACC=dq_acc, stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1),
                                            FUSED_DQ=True)
     for launch in _plan(q_offsets, k_offsets, key, options, build):
@@ -771,7 +786,7 @@ def _launch_dq(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, win
     q_offsets, k_offsets = _offsets(q_offsets), _offsets(k_offsets)
     tma = rope_theta <= 0 and _tma_ok(k, v, tma=options.tma, causal=causal, pointwise=activation != 0)
     key = ("dq", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.stride(), dq.shape, dq.stride(), dq.dtype,
-           q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta, tma)
+           q.dtype, q.device, causal, scale, window, activation, inv_norm, block, rope_theta, tma, _dot_precision(q))
     launches = _plan(q_offsets, k_offsets, key, options, lambda: [
         _Launch((cap * q.shape[1],), items, split_n, rows, (
             cap, q.shape[0], _act_scale(activation, scale), scale * (1.0 if activation == 0 else inv_norm),

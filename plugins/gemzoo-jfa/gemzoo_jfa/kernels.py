@@ -37,6 +37,10 @@ Softmax adds it times log2(e) (its scores are base 2). The dk/dv kernel also add
 into row ``pid % rb_slots`` of an fp32 [slots, P + NB + 1] buffer (``RB_GRAD``), one row per program up
 to the slot count, which the launcher sums over rows: no table-wide atomics across programs.
 
+DOT (constexpr) is the input precision of the dots on fp32 operands: "ieee" (full fp32) or "tf32", chosen by
+the launcher from ``torch.get_float32_matmul_precision()`` as torch.matmul chooses ("highest": ieee). 16-bit
+and e4m3 operands ignore it.
+
 UPCAST converts loaded tiles to fp32 before any arithmetic: the Triton interpreter gets bf16 wrong.
 With TMA, rows past a sequence's end belong to the next sequence; boundary blocks zero them, so a NaN
 there never reaches this sequence (0 * NaN would).
@@ -487,7 +491,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
                USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr,
                RB_POS, RB_TW, rb_qt, RB_KT, rb_k0, n_pos, n_tw, rb_div, REL: tl.constexpr,
-               FP8: tl.constexpr = 0, q_s=None, ks_base=None, vs_base=None, stride_vd=1):
+               FP8: tl.constexpr = 0, q_s=None, ks_base=None, vs_base=None, stride_vd=1, DOT: tl.constexpr = "tf32"):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
@@ -500,7 +504,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
             if not ROPE:  # the rotated keys come in q's dtype already
                 if UPCAST:
                     kt = kt.to(tl.float32)
-            qk = tl.dot(q, kt) * qk_scale
+            qk = tl.dot(q, kt, input_precision=DOT) * qk_scale
         if REL > 0:
             pidx, tidx = _rel_slots(rows[:, None] + shift - cols[None, :], rb_qt[:, None],
                                     _rel_times(RB_KT, rb_k0, cols, Lk, REL)[None, :], n_pos, n_tw, rb_div, REL, not UPCAST)
@@ -534,9 +538,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, en
             vv = _load_kv_t(v_base, n, stride_vt, offs_n, offs_dv, VD, k_row0, h, Lk, DV, BDV, BN, MASKED, USE_TMA,
                             False)
             if UPCAST:
-                acc = tl.dot(p, vv.to(tl.float32), acc)
+                acc = tl.dot(p, vv.to(tl.float32), acc, input_precision=DOT)
             else:
-                acc = tl.dot(p.to(vv.dtype), vv, acc)
+                acc = tl.dot(p.to(vv.dtype), vv, acc, input_precision=DOT)
     return acc, l_i, m_i
 
 
@@ -549,7 +553,8 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
                     ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
                     BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False, RB_POS=None, RB_TW=None, RB_QT=None,
                     RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0, GROUP: tl.constexpr = 1,
-                    FP8: tl.constexpr = 0, QS=None, KS=None, VS=None, Tk=0, stride_vd=1):
+                    FP8: tl.constexpr = 0, QS=None, KS=None, VS=None, Tk=0, stride_vd=1,
+                    DOT: tl.constexpr = "tf32"):
     """Forward. Softmax writes O and LSE; pointwise writes O (or, with SPLIT, adds to fp32 O). REL > 0 adds
     the relative bias of the tables RB_POS [n_pos] and RB_TW [n_tw] (timestamps RB_QT [Tq], RB_KT [Tk]).
     One program per query head h, reading k/v head h // GROUP.
@@ -600,17 +605,17 @@ def attn_fwd_kernel(Q, K, V, O, LSE, QOFF, KOFF, ITEMS, KD, VD, n_items_cap, Tq,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD,
                                BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE,
                                RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL, FP8, q_s, ks_base,
-                               vs_base, stride_vd)
+                               vs_base, stride_vd, DOT=DOT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows,
                                Lk, shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV,
                                BD, BDV, BN, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED,
                                ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL, FP8, q_s, ks_base,
-                               vs_base, stride_vd)
+                               vs_base, stride_vd, DOT=DOT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk,
                                shift, window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD,
                                BDV, BN, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE,
                                RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos, n_tw, rb_div, REL, FP8, q_s, ks_base,
-                               vs_base, stride_vd)
+                               vs_base, stride_vd, DOT=DOT)
 
     o_ptrs = O + (q_start + m_lo) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
     o_mask = (rows[:, None] < Lq) & (offs_dv[None, :] < DV)
@@ -653,7 +658,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
                 USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr,
                 FUSED_DQ: tl.constexpr, RB_POS, RB_TW, rb_kt, RB_QT, rb_q0, n_pos, n_tw, rb_div, rb_grad, kvalid,
-                REL: tl.constexpr):
+                REL: tl.constexpr, DOT: tl.constexpr = "tf32"):
     for m in range(start, end, BM):
         m = tl.multiple_of(m, BM)
         rows = m + offs_m
@@ -664,7 +669,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
         if UPCAST:
             qt = qt.to(tl.float32)
             do = do.to(tl.float32)
-        qkt = tl.dot(k, qt)  # [BN, BM]
+        qkt = tl.dot(k, qt, input_precision=DOT)  # [BN, BM]
         st = qkt * qk_scale
         if REL > 0:
             pidx, tidx = _rel_slots(rows[None, :] + shift - cols[:, None],
@@ -690,15 +695,15 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             pt = tl.math.exp2(st - lse[None, :])
             if MASKED:
                 pt = tl.where(ok, pt, 0.0)
-            dv = tl.dot(pt.to(do.dtype), do, dv)
-            dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT)  # [BN, BM]
             dst = pt * (dpt - delta[None, :])
         else:
             pt, gt = _act_fwd_grad(st, ACT, not UPCAST)
             if MASKED:
                 pt = tl.where(ok, pt, 0.0)
-            dv = tl.dot(pt.to(do.dtype), do, dv)
-            dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT)  # [BN, BM]
             dst = dpt * gt
             if MASKED:
                 dst = tl.where(ok, dst, 0.0)
@@ -707,9 +712,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, 
             if MASKED:
                 okg = okg & ok
             _rel_grad(rb_grad, dst, okg, pidx, tidx, n_pos, REL)
-        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT)
         if FUSED_DQ:  # this key block's share of dQ, added in fp32 (the launcher scales it): 5 matmuls, not 7
-            dq_part = tl.dot(tl.trans(dst).to(k.dtype), k)  # [BM, BD]
+            dq_part = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT)  # [BM, BD]
             if ROPE:
                 _rope_store(dq_base + m.to(tl.int64) * stride_dqt, offs_m, stride_dqt, rows, Lq, rows + shift, rope_c,
                             dq_part, D, BD, BM, True, UPCAST)
@@ -726,7 +731,8 @@ def _dkdv_q_head(dk, dv, k, v, h, Q, DO, LSE, DELTA, DQACC, DK, stride_qt, strid
                  D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                  ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr, FUSED_DQ: tl.constexpr,
-                 RB_POS, RB_TW, rb_kt, RB_QT, n_pos, n_tw, rb_div, rb_grad, kvalid, REL: tl.constexpr):
+                 RB_POS, RB_TW, rb_kt, RB_QT, n_pos, n_tw, rb_div, rb_grad, kvalid, REL: tl.constexpr,
+                 DOT: tl.constexpr = "tf32"):
     """Add query head ``h``'s share to the dK, dV accumulators of one key block: its queries that see the block,
     as masked [lo, full_lo), fully allowed [full_lo, full_hi) and masked [full_hi, hi) query blocks."""
     q_base = Q + q_start * stride_qt + h * stride_qh
@@ -740,17 +746,17 @@ def _dkdv_q_head(dk, dv, k, v, h, Q, DO, LSE, DELTA, DQACC, DK, stride_qt, strid
                          cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
                          stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
                          BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div, rb_grad,
-                         kvalid, REL)
+                         kvalid, REL, DOT=DOT)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_lo,
                          full_hi, cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h,
                          dq_base, stride_dqt, D, DV, BD, BDV, BM, False, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block,
                          rope_c, BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div,
-                         rb_grad, kvalid, REL)
+                         rb_grad, kvalid, REL, DOT=DOT)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, full_hi, hi,
                          cols, Lq, shift, window, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, h, dq_base,
                          stride_dqt, D, DV, BD, BDV, BM, True, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c,
                          BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, q_start, n_pos, n_tw, rb_div, rb_grad,
-                         kvalid, REL)
+                         kvalid, REL, DOT=DOT)
     return dk, dv
 
 
@@ -765,7 +771,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
                          ROPE: tl.constexpr = False, DQACC=None, stride_dqt=0, stride_dqh=0,
                          FUSED_DQ: tl.constexpr = False, RB_POS=None, RB_TW=None, RB_QT=None, RB_KT=None, n_pos=1,
                          n_tw=1, rb_div=1.0, RB_GRAD=None, rb_slots=1, rb_width=1, REL: tl.constexpr = 0,
-                         GROUP: tl.constexpr = 1):
+                         GROUP: tl.constexpr = 1, DOT: tl.constexpr = "tf32"):
     """dK, dV of one key block of one k/v head, looping over the GROUP query heads that read it and, for each,
     over the queries that see the block (no atomics). With FUSED_DQ also this block's share of dQ, added
     atomically to the fp32 ``DQACC`` [Tq, H, D] (unscaled, so no dq kernel runs). With REL > 0 the relative
@@ -807,7 +813,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
                               stride_doh, stride_dqt, stride_dqh, Tq, q_start, Lq, shift, window, lo, full_lo, full_hi,
                               hi, cols, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, D, DV, BD, BDV, BM, CAUSAL,
                               WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, FUSED_DQ, RB_POS, RB_TW,
-                              rb_kt, RB_QT, n_pos, n_tw, rb_div, rb_grad, cols < Lk, REL)
+                              rb_kt, RB_QT, n_pos, n_tw, rb_div, rb_grad, cols < Lk, REL, DOT=DOT)
     else:
         for g in range(GROUP):  # the query heads of this k/v head's group, summed in registers
             dk, dv = _dkdv_q_head(dk, dv, k, v, hk * GROUP + g, Q, DO, LSE, DELTA, DQACC, DK, stride_qt, stride_qh,
@@ -815,7 +821,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, QOFF, KOFF, ITEMS, QD
                                   full_lo, full_hi, hi, cols, qk_scale, offs_m, offs_d, offs_dv, QD, DOD, q_row0, D,
                                   DV, BD, BDV, BM, CAUSAL, WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED,
                                   ROPE, FUSED_DQ, RB_POS, RB_TW, rb_kt, RB_QT, n_pos, n_tw, rb_div, rb_grad, cols < Lk,
-                                  REL)
+                                  REL, DOT=DOT)
     dk = dk * dk_scale
     dv = dv * dv_scale
     if ROPE:
@@ -834,7 +840,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, UPCAST: tl.constexpr,
               USE_TMA: tl.constexpr, ACT: tl.constexpr, block, rope_c, BLOCKED: tl.constexpr, ROPE: tl.constexpr,
-              RB_POS, RB_TW, rb_qt, RB_KT, rb_k0, n_pos, n_tw, rb_div, REL: tl.constexpr):
+              RB_POS, RB_TW, rb_qt, RB_KT, rb_k0, n_pos, n_tw, rb_div, REL: tl.constexpr,
+              DOT: tl.constexpr = "tf32"):
     for n in range(start, end, BN):
         n = tl.multiple_of(n, BN)
         cols = n + offs_n
@@ -844,8 +851,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        qk = tl.dot(q, kt)
-        dp = tl.dot(do, vt)
+        qk = tl.dot(q, kt, input_precision=DOT)
+        dp = tl.dot(do, vt, input_precision=DOT)
         s = qk * qk_scale
         if REL > 0:
             pidx, tidx = _rel_slots(rows[:, None] + shift - cols[None, :], rb_qt[:, None],
@@ -862,7 +869,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, start
             ds = dp * g
             if MASKED:
                 ds = tl.where(_allowed(rows, cols, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED), ds, 0.0)
-        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT)
     return dq
 
 
@@ -877,7 +884,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
                        ACT: tl.constexpr = 0, SPLIT: tl.constexpr = False, block=1, rope_c=0.0,
                        BLOCKED: tl.constexpr = False, ROPE: tl.constexpr = False, RB_POS=None, RB_TW=None,
                        RB_QT=None, RB_KT=None, n_pos=1, n_tw=1, rb_div=1.0, REL: tl.constexpr = 0,
-                       GROUP: tl.constexpr = 1):
+                       GROUP: tl.constexpr = 1, DOT: tl.constexpr = "tf32"):
     """dQ of one query block, looping over its keys (with SPLIT: one key split, added to fp32 dQ); REL > 0
     recomputes the scores with the relative bias (its table gradients come from the dk/dv kernel). One
     program per query head h, reading k/v head h // GROUP."""
@@ -918,15 +925,15 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QOFF, KOFF, ITEMS, KD, VD, n
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, full_lo, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
                    UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos,
-                   n_tw, rb_div, REL)
+                   n_tw, rb_div, REL, DOT=DOT)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, rows, Lk, shift,
                    window, qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD, BDV, BN, False, CAUSAL,
                    WINDOWED, UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start,
-                   n_pos, n_tw, rb_div, REL)
+                   n_pos, n_tw, rb_div, REL, DOT=DOT)
     dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi, rows, Lk, shift, window,
                    qk_scale, offs_n, offs_d, offs_dv, KD, VD, k_row0, hk, D, DV, BD, BDV, BN, True, CAUSAL, WINDOWED,
                    UPCAST, USE_TMA, ACT, block, rope_c, BLOCKED, ROPE, RB_POS, RB_TW, rb_qt, RB_KT, k_start, n_pos,
-                   n_tw, rb_div, REL)
+                   n_tw, rb_div, REL, DOT=DOT)
     dq = tl.where(_has_key(rows, Lk, shift, window, CAUSAL, WINDOWED, block, BLOCKED)[:, None], dq * dq_scale, 0.0)
     dq_ptrs = DQ + (q_start + m_lo) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
     dq_mask = rmask[:, None] & (offs_d[None, :] < D)

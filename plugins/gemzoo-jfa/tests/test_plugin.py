@@ -164,7 +164,7 @@ def test_a_short_softmax_batch_loads_its_long_sequences_through_pointers(monkeyp
 
     monkeypatch.setattr(family, "default_buckets", lambda *a: family.short_buckets(128, "cuda", 2))
     big = family.KernelConfig(128, 128, 8, 3)
-    monkeypatch.setattr(family, "default_configs", lambda *a: family.Configs(big, big, big))
+    monkeypatch.setattr(family, "default_configs", lambda *a, **kw: family.Configs(big, big, big))
     q = torch.empty(300, 4, 128, dtype=torch.bfloat16, device="meta")
     softmax = family.length_buckets(q, q, 10, "fwd")
     assert [c.tma for c, _ in softmax] == [False, False, False]  # both buckets and the main tiles
@@ -209,7 +209,7 @@ def test_schedule_is_built_once_per_offsets_and_rebuilt_when_they_change():
 
 HOPPER_VARIANTS = ["bucket64 fwd tma w8", "default dkdv tma (reference)", "fused-dq dkdv tma BM32 BN128 w8 s3",
                    "fp8 qk fwd tma BM128 BN128 w8 s3", "fp8 qkv fwd tma BM128 BN64 w8 s3", "fp8 qkv fwd ptr D16 BM64 BN64 w4 s1",
-                   "fp8 quantize G128"]
+                   "fp8 quantize G128", "fp32 ieee D50 dkdv ptr", "fp32 tf32 D50 dkdv ptr"]
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +244,9 @@ def test_kernel_variants_compile_for_hopper_offline(variant, hopper_compiles):
     if "fwd" in variant and variant.startswith("fp8"):  # QK^T (and, with qkv, P V) as e4m3 wgmma
         assert any(w.endswith("e4m3.e4m3") for w in res["wgmma"]), res
         assert ("qkv" not in variant) == any(w.endswith("bf16.bf16") for w in res["wgmma"]), res
+    if variant.startswith("fp32"):  # full-fp32 dots run on the FMA units, TF32 ones as tf32 wgmma
+        assert bool(res["wgmma"]) == ("tf32" in variant), res
+        assert "ieee" not in variant or res["spill_bytes"] == 0, res  # its small tiles fit the registers
 
 
 class _NoLaunch:
@@ -405,3 +408,23 @@ def test_planned_strides_of_a_split_buffer_match_torch(shape):
 
     assert family._Strides(shape).stride() == torch.empty(shape, dtype=torch.float32).stride()
     assert family._Strides(shape).stride(1) == torch.empty(shape).stride(1)
+
+
+@pytest.mark.parametrize("precision,dtype,dot", [("highest", torch.float32, "ieee"), ("high", torch.float32, "tf32"),
+                                                 ("medium", torch.float32, "tf32"),
+                                                 ("highest", torch.bfloat16, "tf32")])
+def test_fp32_dots_follow_torchs_matmul_precision(precision, dtype, dot):
+    """fp32 q multiplies in full fp32 under "highest" (torch's default) on FMA-sized tiles, in TF32 otherwise;
+    16-bit operands keep Triton's default and their tiles."""
+    from gemzoo_jfa import family
+
+    q = torch.empty(64, 2, 64, dtype=dtype, device="meta")
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        assert family._dot_precision(q) == dot
+    finally:
+        torch.set_float32_matmul_precision(before)
+    ieee = family.default_configs(64, "cuda", 4, ieee=True)
+    assert max(ieee.fwd.block_m, ieee.fwd.block_n, ieee.dkdv.block_m, ieee.dq.block_n) <= 32
+    assert family.default_configs(64, "cuda", 2, ieee=False).fwd.block_m == 128
