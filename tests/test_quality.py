@@ -371,9 +371,9 @@ def test_optim_betas_reach_adamw(tmp_path):
         assert build_optimizers(torch.nn.Linear(2, 2).cuda(), cfg)["dense"].defaults["fused"] is True
 
 
-def _train_first_losses(tmp_path, plugins: str | None) -> tuple[list[float], dict[str, str]]:
-    """The first 3 logged losses of configs/hstu-ml1m.toml on synthetic MovieLens files (CPU, fp32), and the
-    kernel each attention site ran."""
+def _train_first_losses(tmp_path, plugins: str | None, device: str = "cpu") -> tuple[list[float], dict[str, str]]:
+    """The first 3 logged losses of configs/hstu-ml1m.toml on synthetic MovieLens files (fp32, full-fp32
+    matmuls), and the kernel each attention site ran."""
     from gemzoo import registry
     from gemzoo.train.trainer import train
 
@@ -389,8 +389,9 @@ def _train_first_losses(tmp_path, plugins: str | None) -> tuple[list[float], dic
     registry.host().register(plugin, name=f"capture-hstu-{len(registry.host().pm.get_plugins())}")
     try:
         cfg = load_config(ROOT / "configs" / "hstu-ml1m.toml", plugins=plugins, overrides=[
-            f"data.path='{data}'", "run.device='cpu'", "run.steps=3", "run.log_every=1", "data.batch_size=8",
-            f"run.out_dir='{tmp_path / (plugins or 'own')}'", "eval.every=0", "checkpoint.every=0"])
+            f"data.path='{data}'", f"run.device='{device}'", "run.steps=3", "run.log_every=1", "data.batch_size=8",
+            "run.matmul_precision='highest'", f"run.out_dir='{tmp_path / (plugins or 'own')}'", "eval.every=0",
+            "checkpoint.every=0"])
         result = train(cfg, progress=False)
     finally:
         registry.host().pm.unregister(plugin)
@@ -398,16 +399,26 @@ def _train_first_losses(tmp_path, plugins: str | None) -> tuple[list[float], dic
     return [h["loss"] for h in result.history], kernels
 
 
-def test_hstu_ml1m_trains_on_the_fused_relative_bias(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_hstu_ml1m_trains_on_the_fused_relative_bias(tmp_path, device):
     """configs/hstu-ml1m.toml with its own plugins trains on a kernel that computes the relative bias in its tiles
-    (gdpa; on CPU its fallback, the C++ cpu kernel), never a padded or reference one, and its first losses are
-    those of --plugins reference."""
-    fused, kernels = _train_first_losses(tmp_path, None)
+    (gdpa: its Triton kernels on CUDA, on CPU its fallback, the C++ cpu kernel), never a padded or reference one,
+    and its first losses are those of --plugins reference within 1e-4 in fp32."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        _check_fused_against_reference(tmp_path, device)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _check_fused_against_reference(tmp_path, device):
+    fused, kernels = _train_first_losses(tmp_path, None, device)
     assert kernels and not set(kernels.values()) & {"sdpa-padded", "reference", "flex"}, kernels
     for site in kernels:
         kernel = gemzoo.registry.get("attention", kernels[site])
         assert kernel.capabilities.relative_bias, (site, kernels[site])
-    reference, ref_kernels = _train_first_losses(tmp_path, "reference")
+    reference, ref_kernels = _train_first_losses(tmp_path, "reference", device)
     assert set(ref_kernels.values()) == {"reference"}
     assert len(fused) == len(reference) == 3
     assert fused == pytest.approx(reference, rel=1e-4)
