@@ -40,6 +40,11 @@ RESULTS: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry r
 TOKENS = 65536 if CUDA else 256
 SIZES = [(1024, 4096), (2048, 8192)] if CUDA else [(64, 128)]
 CAST_SHAPE = (65536, 4096) if CUDA else (64, 128)
+# fp8-tensorwise activations of gem-1b: about 107K tokens a batch, d_model 2560 and FFN 10240
+TENSORWISE_SHAPES = [(107520, 2560), (107520, 10240)] if CUDA else [(50, 96)]
+TENSORWISE_CONFIGS = ([{"BR": 64, "BC": 128, "num_warps": 8}, {"BR": 64, "BC": 64, "num_warps": 4},
+                       {"BR": 128, "BC": 64, "num_warps": 8}, {"BR": 32, "BC": 128, "num_warps": 4},
+                       {"BR": 128, "BC": 128, "num_warps": 8}] if CUDA else [None])
 
 
 BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "1e9"))  # skip what is left once this is spent
@@ -341,6 +346,42 @@ def bench_casts():
     save()
 
 
+@guarded("tensorwise cast bench")
+def bench_tensorwise_casts():
+    """fp8-tensorwise: one activation cast as its linear casts it (amax, scale, e4m3 row-major and transposed along
+    the tokens padded to 16). The Triton cast (the amax compiled by Inductor, then one pass writing both layouts)
+    against the whole cast compiled by Inductor, checked bit-identical first. TB/s counts 6 bytes an element: the
+    amax's read, the cast's read and the two fp8 writes."""
+    from gemzoo_mxfp8.tensorwise import E4M3, quantize_tensorwise, tensor_scale
+
+    inductor = torch.compile(quantize_tensorwise, dynamic=True)
+    scale_of = torch.compile(tensor_scale, dynamic=True)
+    res = {}
+    for r, c in TENSORWISE_SHAPES:
+        x = torch.randn(r, c, device=DEV, dtype=torch.bfloat16)
+        x[7, 3] = 3000.0  # an outlier sets the scale, as activations have
+        nbytes = 6 * r * c
+        row, col, inv = inductor(x, E4M3, True, True, 16, False)
+        entry = {"inductor": {"ms": bench(lambda x=x: inductor(x, E4M3, True, True, 16, False))},
+                 "amax only": {"ms": bench(lambda x=x: scale_of(x))}}
+        for cfg in TENSORWISE_CONFIGS:
+            try:
+                q, qt = tk.tensorwise_cast(x, scale_of(x), row=True, col=True, pad_to=16, config=cfg)
+                exact = bool(torch.equal(bits(q), bits(row)) and torch.equal(bits(qt), bits(col)))
+                ms = bench(lambda x=x, cfg=cfg: tk.tensorwise_cast(x, scale_of(x), row=True, col=True, pad_to=16,
+                                                                   config=cfg))
+                entry[f"triton {cfg or tk.TENSORWISE_CONFIG}"] = {"ms": ms, "exact": exact}
+            except Exception as exc:  # one config failing to compile must not hide the others
+                entry[f"triton {cfg}"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        for v in entry.values():
+            if "ms" in v:
+                v["TBs"] = nbytes / v["ms"] / 1e9
+        res[f"{r}x{c}"] = entry
+        log(f"tensorwise cast {r}x{c}: " + json.dumps(entry, default=str))
+    RESULTS["tensorwise_cast"] = res
+    save()
+
+
 @guarded("gemm bench")
 def bench_gemms():
     for d, h in SIZES:
@@ -463,9 +504,16 @@ def main():
     global OUT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=OUT, help="folder for bench_mxfp8.json and table.txt (default ./bench_out)")
-    OUT = ap.parse_args().out
+    ap.add_argument("--only", choices=("all", "tensorwise"), default="all",
+                    help="tensorwise: only the fp8-tensorwise cast rows (and the copy bandwidth)")
+    args = ap.parse_args()
+    OUT = args.out
     os.makedirs(OUT, exist_ok=True)
     log(f"device {RESULTS['device']}, torch {torch.__version__}")
+    if args.only == "tensorwise":
+        bench_copy()
+        bench_tensorwise_casts()
+        return
     if CUDA:
         choose_cast_variant()
     check_casts()
@@ -475,6 +523,7 @@ def main():
     save()
     bench_copy()
     bench_casts()
+    bench_tensorwise_casts()
     kinds = os.environ.get("BENCH_KINDS", "bf16,mx-cublas,fp8-rowwise,mx-hybrid,mx-triton,mx-cublas-rht,"
                            "fp8-rowwise-triton").split(",")
     for d, h in SIZES:

@@ -4,6 +4,7 @@
     mx_cast(x, row_q, row_dq, col_q, col_dq, elem, h, h_mult, dq_dtype, col_layout) -> 6 tensors
     mx_dequant(data, scale_u8, dtype, axis) -> tensor
     mx_gemm(a, sa, b, sb, k, bias, out_dtype) -> tensor
+    tensorwise_cast(x, scale, elem, row, col, pad_to) -> 2 tensors
 
 ``cast_op`` / ``dequant_op`` / ``gemm_op`` are the Python entry points the plugin uses.
 """
@@ -52,6 +53,17 @@ def _(a, sa, b, sb, k, bias, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op("gemzoo_mxfp8::tensorwise_cast", mutates_args=())
+def _tensorwise_cast(x: Tensor, scale: Tensor, elem: torch.dtype, row: bool, col: bool,
+                     pad_to: int) -> tuple[Tensor, Tensor]:
+    return tk.tensorwise_cast(x, scale, elem, row=row, col=col, pad_to=pad_to)
+
+
+@_tensorwise_cast.register_fake
+def _(x, scale, elem, row, col, pad_to):
+    return tk.tensorwise_buffers(x, elem, row, col, pad_to)
+
+
 def cast_op(x: Tensor, *, row_q=False, row_dq=False, col_q=False, col_dq=False, elem=torch.float8_e4m3fn,
             rht: tuple[Tensor, float] | None = None, dq_dtype=torch.bfloat16, col_layout="t") -> dict:
     """triton_kernels.mx_cast through the custom op: the same dict of outputs."""
@@ -67,3 +79,9 @@ def dequant_op(data: Tensor, scale_u8: Tensor, dtype=torch.float32, axis: int = 
 def gemm_op(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor | None, k: int | None = None, bias: Tensor | None = None,
             out_dtype=torch.bfloat16) -> Tensor:
     return torch.ops.gemzoo_mxfp8.mx_gemm(a, sa, b, sb, a.shape[1] if k is None else k, bias, out_dtype)
+
+
+def tensorwise_cast_op(x: Tensor, scale: Tensor, elem=torch.float8_e4m3fn, *, row=True, col=False,
+                       pad_to: int = 1) -> tuple[Tensor, Tensor]:
+    """triton_kernels.tensorwise_cast through the custom op: (row data or empty, transposed data or empty)."""
+    return torch.ops.gemzoo_mxfp8.tensorwise_cast(x, scale, elem, row, col, pad_to)

@@ -40,7 +40,7 @@ from gemzoo.api import (
 from gemzoo_mxfp8.linear import BACKENDS, MXLinear, MXLinearConfig
 from gemzoo_mxfp8.rht import RHT_BLOCKS
 from gemzoo_mxfp8.rowwise import FP8RowwiseLinear
-from gemzoo_mxfp8.tensorwise import FP8TensorwiseLinear
+from gemzoo_mxfp8.tensorwise import CAST_BACKENDS, FP8TensorwiseLinear
 
 GEMZOO_API = ">=1,<2"
 
@@ -169,12 +169,16 @@ class FP8TensorwiseOptions:
     default_keep: bool = True  # also keep DEFAULT_KEEP (embeddings, heads, first and last blocks) in bf16
     pow2_scales: bool = False  # round each per-tensor scale down to a power of two
     fast_accum: bool = True  # the forward GEMM with cuBLAS fast accumulation (the gradient GEMMs never)
+    casts: str = "triton"  # on CUDA: "triton" (one-pass cast kernel, both layouts) or "torch" (left to Inductor)
 
     def __post_init__(self):
         for key in ("default_keep", "pow2_scales", "fast_accum"):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ConfigError(f"plugins.options.fp8-tensorwise.{key} must be true or false, got {value!r}")
+        if self.casts not in CAST_BACKENDS:
+            raise ConfigError(f"plugins.options.fp8-tensorwise.casts must be one of {list(CAST_BACKENDS)}, got "
+                              f"{self.casts!r}")
 
 
 class FP8TensorwisePolicy(TakesOptions):
@@ -192,7 +196,7 @@ class FP8TensorwisePolicy(TakesOptions):
     def make_linear(self, linear: nn.Linear) -> nn.Module:
         o = self.options
         return FP8TensorwiseLinear.from_linear(linear, out_dtype=torch.bfloat16, pow2=o.pow2_scales,
-                                               fast_accum=o.fast_accum)
+                                               fast_accum=o.fast_accum, casts=o.casts)
 
     def apply(self, model: nn.Module, cfg: PrecisionConfig) -> nn.Module:
         self.last_plan = swap_linears(model, self.make_linear, self.keep_patterns(model, cfg),

@@ -8,10 +8,14 @@ matmul, then the product of the inverse scales, which is what ``_scaled_mm`` com
 sums). One scale per tensor means one cast serves both layouts a tensor takes: X row-major for the forward and
 X^T (tokens zero-padded to a multiple of 16, as ``_scaled_mm`` needs for wgrad) from the same scaled values.
 
-The amax and the casts are plain torch ops, so inside a compiled block Inductor may fuse the amax with the op
-that produces the tensor and write the cast's two layouts in one pass; used eagerly on CUDA they run as one
-compiled function each (``rowwise.compiled_cast``, dynamic shapes). Saved for backward: X^T in e4m3, W^T in e4m3 and the
-two inverse scales, so backward re-reads no bf16 or fp32 operand.
+The amax is a plain torch reduction, so inside a compiled block Inductor fuses it with the op that produces the
+tensor. The cast itself has two backends (``casts``):
+- "triton" (the default on CUDA): one Triton kernel (``triton_kernels.tensorwise_cast``, a torch custom op) reads
+  each tile of x once and writes both layouts, the transposed one through a transpose in registers;
+- "torch": the cast as torch ops, left to Inductor inside a compiled block, or run as one compiled function each
+  when used eagerly on CUDA (``rowwise.compiled_cast``, dynamic shapes). The CPU always uses it.
+Both round the same fp32 products, so they give the same bits. Saved for backward: X^T in e4m3, W^T in e4m3 and
+the two inverse scales, so backward re-reads no bf16 or fp32 operand.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemzoo_mxfp8.cast import on_triton
 from gemzoo_mxfp8.rowwise import TOKEN_PAD, compiled_cast
 
 E4M3 = torch.float8_e4m3fn
@@ -29,6 +34,7 @@ EPS = 1e-12  # smallest amax a scale is taken from (an all-zero tensor); torchao
 # Tests set this to run CPU tensors through torch._scaled_mm (which CPU builds of torch have) with the operand
 # layouts CUDA requires, instead of the emulation.
 SCALED_MM_ON_CPU = False
+CAST_BACKENDS = ("triton", "torch")
 
 
 def tensor_scale(x: torch.Tensor, elem: torch.dtype = E4M3, pow2: bool = False) -> torch.Tensor:
@@ -63,7 +69,15 @@ def quantize_tensorwise(x: torch.Tensor, elem: torch.dtype = E4M3, row: bool = T
     return row_data, col_data, scale.reciprocal()
 
 
-def _cast(x: torch.Tensor, elem: torch.dtype, row: bool, col: bool, pad_to: int = 1, pow2: bool = False):
+def _cast(x: torch.Tensor, elem: torch.dtype, row: bool, col: bool, pad_to: int = 1, pow2: bool = False,
+          backend: str = "triton"):
+    """quantize_tensorwise's three outputs, through the Triton cast (CUDA, ``backend`` "triton") or torch ops."""
+    if backend == "triton" and on_triton(x) and x.numel():
+        from gemzoo_mxfp8.ops import tensorwise_cast_op
+
+        scale = tensor_scale(x, elem, pow2)
+        q, qt = tensorwise_cast_op(x, scale, elem, row=row, col=col, pad_to=pad_to)
+        return (q if row else None), (qt if col else None), scale.reciprocal()
     return compiled_cast(quantize_tensorwise, x, elem, row, col, pad_to, pow2)
 
 
@@ -95,15 +109,15 @@ class FP8TensorwiseFunction(torch.autograd.Function):
     """Y = X W^T (+ b) with X, W in e4m3; dX = dY W and dW = dY^T X with dY in e5m2; one scale per tensor."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype=None, pow2=False, fast_accum=True):
+    def forward(ctx, x, weight, bias, out_dtype=None, pow2=False, fast_accum=True, casts="triton"):
         out_dtype = out_dtype or x.dtype
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         need_w, need_x = weight.requires_grad, x.requires_grad
         # X row-major for the forward; X^T along tokens (padded to 16) for wgrad, from the same scaled values
-        xq, xt, sx = _cast(x2, E4M3, True, need_w, TOKEN_PAD, pow2)
+        xq, xt, sx = _cast(x2, E4M3, True, need_w, TOKEN_PAD, pow2, casts)
         # W row-major (read as W^T column-major by the forward); W^T row-major (read as W column-major by dgrad)
-        wq, wt, sw = _cast(weight, E4M3, True, need_x, 1, pow2)
+        wq, wt, sw = _cast(weight, E4M3, True, need_x, 1, pow2, casts)
         y = scaled_mm(xq, sx, wq.t(), sw, torch.float32 if out_dtype == torch.float32 else torch.bfloat16,
                       fast_accum=fast_accum)
         if bias is not None:
@@ -111,7 +125,8 @@ class FP8TensorwiseFunction(torch.autograd.Function):
         empty = x2.new_empty(0)
         ctx.save_for_backward(xt if xt is not None else empty, sx, wt if wt is not None else empty, sw)
         # plain constants only: no shapes (SymInts under dynamic shapes); backward takes them from dy and W^T
-        ctx.x_dtype, ctx.w_dtype, ctx.has_bias, ctx.pow2 = x.dtype, weight.dtype, bias is not None, pow2
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+        ctx.pow2, ctx.casts = pow2, casts
         return y.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -122,7 +137,7 @@ class FP8TensorwiseFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, n)
         dx = dw = db = None
         # dY row-major along N for dgrad; dY^T along tokens (padded to 16) for wgrad; e5m2: gradients need range
-        dyq, dyt, sdy = _cast(dy2, E5M2, need_x, need_w, TOKEN_PAD, ctx.pow2)
+        dyq, dyt, sdy = _cast(dy2, E5M2, need_x, need_w, TOKEN_PAD, ctx.pow2, ctx.casts)
         if need_x:
             # dX straight in x's dtype: the GEMM's epilogue rounds the same fp32 value an fp32 output then cast would,
             # without writing and reading dX in fp32 (8 bytes an element more)
@@ -131,7 +146,7 @@ class FP8TensorwiseFunction(torch.autograd.Function):
             dw = scaled_mm(dyt, sdy, xt.t(), sx, torch.float32).to(ctx.w_dtype)
         if need_b and ctx.has_bias:
             db = dy2.float().sum(0)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class FP8TensorwiseLinear(nn.Module):
@@ -141,14 +156,18 @@ class FP8TensorwiseLinear(nn.Module):
     out_dtype: torch.dtype | None = None
     pow2: bool = False
     fast_accum: bool = True
+    casts: str = "triton"
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, out_dtype: torch.dtype | None = None, pow2: bool = False,
-                    fast_accum: bool = True) -> FP8TensorwiseLinear:
-        """``out_dtype`` None returns x's dtype; the policy asks for bf16, as BF16Linear does."""
+                    fast_accum: bool = True, casts: str = "triton") -> FP8TensorwiseLinear:
+        """``out_dtype`` None returns x's dtype; the policy asks for bf16, as BF16Linear does. ``casts`` picks
+        the cast backend on CUDA ("triton" or "torch"; the CPU always runs torch ops)."""
+        if casts not in CAST_BACKENDS:
+            raise ValueError(f"casts must be one of {CAST_BACKENDS}, got {casts!r}")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.out_dtype, new.pow2, new.fast_accum = out_dtype, pow2, fast_accum
+        new.out_dtype, new.pow2, new.fast_accum, new.casts = out_dtype, pow2, fast_accum, casts
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         return new
@@ -157,8 +176,9 @@ class FP8TensorwiseLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8TensorwiseLinear expects inputs with last dim {self.in_features}, got "
                              f"{tuple(x.shape)}")
-        return FP8TensorwiseFunction.apply(x, self.weight, self.bias, self.out_dtype, self.pow2, self.fast_accum)
+        return FP8TensorwiseFunction.apply(x, self.weight, self.bias, self.out_dtype, self.pow2, self.fast_accum,
+                                           self.casts)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"pow2={self.pow2}")
+                f"pow2={self.pow2}, casts={self.casts}")

@@ -592,3 +592,70 @@ def rowwise_cast(x: torch.Tensor, *, row=True, col=False, pad_to: int = 1):
                                                                    num_warps=4)
         out["col"] = (qt, st)
     return out
+
+
+# ---------------------------------------------------------------------------- fp8-tensorwise cast (GPU)
+# Tile of the tensorwise cast; memory-bound, one fixed config (bench_mxfp8.py --tensorwise sweeps it).
+TENSORWISE_CONFIG = {"BR": 32, "BC": 32, "num_warps": 4} if INTERPRET else {"BR": 64, "BC": 128, "num_warps": 8}
+
+
+@triton.jit(do_not_specialize=("R", "RP"))
+def _tensorwise_cast_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, R, RP, C, stride_xr, stride_xc,
+                            ROW: tl.constexpr, COL: tl.constexpr, IN_BF16: tl.constexpr, FMAX: tl.constexpr,
+                            ELEM: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, ROUND: tl.constexpr,
+                            BR: tl.constexpr, BC: tl.constexpr):
+    """One read of a [BR, BC] tile of x: x * scale (one fp32 scale for the tensor), saturated to +-FMAX and
+    rounded to nearest even in ELEM, stored row-major into q [R, C] and transposed into qt [C, RP] (qt's
+    columns R..RP are the zero padding). NaN stays NaN."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    m2 = (rows < R)[:, None] & cmask[None, :]
+    x_raw = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=m2, other=0)
+    if IN_BF16:  # bf16 arrives as int16 bits: widen exactly (the interpreter flushes bf16 subnormals)
+        x = (x_raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x_raw.to(tl.float32)
+    y = tl.where(m2, x * tl.load(scale_ptr), 0.0)  # the padding stays zero under a NaN or infinite scale
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+    q = _quantize(y, ELEM, MANT, EMIN, ROUND)
+    if ROW:
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=m2)
+    if COL:
+        tl.store(qt_ptr + cols[:, None] * RP + rows[None, :], tl.trans(q),
+                 mask=cmask[:, None] & (rows < RP)[None, :])
+
+
+def tensorwise_buffers(x: torch.Tensor, elem: torch.dtype, row: bool, col: bool, pad_to: int):
+    """(q [R, C] or empty, qt [C, RP] or empty): RP is R rounded up to ``pad_to`` (no rows: one ``pad_to``).
+    Shared with the custom op's fake implementation (R may be symbolic there)."""
+    R, C = x.shape
+    rp = torch.sym_max(-(-R // pad_to) * pad_to, pad_to)
+    q = x.new_empty((R, C) if row else (0,), dtype=elem)
+    qt = x.new_empty((C, rp) if col else (0,), dtype=elem)
+    return q, qt
+
+
+def tensorwise_cast(x: torch.Tensor, scale: torch.Tensor, elem: torch.dtype = torch.float8_e4m3fn, *,
+                    row: bool = True, col: bool = False, pad_to: int = 1, config: dict | None = None):
+    """fp8-tensorwise casts of a 2-D x [R, C] in one pass, given its fp32 0-dim ``scale`` (fp8_max / amax):
+    (row-major data [R, C], transposed data [C, RP] along R zero-padded to a multiple of ``pad_to``), each an
+    empty tensor when not asked for. Bit-identical to ``tensorwise.quantize_tensorwise`` with that scale."""
+    if x.dim() != 2:
+        raise ValueError(f"tensorwise_cast expects a 2-D tensor, got shape {tuple(x.shape)}")
+    if elem not in TL_ELEM:
+        raise ValueError(f"elem must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem}")
+    q, qt = tensorwise_buffers(x, elem, row, col, pad_to)
+    R, C = x.shape
+    RP = qt.shape[1] if col else R
+    if not (row or col) or C == 0 or max(R, RP) == 0:
+        return q, qt
+    cfg = dict(config or TENSORWISE_CONFIG)
+    br, bc = cfg.pop("BR"), cfg.pop("BC")
+    in_bf16 = x.dtype == torch.bfloat16
+    xs = x.view(torch.int16) if in_bf16 else x
+    grid = (triton.cdiv(max(R, RP), br), triton.cdiv(C, bc))
+    _tensorwise_cast_kernel[grid](xs, scale, q, qt, R, RP, C, x.stride(0), x.stride(1), ROW=row, COL=col,
+                                  IN_BF16=in_bf16, FMAX=ELEM_MAX[elem], ELEM=TL_ELEM[elem], MANT=ELEM_MANT[elem],
+                                  EMIN=ELEM_EMIN[elem], ROUND=CAST_VARIANT["ROUND"], BR=br, BC=bc, **cfg)
+    return q, qt

@@ -85,6 +85,97 @@ def test_cast_never_hides_non_finite():
         assert torch.isnan(row.float() * inv).all(), bad
 
 
+# -- the Triton cast (on the GPU, or under the interpreter on CPU tensors) -----------------------------------------
+def _triton_device(monkeypatch):
+    """"cuda", or "cpu" with the Triton code paths forced on (the pytest process runs the interpreter there)."""
+    import gemzoo_mxfp8.cast as cast
+
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setattr(cast, "FORCE_TRITON", True)
+    return "cpu"
+
+
+@pytest.mark.parametrize("pad_to", [1, 16])
+@pytest.mark.parametrize("elem", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", ["gaussian", "wide", "edge", "bf16", "zeros", "nan", "transposed"])
+def test_triton_cast_is_bit_identical_to_torch(case, elem, pad_to, monkeypatch):
+    """tensorwise_cast (one pass, both layouts) writes the bits quantize_tensorwise writes, from the same scale:
+    saturation, signed zeros, subnormals, bf16 inputs, NaN, a strided input and the zero padding of x^T."""
+    from gemzoo_mxfp8.triton_kernels import tensorwise_cast
+
+    dev = _triton_device(monkeypatch)
+    inputs = cast_inputs()
+    x = {"nan": inputs["gaussian"].index_fill(1, torch.tensor([5]), float("nan")),
+         "transposed": inputs["gaussian"].t()}.get(case, inputs.get(case))
+    want_row, want_col, want_inv = quantize_tensorwise(x, elem, row=True, col=True, pad_to=pad_to)
+    row, col = tensorwise_cast(x.to(dev), tensorwise.tensor_scale(x, elem).to(dev), elem, row=True, col=True,
+                               pad_to=pad_to)
+    assert row.dtype == col.dtype == elem and col.shape == want_col.shape and col.is_contiguous()
+    for got, want in ((row, want_row), (col, want_col)):
+        got, want = got.cpu(), want
+        nan = want.float().isnan()
+        assert torch.equal(got.float().isnan(), nan)
+        assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
+    only_col = tensorwise_cast(x.to(dev), torch.ones((), device=dev), elem, row=False, col=True, pad_to=pad_to)
+    assert only_col[0].numel() == 0 and only_col[1].shape == want_col.shape
+
+
+def test_triton_cast_without_tokens_writes_the_zero_padding(monkeypatch):
+    from gemzoo_mxfp8.triton_kernels import tensorwise_cast
+
+    dev = _triton_device(monkeypatch)
+    row, col = tensorwise_cast(torch.empty(0, 32, device=dev), torch.ones((), device=dev), col=True, pad_to=16)
+    assert row.shape == (0, 32) and col.shape == (32, 16) and not col.float().any()
+    with pytest.raises(ValueError, match="2-D"):
+        tensorwise_cast(torch.zeros(2, 3, 4, device=dev), torch.ones((), device=dev))
+    with pytest.raises(ValueError, match="float8_e4m3fn or torch.float8_e5m2"):
+        tensorwise_cast(torch.zeros(2, 4, device=dev), torch.ones((), device=dev), torch.float16)
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 64), (0, 64)], ids=["74-tokens", "no-tokens"])
+def test_linear_gives_the_same_numbers_with_either_cast(shape, monkeypatch):
+    """The whole linear, forward and both gradients, with casts="triton" against casts="torch": the same fp8
+    operands reach the same GEMMs, so the outputs are equal."""
+    dev = _triton_device(monkeypatch)
+    x, g = torch.randn(shape, device=dev), torch.randn(*shape[:-1], 48, device=dev)
+    outs = {}
+    for casts in ("torch", "triton"):
+        torch.manual_seed(0)
+        lin = FP8TensorwiseLinear.from_linear(nn.Linear(64, 48, device=dev), out_dtype=torch.float32, casts=casts)
+        outs[casts] = _run(lin, x, g)
+    for name, a, b in zip(("y", "dx", "dw", "db"), outs["triton"], outs["torch"], strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="casts must be one of"):
+        FP8TensorwiseLinear.from_linear(nn.Linear(4, 4), casts="cuda")
+
+
+@pytest.mark.slow
+def test_triton_cast_custom_op(monkeypatch):
+    """The cast as a torch custom op: opcheck (schema, fake tensors, dynamic shapes), and a compiled linear with
+    varying token counts traced in one graph through it."""
+    from gemzoo_mxfp8 import ops
+
+    dev = _triton_device(monkeypatch)
+    x = torch.randn(37, 64, device=dev).bfloat16()
+    scale = tensorwise.tensor_scale(x)
+    for row, col, pad in ((True, True, 16), (False, True, 1), (True, False, 1)):
+        torch.library.opcheck(torch.ops.gemzoo_mxfp8.tensorwise_cast.default, (x, scale, E4M3, row, col, pad))
+    assert ops.tensorwise_cast_op(x, scale, col=True, pad_to=16)[1].shape == (64, 48)
+    lin = FP8TensorwiseLinear.from_linear(nn.Linear(64, 48, device=dev), out_dtype=torch.float32)
+    data = {t: (torch.randn(t, 64, device=dev), torch.randn(t, 48, device=dev)) for t in (45, 70)}
+    compiled = torch.compile(lin, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    want, got = {}, {}
+    for t in data:
+        for module, out in ((lin, want), (compiled, got)):
+            lin.weight.grad = lin.bias.grad = None
+            out[t] = _run(module, *data[t])
+    for t in want:
+        for a, b in zip(got[t], want[t], strict=True):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), t
+
+
 def _linear_pair(k, n, bias, out_dtype, seed=0):
     torch.manual_seed(seed)
     ref = nn.Linear(k, n, bias=bias)
@@ -258,7 +349,10 @@ def test_options():
     policy = registry.get("precision", "fp8-tensorwise").configure(FP8TensorwiseOptions(pow2_scales=True,
                                                                                         fast_accum=False))
     lin = policy.make_linear(nn.Linear(32, 16))
-    assert lin.pow2 and not lin.fast_accum and lin.out_dtype == torch.bfloat16
+    assert lin.pow2 and not lin.fast_accum and lin.out_dtype == torch.bfloat16 and lin.casts == "triton"
+    assert policy.configure(FP8TensorwiseOptions(casts="torch")).make_linear(nn.Linear(32, 16)).casts == "torch"
+    with pytest.raises(ConfigError, match="fp8-tensorwise.casts must be one of"):
+        FP8TensorwiseOptions(casts="fused")
     for key in ("default_keep", "pow2_scales", "fast_accum"):
         with pytest.raises(ConfigError, match=f"fp8-tensorwise.{key} must be true or false"):
             FP8TensorwiseOptions(**{key: "yes"})
