@@ -74,12 +74,14 @@ class Configs:
         return self.dkdv if c is None else c
 
 
-def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2, ieee: bool = False) -> Configs:
+def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2, ieee: bool = False,
+                    tma: bool = False) -> Configs:
     """Block shapes per head dim and element size. H100/H200 picks from the sweeps in bench/ (bf16, D=128);
     fp32 tiles are halved so shared memory fits (checked with ptxas for sm_90); tiny ones for the interpreter.
     ``ieee``: fp32 dots in full fp32 (``_dot_precision``), which run on the FMA units and hold their products in
     registers: 32 x 32 tiles (dk/dv 16 x 16 above D = 64), the shapes that compile for sm_90 with (almost) no
-    spills (compile_sm90.py "fp32 ieee"; 64 x 64 spilled 2 to 90 KB a thread)."""
+    spills (compile_sm90.py "fp32 ieee"; 64 x 64 spilled 2 to 90 KB a thread). ``tma``: whether the launch loads
+    its tiles through TMA (``_tma_ok``), which at D = 256 takes wider tiles than pointer loads."""
     if device_type != "cuda":
         c = KernelConfig(16, 16, 1, 1)
         return Configs(c, c, c)
@@ -96,7 +98,13 @@ def default_configs(head_dim: int, device_type: str, elem_bytes: int = 2, ieee: 
     if head_dim <= 128:  # dkdv_fused: 32 x 128, the fused variant with the fewest spills offline (compile_sm90.py)
         return Configs(KernelConfig(128, 128, 8, 3), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3),
                        KernelConfig(32, 128, 8, 3))
-    return Configs(KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(64, 32, 8, 2))
+    # D = 256, from bench_jfa.py --head-dim 256 --sweep configs (gem_lognormal, causal, H=4; one H100, 2026-12-05):
+    # fwd 128 x 64 on TMA 1.74 ms against 3.34 on the earlier 64 x 64 pointer tiles, dk/dv 64 x 64 on TMA 7.35
+    # against 9.72, dQ 128 x 32 on pointers 2.79 against 6.56 (its TMA tiles were slower: 64 x 32, 3.27). Without
+    # TMA the forward takes 128 x 32 (2.39 ms); dk/dv keeps 32 x 64, the fastest pointer tile swept.
+    if tma:
+        return Configs(KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 8, 2), KernelConfig(128, 32, 8, 2, tma=False))
+    return Configs(KernelConfig(128, 32, 8, 2), KernelConfig(32, 64, 8, 2), KernelConfig(128, 32, 8, 2))
 
 
 @dataclass(frozen=True)
@@ -225,7 +233,8 @@ def _tma_ok(*tensors, tma: bool | None, causal: bool = True, pointwise: bool = F
 
     Needs Hopper+ (or the interpreter when asked), power-of-two head dims and 16-byte strides. By default
     (``tma`` None) only the GPU-validated set: causal (or any pointwise activation), 2-byte dtypes, head
-    dim 64 or 128. With triton 3.6 ptxas crashes on the softmax non-causal dk/dv and the D=256 variants, and
+    dim 64 or 128, and causal softmax at head dim 256 (its TMA tiles compiled and ran in the 2026-12-05 sweep).
+    With triton 3.6 ptxas crashed on the softmax non-causal dk/dv and, in an early run, on D=256 variants, and
     fp32 tiles do not fit. The pointer path spills heavily at 128-wide tiles (ptxas -v: 2-4 KB per thread),
     so the pointwise non-causal kernels (GEM's cross attention) use TMA: they compile with ptxas 3.6.
     """
@@ -235,7 +244,9 @@ def _tma_ok(*tensors, tma: bool | None, causal: bool = True, pointwise: bool = F
     if t0.device.type == "cuda":
         if _major(torch.cuda.current_device() if t0.device.index is None else t0.device.index) < 9:
             return False
-        if tma is None and not ((causal or pointwise) and t0.element_size() == 2 and t0.shape[-1] in (64, 128)):
+        d = t0.shape[-1]
+        if tma is None and not (t0.element_size() == 2 and ((causal or pointwise) and d in (64, 128) or
+                                                            causal and not pointwise and d == 256)):
             return False
     elif tma is not True:  # interpreter: only when asked for
         return False
@@ -265,10 +276,10 @@ def _desc(t: torch.Tensor, rows: int):
     return TensorDescriptor(t, list(t.shape), [t.stride(0), t.stride(1), 1], [rows, 1, t.shape[2]])
 
 
-def _configs(q: torch.Tensor, options: KernelOptions) -> Configs:
+def _configs(q: torch.Tensor, options: KernelOptions, tma: bool = False) -> Configs:
     if options.configs is not None:
         return options.configs
-    return default_configs(q.shape[-1], q.device.type, q.element_size(), ieee=_dot_precision(q) == "ieee")
+    return default_configs(q.shape[-1], q.device.type, q.element_size(), ieee=_dot_precision(q) == "ieee", tma=tma)
 
 
 def _pow2(n: int) -> int:
@@ -307,12 +318,13 @@ def split_plan(q: torch.Tensor, k: torch.Tensor, batch: int, activation: int, bl
 
 
 def length_buckets(q: torch.Tensor, k: torch.Tensor, batch: int, kind: str, activation: int = 0, block: int = -1,
-                   options: KernelOptions = DEFAULT_OPTIONS
+                   options: KernelOptions = DEFAULT_OPTIONS, tma: bool = False
                    ) -> list[tuple[KernelConfig, tuple[int, int | None] | None]]:
     """The launches of kernel ``kind`` (fwd, dkdv, dq, dkdv_fused): (tile config, length range (lo, hi] of max(Lq, Lk),
     or None for every sequence). One launch on the main tiles unless buckets apply (see default_buckets and
-    SHORT_AVERAGE); never with the pointwise split-K path, which has its own short-query tiles."""
-    main = _configs(q, options).of(kind)
+    SHORT_AVERAGE); never with the pointwise split-K path, which has its own short-query tiles. ``tma``: whether
+    the launches load through TMA (the default tiles depend on it at D = 256)."""
+    main = _configs(q, options, tma).of(kind)
     fixed = options.buckets
     buckets = fixed if fixed is not None else default_buckets(q.shape[-1], q.device.type, q.element_size())
     if not buckets or batch == 0 or (fixed is None and max(q.shape[0], k.shape[0]) > SHORT_AVERAGE * batch):
@@ -375,7 +387,7 @@ def _q_launches(q, k, dest, q_offsets, k_offsets, kind, causal, window, activati
     items, block_m, key splits or 0, the launch's target as its strides are known now (``dest``, or for a
     split of a non-fp32 ``dest`` a contiguous fp32 stand-in of its shape), the TMA box rows for K and V or 0
     for pointer loads, use_tma, item capacity)."""
-    for cfg, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block, options):
+    for cfg, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block, options, tma):
         items, bm, split_n = _q_items(q, k, q_offsets, k_offsets, cfg, causal, window, activation, block, lengths,
                                       options, kind)
         if items.shape[1]:
@@ -750,7 +762,7 @@ def _launch_dkdv(do, q, k, v, lse, delta, q_offsets, k_offsets, causal, scale, w
         from gemzoo_jfa.schedule import build_schedule
 
         launches = []
-        for c, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block, options):
+        for c, lengths in length_buckets(q, k, q_offsets.numel() - 1, kind, activation, block, options, tma):
             items = build_schedule(q_offsets, k_offsets, k.shape[0], c.block_n, over="k", causal=causal,
                                    window=None if window < 0 else window, order=options.order,
                                    block_size=block if block > 0 else None, lengths=lengths)
