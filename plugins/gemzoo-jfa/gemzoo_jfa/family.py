@@ -594,8 +594,9 @@ def dequantize_fp8(y: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 def _fp8_tma_ok(k8: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the fp8 forward's K (and V, when in the inputs' dtype [T, H, DV]) can be TMA loaded: power-of-two
     head dims of at least 32 (an e4m3 dot contracts over 32 or more: smaller D pads its tile to 32 columns, wider
-    than a TMA box of D), 16-byte aligned base and strides. An e4m3 V ([H, DV, T]) always loads through pointers."""
-    if k8.shape[-1] < 32:
+    than a TMA box of D), 16-byte aligned base and strides, and at most 128 (the D = 256 TMA tiles were swept in
+    bf16 only). An e4m3 V ([H, DV, T]) always loads through pointers."""
+    if not 32 <= k8.shape[-1] <= 128:
         return False
     for t in (k8,) if v.dtype == torch.float8_e4m3fn else (k8, v):
         d = t.shape[-1]

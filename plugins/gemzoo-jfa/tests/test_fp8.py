@@ -89,7 +89,8 @@ def test_fp8_tiles_and_scale_blocks():
     q = torch.empty(10, 2, 128, dtype=torch.bfloat16)
     assert fp8_blocks(q, KernelOptions(fp8="qk"), "cuda") == (128, 128)
     assert fp8_blocks(q, KernelOptions(fp8="qkv"), "cuda") == (128, 64)
-    assert fp8_blocks(torch.empty(10, 2, 256, dtype=torch.bfloat16), KernelOptions(fp8="qkv"), "cuda") == (64, 64)
+    # D = 256: the pointer tiles (fp8 keeps pointer loads there)
+    assert fp8_blocks(torch.empty(10, 2, 256, dtype=torch.bfloat16), KernelOptions(fp8="qkv"), "cuda") == (128, 32)
     assert fp8_blocks(q.float(), KernelOptions(fp8="qk"), "cuda") == (64, 64)  # fp32's halved tiles
     assert fp8_blocks(q, KernelOptions(fp8="qkv")) == (16, 16)  # the interpreter's tiles
 
