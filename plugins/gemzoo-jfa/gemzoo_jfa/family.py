@@ -245,8 +245,8 @@ def _tma_ok(*tensors, tma: bool | None, causal: bool = True, pointwise: bool = F
         if _major(torch.cuda.current_device() if t0.device.index is None else t0.device.index) < 9:
             return False
         d = t0.shape[-1]
-        if tma is None and not (t0.element_size() == 2 and ((causal or pointwise) and d in (64, 128) or
-                                                            causal and not pointwise and d == 256)):
+        checked = ((causal or pointwise) and d in (64, 128)) or (causal and not pointwise and d == 256)
+        if tma is None and not (t0.element_size() == 2 and checked):
             return False
     elif tma is not True:  # interpreter: only when asked for
         return False

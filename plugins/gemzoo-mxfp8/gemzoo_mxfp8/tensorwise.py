@@ -8,8 +8,8 @@ matmul, then the product of the inverse scales, which is what ``_scaled_mm`` com
 sums). One scale per tensor means one cast serves both layouts a tensor takes: X row-major for the forward and
 X^T (tokens zero-padded to a multiple of 16, as ``_scaled_mm`` needs for wgrad) from the same scaled values.
 
-The amax is a plain torch reduction, so inside a compiled block Inductor fuses it with the op that produces the
-tensor. The cast itself has two backends (``casts``):
+The amax is a plain torch reduction, left to Inductor inside a compiled block (on gem-1b it ran as kernels of
+its own, not fused into the producer). The cast itself has two backends (``casts``):
 - "triton" (the default on CUDA): one Triton kernel (``triton_kernels.tensorwise_cast``, a torch custom op) reads
   each tile of x once and writes both layouts, the transposed one through a transpose in registers;
 - "torch": the cast as torch ops, left to Inductor inside a compiled block, or run as one compiled function each
