@@ -88,6 +88,7 @@ from gemzoo.interfaces.precision import (
 )
 from gemzoo.jagged import (
     TensorCache,
+    graph_capturing,
     lengths_to_offsets,
     max_length,
     offsets_to_lengths,
@@ -149,7 +150,7 @@ __all__ = [
     "check_inputs", "kernels_that_serve", "pair_allowed", "reference_attention", "validated_longest",
     "RelativeAttentionBias", "TIME_BUCKET_DIVISOR", "materialize_relative_bias", "relative_bias_block", "repeat_kv",
     # jagged tensors
-    "TensorCache", "jagged_to_padded", "lengths_to_offsets", "max_length", "offsets_to_lengths",
+    "TensorCache", "graph_capturing", "jagged_to_padded", "lengths_to_offsets", "max_length", "offsets_to_lengths",
     "padded_to_jagged", "positions", "seq_ids", "validate_offsets",
     # the other kinds
     "BatchingPolicy", "DataParallelGroup", "overlap_depth", "overlap_worker", "overlaps",

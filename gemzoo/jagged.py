@@ -27,15 +27,21 @@ class TensorCache:
     ``get(tensors, key, build)`` returns ``build()``, or its value from an earlier call with the same tensor
     objects, unchanged since (an in-place change bumps ``_version``), and the same ``key``. Entries hold weak
     references, so a freed tensor whose id is reused never matches; the oldest entries go past ``size``.
-    Inference tensors (no version counter) and traced calls are never cached. Shared values must not be
-    modified by their users."""
+    Shared values must not be modified by their users.
+
+    Never cached: inference tensors (no version counter), traced calls, and CUDA work off the device's default
+    stream. The last covers CUDA graphs: ``torch.cuda.graph`` records on a side stream, where a value cached
+    before the capture would be baked into every replay whatever the offsets then hold, so the value is built
+    inside the graph; torch.compile's "reduce-overhead" mode warms up and records on a stream of its own, into
+    a memory pool where a value kept past the call counts as a leak. A value is never shared across streams
+    either (its memory is reused when it is freed, whatever another stream still reads)."""
 
     def __init__(self, size: int = 32):
         self.size = size
         self.entries: OrderedDict[tuple, tuple] = OrderedDict()
 
     def get(self, tensors: tuple, key: tuple, build):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not _default_stream(tensors[0]):
             return build()
         try:  # (ids..., versions..., key...): one flat tuple, hashed once (this runs on every attention call)
             full = (*[id(t) for t in tensors], *[t._version for t in tensors], *key)
@@ -56,7 +62,21 @@ class TensorCache:
             self.entries.popitem(last=False)
         return value
 
+def _default_stream(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` runs on its device's default stream (always, for a CPU tensor). Stream id 0 is
+    CUDA's default stream in torch (c10::cuda::CUDAStream)."""
+    return not t.is_cuda or torch.cuda.current_stream(t.device).stream_id == 0
+
+
+def graph_capturing(t: torch.Tensor) -> bool:
+    """Whether work on ``t``'s device is being recorded into a CUDA graph (``torch.cuda.graph``, or
+    ``torch.compile(mode="reduce-overhead")``). Nothing may then read device values on the host (a sync is an
+    error during capture), and a value cached before the capture would be replayed unchanged."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 __all__ = [
+    "graph_capturing",
     "validate_offsets",
     "lengths_to_offsets",
     "offsets_to_lengths",

@@ -1,5 +1,6 @@
 """GPU kernel time from torch.profiler, counted once (the benches' profiles: act-quant's step, the host-overhead
-cases of the attention kernels).
+cases of the attention kernels); where the GPU waits (``gpu_idle``); calls recorded into a CUDA graph
+(``cuda_graph``), which time the kernels without the host.
 
 When CUDA is profiled, ``key_averages()`` also lists each ``record_function`` range (an optimizer's
 ``Optimizer.step#AdamW.step``, an ``autograd.Function``'s node) as a GPU "user annotation" whose self device time
@@ -115,3 +116,24 @@ def gpu_idle(trace: dict, *, min_gap_us: float = 5.0, steps: int = 1, top: int =
     for key, table in charged.items():
         out[key] = dict(sorted(table.items(), key=lambda kv: -kv[1])[:top])
     return out
+
+
+# -- CUDA graphs ------------------------------------------------------------------------------------------------
+
+
+def cuda_graph(fn, *, warmup: int = 3):
+    """``fn()`` recorded into a CUDA graph, as ``(graph, what the recorded call returned)``: ``graph.replay()``
+    runs its kernels again on whatever its input buffers then hold, with no host work between them, and the
+    returned tensors are the buffers each replay writes. ``warmup`` calls run first on a side stream, as torch
+    documents for graphs with autograd: they compile kernels and settle caches, so the recorded call launches
+    only what every call would. ``fn`` must not read device values on the host (capture fails if it does)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result

@@ -14,7 +14,7 @@ import torch
 from gemzoo import registry
 from gemzoo.errors import JaggedShapeError, PluginError
 from gemzoo.interfaces.attention import ACTIVATIONS, AttentionRequest, RelativeAttentionBias
-from gemzoo.jagged import TensorCache, max_length, validate_offsets
+from gemzoo.jagged import TensorCache, graph_capturing, max_length, validate_offsets
 
 
 class _OffsetsCache:
@@ -186,7 +186,8 @@ def check_inputs_uncached(q, k, v, q_offsets, k_offsets=None, activation: str = 
     trusted until it changes); the hints ``max_q_len``/``max_k_len`` against the real longest sequences;
     and, given ``capabilities``, that the call asks for nothing the kernel does not declare. An option outside
     them raises :class:`PluginError` naming the registered kernels that can serve the call. ``kernel`` is the
-    kernel (or its name) for messages. Under ``torch.compile`` the data-dependent checks are skipped.
+    kernel (or its name) for messages. Under ``torch.compile``, and while a CUDA graph is captured, the
+    data-dependent checks are skipped.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
@@ -229,7 +230,7 @@ def check_inputs_uncached(q, k, v, q_offsets, k_offsets=None, activation: str = 
         k_offsets = q_offsets
         if k.shape[0] != q.shape[0]:
             raise JaggedShapeError("k_offsets is required when k and q have different numbers of rows")
-    compiling = torch.compiler.is_compiling()
+    compiling = torch.compiler.is_compiling() or graph_capturing(q)  # no device reads: traced, or a CUDA graph
     if capabilities is not None:
         asymmetric = False
         if not capabilities.asymmetric and k_offsets is not q_offsets:

@@ -31,6 +31,7 @@ _LAZY = {
     "select_attention": ("gemzoo.train.trainer", "select_attention"),
     "kernel_ms": ("gemzoo.profiling", "kernel_ms"),
     "gpu_idle": ("gemzoo.profiling", "gpu_idle"),
+    "cuda_graph": ("gemzoo.profiling", "cuda_graph"),
     "annotations_ms": ("gemzoo.profiling", "annotations_ms"),
     "extension_available": ("gemzoo.ops", "extension_available"),
     # the batching exchange's phases, for benchmarks of its host work

@@ -23,6 +23,7 @@ from gemzoo.attention import allowed_mask, reference_attention
 from gemzoo.errors import JaggedShapeError, PluginError
 from gemzoo.interfaces.attention import ACTIVATIONS, AttentionCapabilities, AttentionRequest, RelativeAttentionBias
 from gemzoo.jagged import lengths_to_offsets, max_length
+from gemzoo.profiling import cuda_graph
 
 # bf16/fp16 kernels land under 1e-2 (docs/benchmarks.md); fp32 kernels may use TF32 dots on GPU under
 # torch.set_float32_matmul_precision("high").
@@ -511,3 +512,73 @@ def assert_errors_within(errors: dict[str, float], tol: float, what: str) -> Non
     for key in [k for k in errors if not k.endswith("_finite")]:
         assert errors[f"{key}_finite"], f"{what}: {key} has NaN/Inf"
         assert errors[key] <= tol, f"{what}: {key} relative error {errors[key]:.2e} > {tol:.0e}"
+
+
+def cuda_graph_errors(fn, *, batch: int = 6, max_len: int = 96, heads: int = 2, kv_heads: int | None = None,
+                      head_dim: int = 64, dtype: torch.dtype = torch.bfloat16, cross: bool = False, seed: int = 0,
+                      replays: int = 2, **kw) -> dict[str, float]:
+    """``fn(q, k, v, q_offsets, k_offsets, **kw)`` forward and backward recorded into one CUDA graph, then
+    replayed on new values *and new lengths* copied into the same buffers (the same batch and totals, as a
+    training loop that pads its batches to fixed totals does), each replay against an eager call on those
+    inputs. Returns the largest relative error of out, dq, dk and dv over ``replays`` replays (and
+    ``{name}_finite``).
+
+    What it checks: nothing in the call reads the device from the host (a sync during capture is an error),
+    and nothing derived from the offsets (work schedules, split plans) is reused from before the capture,
+    where it would be replayed unchanged whatever the offsets then hold. ``cross``: queries of their own
+    (candidates, a few per sequence) over the sequences as keys; else self-attention, k_offsets = q_offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv = heads if kv_heads is None else kv_heads
+
+    def lengths():  # random, zero-length sequences included, then moved to the same total as the first draw
+        return random_jagged_lengths(batch, max_len, gen)
+
+    k_lens = [lengths() for _ in range(replays + 1)]
+    for lens in k_lens[1:]:  # same total: add or remove tokens on the non-empty sequences
+        diff = int(k_lens[0].sum() - lens.sum())
+        while diff:
+            i = int(torch.randint(0, batch, (1,), generator=gen))
+            step = max(-int(lens[i]), min(diff, max_len))
+            lens[i] += step
+            diff -= step
+    q_lens = [torch.full((batch,), 3) if cross else lens for lens in k_lens]
+    tq, tk = int(q_lens[0].sum()), int(k_lens[0].sum())
+
+    def draw():
+        return [torch.randn(t, h, head_dim, generator=gen).to("cuda", dtype)
+                for t, h in ((tq, heads), (tk, hkv), (tk, hkv), (tq, heads))]
+
+    # the static buffers the graph reads; each replay copies new values into them
+    leaves = [t.requires_grad_() for t in draw()[:3]]
+    grad = torch.zeros(tq, heads, head_dim, device="cuda", dtype=dtype)
+    q_off = lengths_to_offsets(q_lens[0]).cuda()
+    k_off = q_off if not cross else lengths_to_offsets(k_lens[0]).cuda()
+
+    def step():
+        for t in leaves:
+            t.grad = None  # the recorded backward then writes fresh buffers, which every replay rewrites
+        out = fn(*leaves, q_off, k_off, **kw)
+        out.backward(grad)
+        return out
+
+    graph, static_out = cuda_graph(step, warmup=2)
+    static = [static_out] + [t.grad for t in leaves]
+    errors: dict[str, float] = {}
+    for r in range(1, replays + 1):
+        values = draw()
+        with torch.no_grad():
+            for buf, new in zip([*leaves, grad], values, strict=True):
+                buf.copy_(new)
+            q_off.copy_(lengths_to_offsets(q_lens[r]))
+            if cross:
+                k_off.copy_(lengths_to_offsets(k_lens[r]))
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = [t.detach().clone().requires_grad_() for t in values[:3]]
+        q_new = lengths_to_offsets(q_lens[r]).cuda()
+        out = fn(*fresh, q_new, q_new if not cross else lengths_to_offsets(k_lens[r]).cuda(), **kw)
+        out.backward(values[3])
+        for name, got, want in zip(("out", "dq", "dk", "dv"), static, [out] + [t.grad for t in fresh], strict=True):
+            errors[name] = max(errors.get(name, 0.0), _rel(got.detach().float(), want.detach().float()))
+            errors[f"{name}_finite"] = errors.get(f"{name}_finite", True) and bool(torch.isfinite(got).all())
+    return errors

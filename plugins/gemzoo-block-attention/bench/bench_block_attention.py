@@ -7,7 +7,9 @@ Rows:
   * block 64 + window 1024 at L = 32K vs Flex with the same mask
   * block 64 on gem-lognormal (jagged, B=64) vs Flex with a document + block mask
   * rotary fused vs rotary applied in torch before the kernel (block 64, gem-lognormal), with peak memory
-Median of triton.testing.do_bench(warmup=25, rep=100); TFLOP/s from allowed pairs only (fwd 4*H*D per pair,
+Median of triton.testing.do_bench(warmup=25, rep=100); ``--graphs`` adds each block-attention and Flex row timed as
+CUDA-graph replays (the kernels' time without the host's per call, as a compiled model in "reduce-overhead" mode
+runs them); TFLOP/s from allowed pairs only (fwd 4*H*D per pair,
 fwd+bwd 3x). Correctness first: every block-attention row is checked against Flex (same mask) forward.
 The gem-lognormal distribution is bench_jfa's (imported).
 
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
-from bench_jfa import gem_lognormal, log, rel  # noqa: E402
+from bench_jfa import bench_graphed, gem_lognormal, log, rel  # noqa: E402
 from gemzoo_block_attention import block_attention_triton  # noqa: E402
 from gemzoo_block_attention.ops import rope_jagged  # noqa: E402
 
@@ -41,6 +43,7 @@ from gemzoo.api import (  # noqa: E402
 
 H, D, DTYPE, BLOCK, THETA = 4, 128, torch.bfloat16, 64, 10000.0
 RESULTS: dict = {"device": None, "rows": [], "skipped": []}
+GRAPHS = False  # --graphs: also time block-attention and Flex as CUDA-graph replays (the kernels alone)
 DEVICE = "cuda"  # --dry-run: "cpu" under TRITON_INTERPRET=1, tiny shapes, one untimed call each (code paths only)
 
 
@@ -177,6 +180,13 @@ def compare(name, lens, *, window=None, doc_mask=False, dense=False):
                      attention_pairs(lens, causal=True))
         r_mine["speedup_fwd_bwd_vs_dense_sdpa"] = r_sdpa["fwd_bwd_ms"] / r_mine["fwd_bwd_ms"]
     log(f"  -> vs Flex: fwd {r_mine['speedup_fwd_vs_flex']:.2f}x, fwd+bwd {r_mine['speedup_fwd_bwd_vs_flex']:.2f}x")
+    if GRAPHS and DEVICE == "cuda":  # the same calls replayed from CUDA graphs: kernel time, no host per call
+        g_mine = row(name, "block-attention (graph)", lens, *bench_graphed(mine, list(leaves), grad), 0, pairs)
+        g_flex = row(name, "flex (graph)", lens, *bench_graphed(flex, list(leaves), grad), 0, pairs)
+        g_mine["speedup_fwd_vs_flex"] = g_flex["fwd_ms"] / g_mine["fwd_ms"]
+        g_mine["speedup_fwd_bwd_vs_flex"] = g_flex["fwd_bwd_ms"] / g_mine["fwd_bwd_ms"]
+        log(f"  -> CUDA graphs, vs Flex: fwd {g_mine['speedup_fwd_vs_flex']:.2f}x, "
+            f"fwd+bwd {g_mine['speedup_fwd_bwd_vs_flex']:.2f}x")
     return r_mine
 
 
@@ -225,10 +235,13 @@ def main():
     p.add_argument("--deadline", type=float, default=1e9, help="seconds; rows not started by then are skipped")
     p.add_argument("--lengths", default="8192,16384,32768,65536")
     p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes, untimed")
+    p.add_argument("--graphs", action="store_true",
+                   help="also time block-attention and Flex as CUDA-graph replays: the kernels without the host")
     args = p.parse_args()
     import triton
 
-    global DEVICE, BLOCK
+    global DEVICE, BLOCK, GRAPHS
+    GRAPHS = args.graphs
     histories = gem_lognormal  # the batch of the rotary and gem-lognormal rows
     if args.dry_run:
         DEVICE, BLOCK, args.lengths = "cpu", 16, "64,128"
@@ -259,9 +272,12 @@ def main():
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         save(args.out)
-    mine = {r["T"]: r["fwd_bwd_ms"] for r in RESULTS["rows"]
-            if r["method"] == "block-attention" and r["workload"].startswith("one_seq_L") and "win" not in r["workload"]}
-    RESULTS["linearity"] = {f"{n}->{2 * n}": mine[2 * n] / mine[n] for n in sorted(mine) if 2 * n in mine}
+    RESULTS["linearity"] = {}
+    for method, tag in (("block-attention", ""), ("block-attention (graph)", " (graph)")):
+        mine = {r["T"]: r["fwd_bwd_ms"] for r in RESULTS["rows"] if r["method"] == method
+                and r["workload"].startswith("one_seq_L") and "win" not in r["workload"]}
+        RESULTS["linearity"].update({f"{n}->{2 * n}{tag}": mine[2 * n] / mine[n] for n in sorted(mine)
+                                     if 2 * n in mine})
     log(table())
     save(args.out)
     if args.out:

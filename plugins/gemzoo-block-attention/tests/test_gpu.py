@@ -165,3 +165,14 @@ def test_grouped_query_against_fp64_reference(name):
     dtype = kw.pop("dtype")
     errors = grouped_query_errors(block_attention_triton, device="cuda", dtype=dtype, **kw)
     assert_errors_within(errors, TOL[dtype], name)
+
+
+def test_cuda_graph_replays_new_lengths():
+    """Block attention (forward and backward) recorded in a CUDA graph and replayed on new lengths in the same
+    buffers: its block-narrowed schedules are rebuilt inside the graph."""
+    from gemzoo_block_attention import block_attention_triton
+
+    from gemzoo.testing.attention import assert_errors_within, cuda_graph_errors
+
+    errors = cuda_graph_errors(block_attention_triton, block_size=64, max_len=600)
+    assert_errors_within(errors, 1.5e-2, "block-attention under a CUDA graph")

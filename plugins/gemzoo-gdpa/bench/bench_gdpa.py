@@ -9,7 +9,8 @@ Workloads (H=4, D=128, bf16; distributions from plugins/gemzoo-jfa/bench/bench_j
      non-causal, fwd+bwd: gdpa silu (the default plan: split-K forward; and unsplit) vs FlexAttention (softmax,
      compiled, document mask), jfa softmax on the same mask and the eager padded reference;
   4. short: B=4096, lognormal median 48, sigma 0.7, clipped 1..1024, silu causal: vs eager and jfa.
-Median of triton.testing.do_bench(warmup=25, rep=100). Useful FLOPs count allowed pairs only: causal
+Median of triton.testing.do_bench(warmup=25, rep=100); with ``--graphs`` the cross rows are also timed as CUDA-graph
+replays (each method recorded once, forward and fwd+bwd), which leaves out the host's time per call. Useful FLOPs count allowed pairs only: causal
 fwd 2*H*D*sum L^2, fwd+bwd 7*H*D*sum L^2 (docs/benchmarks.md); cross fwd 4*H*D*pairs, fwd+bwd 14*H*D*pairs.
 Correctness first: gdpa against the eager padded implementation on every workload it is timed on; on the cross
 rows also (with --no-eager too) the split plan against the unsplit kernel and jfa softmax against Flex.
@@ -29,7 +30,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gemzoo-jfa" / "bench"))
-from bench_jfa import Workload, gem_lognormal, log, outputs_and_grads, rel, short_lengths, uniform_8k  # noqa: E402
+from bench_jfa import (  # noqa: E402
+    Workload,
+    bench_graphed,
+    gem_lognormal,
+    log,
+    outputs_and_grads,
+    rel,
+    short_lengths,
+    uniform_8k,
+)
 from gemzoo_gdpa import gdpa_triton  # noqa: E402
 from gemzoo_jfa import jfa_triton  # noqa: E402
 
@@ -38,6 +48,7 @@ from gemzoo.api import ACTIVATIONS, apply_activation, jagged_to_padded, lengths_
 H, D, DTYPE = 4, 128, torch.bfloat16
 RESULTS: dict = {"device": None, "rows": [], "checks": {}}
 EAGER = True  # --no-eager skips the (slow) eager padded baselines
+GRAPHS = False  # --graphs also times the cross rows as CUDA-graph replays
 EAGER_BUDGET = 24e9  # bytes of [chunk, H, Lq, Lk] intermediates the eager baseline may hold at once
 
 
@@ -228,6 +239,13 @@ def cross_attention(n_cand=64):
         return row(name, "flex softmax", *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
 
     res["flex"] = guarded(f"{name} flex", flex)
+    if GRAPHS:  # the same three calls as CUDA-graph replays: kernel time, the host taken out on every side
+        plan = lambda: gdpa_triton(q, k, v, q_off, k_off, causal=False, activation="silu", norm=norm)  # noqa: E731
+        for tag, fn in (("gdpa silu", plan), ("jfa", lambda: jfa_triton(q, k, v, q_off, k_off, causal=False)),
+                        ("flex", flex_cross(q, k, v, q_off, k_off))):
+            method = {"gdpa silu": "gdpa silu", "jfa": "jfa softmax", "flex": "flex softmax"}[tag] + " (graph)"
+            res[f"{tag} graph"] = guarded(f"{name} {method}", lambda fn=fn, method=method: row(
+                name, method, *bench_graphed(fn, leaves, grad), fl_f, fl_fb))
 
     def eager():
         e = Eager(q, k, v, q_off, k_off, grad, False, "silu", norm)
@@ -298,6 +316,13 @@ def targets(res):
         if g and c.get("flex"):
             x = c["flex"]["fwd_bwd_ms"] / g["fwd_bwd_ms"]
             add(f"{name} fwd+bwd vs flex", x, ">= 3x", x >= 3)
+        g, f = c.get("gdpa silu graph"), c.get("flex graph")
+        if g and f:
+            x = f["fwd_bwd_ms"] / g["fwd_bwd_ms"]
+            add(f"{name} fwd+bwd vs flex, CUDA graphs", x, ">= 3x", x >= 3)
+        if g and c.get("jfa graph"):
+            x = c["jfa graph"]["fwd_bwd_ms"] / g["fwd_bwd_ms"]
+            add(f"{name} fwd+bwd vs jfa softmax, CUDA graphs", x, ">= 1.5x", x >= 1.5)
         if g and c.get("jfa"):
             x = c["jfa"]["fwd_bwd_ms"] / g["fwd_bwd_ms"]
             add(f"{name} fwd+bwd vs jfa softmax", x, ">= 1.5x", x >= 1.5)
@@ -316,6 +341,8 @@ def main():
                          "acts, cross, short")
     ap.add_argument("--acts", default="", help="comma-separated activations for the acts rows (default: all)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager padded baselines")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time the cross rows (gdpa, jfa, Flex) as CUDA-graph replays: kernels without the host")
     ap.add_argument("--candidates", default="16,64,256",
                     help="comma-separated candidates per user for the cross rows (default 16,64,256)")
     args = ap.parse_args()
@@ -328,8 +355,8 @@ def main():
     RESULTS["command"] = " ".join(sys.argv)
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     only = set(args.only.split(","))
-    global EAGER
-    EAGER = not args.no_eager
+    global EAGER, GRAPHS
+    EAGER, GRAPHS = not args.no_eager, args.graphs
     t0 = time.time()
     res = {}
 

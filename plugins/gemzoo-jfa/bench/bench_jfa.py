@@ -358,6 +358,30 @@ def bench(fn, leaves, grad, warmup=25, rep=100):
     return t_fwd, t_fb, peak
 
 
+def bench_graphed(fn, leaves, grad, warmup=25, rep=100):
+    """(fwd ms, fwd+bwd ms) as ``bench`` times them, but of CUDA-graph replays (gemzoo.testing.cuda_graph): each
+    recorded once, so the time is the kernels' alone, without the host's work per call (launches, autograd,
+    input checks), as a compiled model in "reduce-overhead" mode runs them."""
+    from triton.testing import do_bench
+
+    from gemzoo.testing import cuda_graph
+
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        for t in leaves:
+            t.grad = None  # recorded: the backward writes fresh buffers, which every replay rewrites
+        fn().backward(grad)
+
+    t_fwd = do_bench(cuda_graph(fwd)[0].replay, warmup=warmup, rep=rep, return_mode="median")
+    t_fb = do_bench(cuda_graph(fwd_bwd)[0].replay, warmup=warmup, rep=rep, return_mode="median")
+    for t in leaves:
+        t.grad = None
+    return t_fwd, t_fb
+
+
 def run_workload(w, methods):
     res = {"B": w.B, "T": w.T, "Lmax": w.Lmax, "sum_L2": w.sum_l2,
            "padding_waste": 1 - w.sum_l2 / (w.B * w.Lmax ** 2), "methods": {},

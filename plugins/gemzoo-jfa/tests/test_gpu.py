@@ -285,3 +285,62 @@ def test_fp8_long_sequence_large_magnitudes(mode):
     assert torch.isfinite(out).all()
     out.float().square().mean().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("kw", [
+    {"head_dim": 64, "max_len": 96},  # one length bucket per size class: short sequences take their own tiles
+    {"head_dim": 128, "max_len": 700, "window": 100},
+    {"head_dim": 64, "max_len": 300, "heads": 4, "kv_heads": 2},
+    {"head_dim": 64, "max_len": 400, "cross": True, "causal": False},
+], ids=["short", "window", "gqa", "cross"])
+def test_cuda_graph_replays_new_lengths(kw):
+    """Forward and backward recorded in a CUDA graph, replayed on new lengths in the same buffers: the
+    schedules are rebuilt inside the graph and nothing waits for the device during capture."""
+    from gemzoo_jfa import jfa_attention
+
+    from gemzoo.testing.attention import assert_errors_within, cuda_graph_errors
+
+    assert_errors_within(cuda_graph_errors(jfa_attention, **kw), 1e-2, f"jfa under a CUDA graph {kw}")
+
+
+def test_compiled_reduce_overhead_captures_the_op():
+    """torch.compile(mode="reduce-overhead") records a layer that calls jfa into its CUDA graphs (no skip), and
+    its output matches eager."""
+    from gemzoo_jfa import jfa_attention
+    from torch._dynamo.utils import counters
+
+    lens = torch.tensor([0, 200, 7, 0, 64, 333])
+    off = lengths_to_offsets(lens).cuda()
+    proj = torch.nn.Linear(128, 3 * 128, device="cuda", dtype=torch.bfloat16)
+
+    def layer(x, offsets):
+        q, k, v = proj(x).view(x.shape[0], 3, 2, 64).unbind(1)
+        return jfa_attention(q, k, v, offsets).sum(1)
+
+    x = torch.randn(int(lens.sum()), 128, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, record, replay
+            got = compiled(x, off).clone()
+        want = layer(x, off)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert _rel(got, want) < 1e-2
+
+
+def test_schedules_are_cached_on_the_default_stream_only():
+    """A batch's schedule is built once on the default stream; on a side stream (a CUDA graph's capture,
+    torch.compile's "reduce-overhead" mode) it is built again, never taken from the cache."""
+    from gemzoo_jfa.schedule import build_schedule
+
+    off = lengths_to_offsets(torch.tensor([0, 300, 5, 77])).cuda()
+    args = (off, off, int(off[-1]), 64)
+    first = build_schedule(*args, over="q", causal=True, window=None)
+    assert build_schedule(*args, over="q", causal=True, window=None) is first
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        again = build_schedule(*args, over="q", causal=True, window=None)
+    torch.cuda.current_stream().wait_stream(side)
+    assert again is not first and torch.equal(again, first)
