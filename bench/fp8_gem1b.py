@@ -16,6 +16,8 @@ Each row is the config with ``--plugins jfa,<precision>`` (its memory plugins ke
   cuBLASLt, fp8 ``_scaled_mm`` included, and the MX GEMM kernels), casts and amax (kernels whose names carry
   amax, clamp, reciprocal, fp8/e4m3/e5m2, quantize or the MX casts: what the fp8 policies add, plus any other
   dtype casts Inductor fused there), attention, and the rest. A fused kernel counts where its name puts it.
+  The profiled steps are queued and waited for once, as training runs them; on CUDA the profile also gives the
+  GPU's idle time per step and what the host was doing in those gaps (``gemzoo.profiling.gpu_idle``).
 
 Writes DIR/fp8_gem1b.json after every row and DIR/fp8_gem1b.md (the table) at the end; exits 1 when a row
 failed or a loss was not finite. Rows start only while --budget-s seconds are left, so a time-limited job ends
@@ -80,11 +82,14 @@ def _restore(saved) -> None:  # auto-ac sets torch's process-wide compiler setti
 
 
 def profile_steps(tr, first: int, count: int) -> dict:
-    """Kernel (CUDA) or operator (CPU) time per step over ``count`` more steps after ``first``, grouped.
+    """Kernel (CUDA) or operator (CPU) time per step over ``count`` more steps after ``first``, grouped, and on
+    CUDA where the GPU waits (``gemzoo.profiling.gpu_idle``: each idle gap charged to what the host was doing).
 
-    The run's last step prefetched nothing, so the steps go on as in ``fit``: the run's length is raised to cover
-    them, and one step before the profiled ones loads its batch and starts the host thread that builds the next."""
-    from gemzoo.testing import kernel_ms
+    The steps are queued and waited for once, as ``fit`` runs them with ``run.sync = "log"``, so the idle time is
+    training's own, not a sync per step. The run's last step prefetched nothing, so the steps go on as in
+    ``fit``: the run's length is raised to cover them, and one step before the profiled ones loads its batch and
+    starts the host thread that builds the next."""
+    from gemzoo.testing import gpu_idle, kernel_ms
 
     cuda = tr.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -92,8 +97,14 @@ def profile_steps(tr, first: int, count: int) -> dict:
     tr.train_step(first)
     try:
         with torch.profiler.profile(activities=acts) as prof:
-            for step in range(first + 1, first + 1 + count):
-                tr.train_step(step)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            queued = [tr.launch_step(step) for step in range(first + 1, first + 1 + count)]
+            if cuda:
+                torch.cuda.synchronize()
+            wall_s = (time.perf_counter() - t0) / count
+            tr.finish_steps(queued, wall_s)
     finally:
         tr.lookahead.close()
     events = prof.key_averages()
@@ -107,8 +118,14 @@ def profile_steps(tr, first: int, count: int) -> dict:
     for name, ms in times.items():
         groups[group_of(name)] += ms
     top = sorted(times.items(), key=lambda kv: -kv[1])[:20]
+    idle = {}
+    if cuda:  # the chrome trace holds each kernel's and each host call's span
+        with tempfile.TemporaryDirectory(prefix="fp8-gem1b-trace-") as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            idle = gpu_idle(json.loads(path.read_text()), steps=count, top=8)
     return {"what": "CUDA kernel ms per step" if cuda else "CPU operator self ms per step", "steps": count,
-            "groups_ms": groups, "total_ms": sum(times.values()),
+            "step_ms": 1e3 * wall_s, "groups_ms": groups, "total_ms": sum(times.values()), "idle": idle,
             "top": [[name[:160], round(ms, 4)] for name, ms in top]}
 
 
@@ -163,13 +180,14 @@ def markdown(data: dict) -> str:
             f"{data['steps']} steps after {data['warmup']} warm-up; profile: {data['profile_what']}.\n\n"
             f"Command: `{data['command']}`\n\n")
     cols = ("| precision | samples/s | vs bf16 | MFU | max step s | peak GiB | final loss | vs bf16 loss | "
-            "GEMM ms | cast/amax ms | attention ms | other ms |")
-    lines = [cols, "|---|" + "---:|" * 11]
+            "GEMM ms | cast/amax ms | attention ms | other ms | GPU idle ms |")
+    lines = [cols, "|---|" + "---:|" * 12]
     for r in data["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| `{r['precision']}` | {r['status']}: {str(r.get('error', ''))[:140]} |" + " |" * 10)
+            lines.append(f"| `{r['precision']}` | {r['status']}: {str(r.get('error', ''))[:140]} |" + " |" * 11)
             continue
         g = (r.get("profile") or {}).get("groups_ms", {})
+        idle = (r.get("profile") or {}).get("idle") or {}
         vs = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "n/a"
         dl = (f"{100 * r['loss_vs_bf16']:+.2f}%" + ("" if r["loss_within_1pct"] else " (over 1%)")
               if "loss_vs_bf16" in r else "n/a")
@@ -177,7 +195,7 @@ def markdown(data: dict) -> str:
         lines.append(f"| `{r['precision']}` | {r['mean_samples_per_s']:.1f} | {vs} | {100 * r['mean_mfu']:.1f}% | "
                      f"{r['max_step_s']:.3f} | {r['peak_mem_gib']:.1f} | {loss} | {dl} | "
                      + " | ".join(f"{g.get(k, math.nan):.2f}" for k in ("gemm", "cast / amax", "attention", "other"))
-                     + " |")
+                     + (f" | {idle['idle_ms']:.1f} |" if "idle_ms" in idle else " | n/a |"))
     return head + "\n".join(lines) + "\n"
 
 
