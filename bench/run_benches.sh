@@ -31,9 +31,9 @@ Steps:
   jfa-d256        head_dim 256 on gem_lognormal against Flex and FA varlen       -> jfa/bench_jfa_d256.json
   jfa-gqa         grouped-query attention, 32 q over 8 k/v heads, gem_lognormal  -> jfa/bench_jfa_gqa.json
   jfa-fp8         jfa's fp8 forward (QK, QKV) against bf16, gem_lognormal        -> jfa-fp8/bench_jfa.json
-  gdpa            GDPA activations, cross attention and short histories          -> gdpa/bench_gdpa.json
+  gdpa            GDPA activations, cross attention (also as CUDA-graph replays), short histories -> gdpa/bench_gdpa.json
   relative-bias   HSTU's relative bias fused in gdpa against the materialised bias -> gdpa/bench_relative_bias.json
-  block-attention block-sparse attention against Flex, fused RoPE                -> block-attention/*.json
+  block-attention block-sparse attention against Flex (also as CUDA-graph replays), fused RoPE -> block-attention/*.json
   host            host time of one attention call (torch.profiler and cProfile)  -> host/
   mxfp8           MX casts, MX GEMM and the MXFP8 / fp8-rowwise MLP              -> mxfp8/bench_out/
   auto-ac         gem-bench compiled under the memory plugins (auto-ac, full-ac, act-quant) -> auto-ac.json
@@ -106,9 +106,9 @@ step jfa-gqa "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --checks 1 --gqa 32,8 -
   --methods jfa,flex,fa_varlen --out "$out_dir/jfa"
 step jfa-fp8 "$py" plugins/gemzoo-jfa/bench/bench_jfa.py --checks 1 --fp8 --workloads gem_lognormal --methods jfa \
   --out "$out_dir/jfa-fp8"
-step gdpa "$py" plugins/gemzoo-gdpa/bench/bench_gdpa.py --out "$out_dir/gdpa"
+step gdpa "$py" plugins/gemzoo-gdpa/bench/bench_gdpa.py --graphs --out "$out_dir/gdpa"
 step relative-bias "$py" plugins/gemzoo-gdpa/bench/bench_relative_bias.py "$out_dir/gdpa"
-step block-attention "$py" plugins/gemzoo-block-attention/bench/bench_block_attention.py --out "$out_dir/block-attention"
+step block-attention "$py" plugins/gemzoo-block-attention/bench/bench_block_attention.py --graphs --out "$out_dir/block-attention"
 step host "$py" plugins/gemzoo-block-attention/bench/profile_host.py --cprofile 25 --out "$out_dir/host"
 # bench_mxfp8.py writes into bench_out/ under its working folder
 step mxfp8 bash -c 'mkdir -p "$1" && cd "$1" && exec "$2" "$3"' _ "$out_dir/mxfp8" "$py" "$root/plugins/gemzoo-mxfp8/bench/bench_mxfp8.py"
