@@ -62,6 +62,7 @@ class TensorCache:
             self.entries.popitem(last=False)
         return value
 
+
 def _default_stream(t: torch.Tensor) -> bool:
     """Whether work on ``t`` runs on its device's default stream (always, for a CPU tensor). Stream id 0 is
     CUDA's default stream in torch (c10::cuda::CUDAStream)."""
