@@ -325,8 +325,12 @@ def test_compiled_reduce_overhead_captures_the_op():
         for _ in range(3):  # warm-up, record, replay
             got = compiled(x, off).clone()
         want = layer(x, off)
+        held = compiled(x, off)  # a replay's output lives in the graph's memory...
+        compiled(x, off)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert _rel(got, want) < 1e-2
+    with pytest.raises(RuntimeError, match="overwritten"):  # ...which the next replay rewrites: graphs ran
+        held.sum()
 
 
 def test_schedules_are_cached_on_the_default_stream_only():
