@@ -222,30 +222,24 @@ def cross_attention(n_cand=64):
     from gemzoo_jfa.family import KernelOptions
 
     check_cross(name, q, k, v, q_off, k_off, grad, norm)
+
+    def measure(key, method, fn, graphs=GRAPHS):
+        """``fn`` timed as eager calls, then (--graphs) as CUDA-graph replays, the same callable both ways."""
+        res[key] = row(name, method, *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
+        if graphs:  # kernel time: the host taken out
+            res[f"{key} graph"] = guarded(f"{name} {method} (graph)", lambda: row(
+                name, f"{method} (graph)", *bench_graphed(fn, leaves, grad), fl_f, fl_fb))
+        return res[key]
+
     for tag, split in (("gdpa silu", None), ("gdpa silu unsplit", 0)):
         options = KernelOptions(split=split)
         fn = lambda options=options: gdpa_triton(  # noqa: E731
             q, k, v, q_off, k_off, causal=False, activation="silu", norm=norm, options=options)
-        res[tag] = row(name, tag, *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
-
-    def jfa_softmax():  # the softmax kernel of the same family on the same mask
-        fn = lambda: jfa_triton(q, k, v, q_off, k_off, causal=False)  # noqa: E731
-        return row(name, "jfa softmax", *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
-
-    res["jfa"] = guarded(f"{name} jfa", jfa_softmax)
-
-    def flex():
-        fn = flex_cross(q, k, v, q_off, k_off)
-        return row(name, "flex softmax", *timed(*autograd_pair(fn, leaves, grad), leaves), fl_f, fl_fb)
-
-    res["flex"] = guarded(f"{name} flex", flex)
-    if GRAPHS:  # the same three calls as CUDA-graph replays: kernel time, the host taken out on every side
-        plan = lambda: gdpa_triton(q, k, v, q_off, k_off, causal=False, activation="silu", norm=norm)  # noqa: E731
-        for tag, fn in (("gdpa silu", plan), ("jfa", lambda: jfa_triton(q, k, v, q_off, k_off, causal=False)),
-                        ("flex", flex_cross(q, k, v, q_off, k_off))):
-            method = {"gdpa silu": "gdpa silu", "jfa": "jfa softmax", "flex": "flex softmax"}[tag] + " (graph)"
-            res[f"{tag} graph"] = guarded(f"{name} {method}", lambda fn=fn, method=method: row(
-                name, method, *bench_graphed(fn, leaves, grad), fl_f, fl_fb))
+        measure(tag, tag, fn, graphs=GRAPHS and split is None)
+    # the softmax kernel of the same family on the same mask, and Flex (its block mask built once)
+    res["jfa"] = guarded(f"{name} jfa", lambda: measure("jfa", "jfa softmax", lambda: jfa_triton(
+        q, k, v, q_off, k_off, causal=False)))
+    res["flex"] = guarded(f"{name} flex", lambda: measure("flex", "flex softmax", flex_cross(q, k, v, q_off, k_off)))
 
     def eager():
         e = Eager(q, k, v, q_off, k_off, grad, False, "silu", norm)
