@@ -356,7 +356,7 @@ def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activa
     the H200 (2026-12-04, 64 candidates over gem-lognormal histories) the split forward took 0.130 ms against
     0.203 unsplit, but the split dQ made fwd+bwd 1.194 ms against 0.864 unsplit (its fp32 buffer is zeroed,
     added into and copied back for a backward whose unsplit dQ already spreads over the key blocks)."""
-    from gemzoo_jfa.schedule import build_schedule, memo, split_items
+    from gemzoo_jfa.schedule import build_schedule
 
     win = None if window < 0 else window
     order = options.order
@@ -368,9 +368,8 @@ def _q_items(q, k, q_offsets, k_offsets, c: KernelConfig, causal, window, activa
                                order=order, block_size=block if block > 0 else None, lengths=lengths)
         return items, c.block_m, 0
     n_splits, bm = plan
-    items = memo(q_offsets, k_offsets, ("split", q.shape[0], bm, causal, win, order, n_splits),
-                 lambda: split_items(build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal,
-                                                    window=win, order=order), n_splits))
+    items = build_schedule(q_offsets, k_offsets, q.shape[0], bm, over="q", causal=causal, window=win, order=order,
+                           splits=n_splits)
     return items, bm, n_splits
 
 

@@ -24,6 +24,8 @@ Length buckets (``lengths=(lo, hi)``) keep only the sequences whose longer side,
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from gemzoo.api import TensorCache
@@ -46,27 +48,69 @@ def capacity(total: int, batch: int, block: int, lengths: tuple[int, int | None]
 _cache = TensorCache(32)
 
 
-def memo(q_offsets: torch.Tensor, k_offsets: torch.Tensor, key: tuple, build):
-    """``build()``, or its result from an earlier call with the same offsets tensors (unchanged) and ``key``."""
-    return _cache.get((q_offsets, k_offsets), key, build)
-
-
 def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int, block: int, *, over: str,
                    causal: bool, window: int | None, order: str = "lpt", block_size: int | None = None,
-                   lengths: tuple[int, int | None] | None = None) -> torch.Tensor:
-    """int32 [2, cap]: row 0 the sequence of each item (-1 = no item), row 1 its block index.
+                   lengths: tuple[int, int | None] | None = None, splits: int = 0) -> torch.Tensor:
+    """int32 [2, cap]: row 0 the sequence of each item (-1 = no item), row 1 its block index. With ``splits`` > 0,
+    int32 [3, cap * splits]: each item once per key split, as ``split_items`` makes it.
 
     ``over="q"`` makes one item per block of ``block`` queries (forward and dq kernels); ``over="k"``
     one per block of keys (dk/dv kernel). ``total`` is Tq or Tk accordingly. ``block_size`` (block
     attention) narrows each item's range, and so its cost, to the attention blocks it touches. ``lengths``
     (lo, hi) keeps only the sequences with lo < max(Lq, Lk) <= hi (hi None: no upper bound). Built once
     per offsets tensors and arguments (gemzoo.jagged.TensorCache); the result is shared, so do not modify it.
+
+    On CUDA (and under the Triton interpreter) two Triton launches build it (``schedule_kernels.py``) for
+    batches of up to ``TRITON_MAX_BATCH`` sequences and the ``lpt`` and ``natural`` orders; otherwise torch
+    operators do (``build_schedule_torch``), with the same result.
     """
     if order not in ORDERS:
         raise ValueError(f"unknown schedule order {order!r}; choose one of {', '.join(ORDERS)}")
-    return _cache.get((q_offsets, k_offsets), (total, block, over, causal, window, order, block_size, lengths),
-                      lambda: _build(q_offsets, k_offsets, total, block, over, causal, window, order, block_size,
-                                     lengths))
+    args = (total, block, over, causal, window, order, block_size, lengths, splits)
+    build = _build_triton if _triton_builds(q_offsets, order) else build_schedule_torch
+    return _cache.get((q_offsets, k_offsets), args, lambda: build(q_offsets, k_offsets, *args))
+
+
+# Sequences per batch up to which the Triton builder runs: its first kernel compares every pair of sequences.
+TRITON_MAX_BATCH = 16384
+
+
+def _triton_builds(offsets: torch.Tensor, order: str) -> bool:
+    if order == "item" or not 1 < offsets.numel() <= TRITON_MAX_BATCH + 1:
+        return False
+    return offsets.is_cuda or (offsets.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _build_triton(q_offsets, k_offsets, total, block, over, causal, window, order, block_size, bucket,
+                  splits) -> torch.Tensor:
+    from gemzoo_jfa.schedule_kernels import _schedule_items, _sequence_starts
+
+    batch = q_offsets.numel() - 1
+    cap = capacity(total, batch, block, bucket)
+    items = torch.empty((3 if splits else 2, cap * max(splits, 1)), device=q_offsets.device, dtype=torch.int32)
+    if cap == 0:
+        return items
+    starts = torch.empty((2, batch), device=q_offsets.device, dtype=torch.int32)
+    lo_len, hi_len = (bucket[0], bucket[1] or 0) if bucket is not None else (0, 0)
+    flags = dict(BLOCK=block, OVER_Q=over == "q", BUCKET=bucket is not None,
+                 HAS_HI=bucket is not None and bucket[1] is not None)
+    tile_b = 64
+    _sequence_starts[(-(-batch // tile_b),)](q_offsets, k_offsets, starts, batch, lo_len, hi_len,
+                                                    LPT=order == "lpt", TILE_B=tile_b, **flags)
+    tile = 128
+    _schedule_items[(-(-cap // tile),)](
+        q_offsets, k_offsets, starts, items, batch, cap, batch.bit_length(), lo_len, hi_len, window or 0,
+        block_size or 1, splits, CAUSAL=causal, WINDOWED=window is not None, BLOCKED=block_size is not None,
+        LPT=order == "lpt", SPLIT=splits > 0, TILE=tile, TILE_R=32, **flags)
+    return items
+
+
+def build_schedule_torch(q_offsets, k_offsets, total, block, over, causal, window, order, block_size, bucket,
+                         splits=0) -> torch.Tensor:
+    """``build_schedule`` in torch operators (about 40 launches on a GPU): the reference the Triton builder is
+    tested against, and the builder for the ``item`` order and for larger batches."""
+    items = _build(q_offsets, k_offsets, total, block, over, causal, window, order, block_size, bucket)
+    return split_items(items, splits) if splits else items
 
 
 def _build(q_offsets, k_offsets, total, block, over, causal, window, order, block_size, bucket) -> torch.Tensor:

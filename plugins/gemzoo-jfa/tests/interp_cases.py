@@ -291,10 +291,37 @@ def fp8_group() -> dict:
     return {"cases": res, "quantizer": fp8_quantizer(), "poisoned": fp8_poisoned_and_nan(), "long": fp8_long()}
 
 
+def schedule_cases(trials: int = 300) -> dict:
+    """The Triton schedule builder against the torch one on random jagged batches (zero-length sequences, Lq
+    above and below Lk, every mask, bucket, order and split): name -> whether every item matches."""
+    import random
+
+    from gemzoo_jfa.schedule import _build_triton, build_schedule_torch
+
+    rng = random.Random(0)
+    res = {}
+    for trial in range(trials):
+        batch = rng.choice([1, 2, 3, 7, 20, 70])
+        lq = [rng.choice([0, 1, 5, 16, 33, 64, 100, 200]) for _ in range(batch)]
+        lk = list(lq) if rng.random() < 0.4 else [rng.choice([0, 3, 17, 64, 150, 300]) for _ in range(batch)]
+        over = rng.choice("qk")
+        args = (sum(lq) if over == "q" else sum(lk), rng.choice([16, 32, 64]), over, rng.random() < 0.6,
+                rng.choice([None, None, 7, 40]), rng.choice(["lpt", "natural"]), rng.choice([None, None, 16, 32]),
+                rng.choice([None, None, (0, 64), (64, None), (16, 128)]), rng.choice([0, 0, 2, 3]) if over == "q" else 0)
+        qo, ko = lengths_to_offsets(torch.tensor(lq)), lengths_to_offsets(torch.tensor(lk))
+        got, want = _build_triton(qo, ko, *args), build_schedule_torch(qo, ko, *args)
+        real = want[0] >= 0  # past the real items only the sequence (-1) is defined
+        res[f"{trial}: {args}"] = (got.shape == want.shape and bool((got[0] == want[0]).all())
+                                   and bool((got[1][real] == want[1][real]).all())
+                                   and (got.shape[0] == 2 or bool((got[2] == want[2]).all())))
+    return res
+
+
 def main(which: str) -> None:
     from gemzoo.testing.interpreter import print_group
 
     print_group({"cases": all_cases, "conformance": conformance, "gqa": gqa_cases, "fp8": fp8_group,
+                 "schedule": schedule_cases,
                  "compile": lambda: {"compile": compile_check(), "opcheck": opcheck()}}, which)
 
 

@@ -14,7 +14,7 @@ from gemzoo.testing.interpreter import assert_conformance, interpreter_results
 pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).with_name("interp_cases.py")
-INTERPRETER_GROUPS = ("cases", "conformance", "compile", "gqa", "fp8")  # started in the background when collection ends (gemzoo.testing.interpreter)
+INTERPRETER_GROUPS = ("cases", "conformance", "compile", "gqa", "fp8", "schedule")  # started in the background when collection ends (gemzoo.testing.interpreter)
 sys.path.insert(0, str(SCRIPT.parent))
 from interp_cases import CASES, FP8_CASES, GQA_CASES  # noqa: E402
 
@@ -95,3 +95,10 @@ def test_fp8_forward_on_large_magnitudes_is_finite_and_close():
     assert res["qk-huge-finite"] and res["qkv-huge-finite"], res
     for mode in ("qk", "qkv"):
         assert res[mode]["finite"] and res[mode]["norm"] < 2e-2, (mode, res[mode])
+
+
+def test_triton_schedule_builder_matches_torch():
+    """Two Triton launches build the same schedule as ~40 torch operators, item for item, on 300 random batches."""
+    res = _results("schedule")
+    wrong = [name for name, ok in res.items() if not ok]
+    assert len(res) == 300 and not wrong, wrong[:5]
