@@ -94,14 +94,14 @@ def _build_triton(q_offsets, k_offsets, total, block, over, causal, window, orde
     lo_len, hi_len = (bucket[0], bucket[1] or 0) if bucket is not None else (0, 0)
     flags = dict(BLOCK=block, OVER_Q=over == "q", BUCKET=bucket is not None,
                  HAS_HI=bucket is not None and bucket[1] is not None)
-    tile_b = 64
+    tile_b = 32
     _sequence_starts[(-(-batch // tile_b),)](q_offsets, k_offsets, starts, batch, lo_len, hi_len,
-                                                    LPT=order == "lpt", TILE_B=tile_b, **flags)
-    tile = 128
+                                             LPT=order == "lpt", TILE_B=tile_b, TILE_J=128, **flags)
+    tile = 32
     _schedule_items[(-(-cap // tile),)](
         q_offsets, k_offsets, starts, items, batch, cap, batch.bit_length(), lo_len, hi_len, window or 0,
         block_size or 1, splits, CAUSAL=causal, WINDOWED=window is not None, BLOCKED=block_size is not None,
-        LPT=order == "lpt", SPLIT=splits > 0, TILE=tile, TILE_R=32, **flags)
+        LPT=order == "lpt", SPLIT=splits > 0, TILE=tile, TILE_R=64, **flags)
     return items
 
 
