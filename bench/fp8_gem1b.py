@@ -17,7 +17,10 @@ Each row is the config with ``--plugins jfa,<precision>`` (its memory plugins ke
   amax, clamp, reciprocal, fp8/e4m3/e5m2, quantize or the MX casts: what the fp8 policies add, plus any other
   dtype casts Inductor fused there), attention, and the rest. A fused kernel counts where its name puts it.
   The profiled steps are queued and waited for once, as training runs them; on CUDA the profile also gives the
-  GPU's idle time per step and what the host was doing in those gaps (``gemzoo.profiling.gpu_idle``).
+  GPU's idle time per step and what the host was doing in those gaps (``gemzoo.profiling.gpu_idle``). The
+  profiled steps' tokens and model TFLOP/s are recorded too: they are other batches than the measured steps
+  (gem-lognormal's token count varies from batch to batch), so their TFLOP/s, not their step time, compares
+  with the row's mean.
 
 Writes DIR/fp8_gem1b.json after every row and DIR/fp8_gem1b.md (the table) at the end; exits 1 when a row
 failed or a loss was not finite. Rows start only while --budget-s seconds are left, so a time-limited job ends
@@ -104,7 +107,7 @@ def profile_steps(tr, first: int, count: int) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             wall_s = (time.perf_counter() - t0) / count
-            tr.finish_steps(queued, wall_s)
+            metrics = tr.finish_steps(queued, wall_s)
     finally:
         tr.lookahead.close()
     events = prof.key_averages()
@@ -125,7 +128,9 @@ def profile_steps(tr, first: int, count: int) -> dict:
             prof.export_chrome_trace(str(path))
             idle = gpu_idle(json.loads(path.read_text()), steps=count, top=8)
     return {"what": "CUDA kernel ms per step" if cuda else "CPU operator self ms per step", "steps": count,
-            "step_ms": 1e3 * wall_s, "groups_ms": groups, "total_ms": sum(times.values()), "idle": idle,
+            "step_ms": 1e3 * wall_s, "tokens": sum(m["tokens_per_s"] * m["step_s"] for m in metrics) / count,
+            "tflops": sum(m["tflops"] for m in metrics) / count,
+            "groups_ms": groups, "total_ms": sum(times.values()), "idle": idle,
             "top": [[name[:160], round(ms, 4)] for name, ms in top]}
 
 
@@ -180,11 +185,11 @@ def markdown(data: dict) -> str:
             f"{data['steps']} steps after {data['warmup']} warm-up; profile: {data['profile_what']}.\n\n"
             f"Command: `{data['command']}`\n\n")
     cols = ("| precision | samples/s | vs bf16 | MFU | max step s | peak GiB | final loss | vs bf16 loss | "
-            "GEMM ms | cast/amax ms | attention ms | other ms | GPU idle ms |")
-    lines = [cols, "|---|" + "---:|" * 12]
+            "GEMM ms | cast/amax ms | attention ms | other ms | GPU idle ms | profiled TFLOP/s |")
+    lines = [cols, "|---|" + "---:|" * 13]
     for r in data["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| `{r['precision']}` | {r['status']}: {str(r.get('error', ''))[:140]} |" + " |" * 11)
+            lines.append(f"| `{r['precision']}` | {r['status']}: {str(r.get('error', ''))[:140]} |" + " |" * 12)
             continue
         g = (r.get("profile") or {}).get("groups_ms", {})
         idle = (r.get("profile") or {}).get("idle") or {}
@@ -195,7 +200,8 @@ def markdown(data: dict) -> str:
         lines.append(f"| `{r['precision']}` | {r['mean_samples_per_s']:.1f} | {vs} | {100 * r['mean_mfu']:.1f}% | "
                      f"{r['max_step_s']:.3f} | {r['peak_mem_gib']:.1f} | {loss} | {dl} | "
                      + " | ".join(f"{g.get(k, math.nan):.2f}" for k in ("gemm", "cast / amax", "attention", "other"))
-                     + (f" | {idle['idle_ms']:.1f} |" if "idle_ms" in idle else " | n/a |"))
+                     + (f" | {idle['idle_ms']:.1f}" if "idle_ms" in idle else " | n/a")
+                     + (f" | {r['profile']['tflops']:.1f} |" if r.get("profile") else " | n/a |"))
     return head + "\n".join(lines) + "\n"
 
 

@@ -37,13 +37,14 @@ def test_smoke_rows_json_and_table(bench, tmp_path, monkeypatch):
         assert r["mean_samples_per_s"] > 0 and r["mean_mfu"] > 0 and r["max_step_s"] >= r["median_step_s"] > 0
         assert r["profile"]["steps"] == 1 and r["profile"]["groups_ms"]["gemm"] > 0
         assert r["profile"]["step_ms"] > 0 and r["profile"]["idle"] == {}  # GPU idle: CUDA only
+        assert r["profile"]["tokens"] > 0 and r["profile"]["tflops"] > 0
     fp8 = rows["fp8-tensorwise"]
     assert fp8["vs_bf16"] == pytest.approx(fp8["mean_samples_per_s"] / rows["bf16"]["mean_samples_per_s"])
     assert fp8["loss_within_1pct"], fp8["loss_vs_bf16"]  # the same batches from the same seed, two steps in
     assert fp8["profile"]["groups_ms"]["cast / amax"] > 0
     table = (out / "fp8_gem1b.md").read_text()
     assert "| precision | samples/s | vs bf16 | MFU |" in table and "| `fp8-tensorwise` |" in table
-    assert "GEMM ms | cast/amax ms" in table and "| GPU idle ms |" in table and " | n/a |" in table
+    assert "GEMM ms | cast/amax ms" in table and "| GPU idle ms | profiled TFLOP/s |" in table and " | n/a |" in table
 
 
 def test_kernel_groups(bench):
