@@ -128,7 +128,7 @@ def profile_steps(tr, first: int, count: int) -> dict:
             prof.export_chrome_trace(str(path))
             idle = gpu_idle(json.loads(path.read_text()), steps=count, top=8)
     return {"what": "CUDA kernel ms per step" if cuda else "CPU operator self ms per step", "steps": count,
-            "step_ms": 1e3 * wall_s, "tokens": sum(m["tokens_per_s"] * m["step_s"] for m in metrics) / count,
+            "step_ms": 1e3 * wall_s, "tokens": sum(s.sums["tokens"] for s in queued) / count,
             "tflops": sum(m["tflops"] for m in metrics) / count,
             "groups_ms": groups, "total_ms": sum(times.values()), "idle": idle,
             "top": [[name[:160], round(ms, 4)] for name, ms in top]}

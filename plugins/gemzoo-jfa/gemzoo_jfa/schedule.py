@@ -42,9 +42,9 @@ def capacity(total: int, batch: int, block: int, lengths: tuple[int, int | None]
     return cap
 
 
-# A model's attention layers share one batch's offsets, so the ~40 small launches of a schedule run once per
-# batch and direction instead of once per layer and kernel: with short sequences those launches, not the
-# kernels, were the time (the host could not keep the GPU busy).
+# A model's attention layers share one batch's offsets, so a schedule is built once per batch and direction
+# instead of once per layer and kernel: with short sequences the launches of building it, not the kernels, were
+# the time (the host could not keep the GPU busy).
 _cache = TensorCache(32)
 
 
@@ -67,8 +67,20 @@ def build_schedule(q_offsets: torch.Tensor, k_offsets: torch.Tensor, total: int,
     if order not in ORDERS:
         raise ValueError(f"unknown schedule order {order!r}; choose one of {', '.join(ORDERS)}")
     args = (total, block, over, causal, window, order, block_size, lengths, splits)
-    build = _build_triton if _triton_builds(q_offsets, order) else build_schedule_torch
-    return _cache.get((q_offsets, k_offsets), args, lambda: build(q_offsets, k_offsets, *args))
+
+    def build():
+        builder = _build_triton if _triton_builds(q_offsets, order) else build_schedule_torch
+        return builder(q_offsets, k_offsets, *args)
+
+    return _cache.get((q_offsets, k_offsets), args, build)
+
+
+def schedules_match(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two schedules of the same arguments are the same: every item's sequence (-1 past the real items),
+    the real items' block indices and any key-split row. Past the real items the block index is undefined."""
+    real = want[0] >= 0
+    return (got.shape == want.shape and torch.equal(got[0], want[0]) and torch.equal(got[1][real], want[1][real])
+            and torch.equal(got[2:], want[2:]))
 
 
 # Sequences per batch up to which the Triton builder runs: its first kernel compares every pair of sequences.

@@ -1,9 +1,8 @@
 """Triton kernels that build a work schedule (see ``schedule.py``) in two launches instead of ~40 torch ops.
 
 The torch builder sorts: every item by cost, then by its sequence's length. These kernels compute each item's
-final slot directly, as a rank, so they need no sort and no host sync:
-
-All index arithmetic is int32 (lengths and slots fit; int64 division is slow on GPUs).
+final slot directly, as a rank, so they need no sort and no host sync. All index arithmetic is int32 (lengths
+and slots fit; int64 division is slow on GPUs).
 
 1. ``_sequence_starts`` (one program per ``TILE_B`` sequences): for sequence i, the end of its items in the
    natural layout (the inclusive cumsum of item counts) and, for the ``lpt`` order, the first slot of its
@@ -13,7 +12,7 @@ All index arithmetic is int32 (lengths and slots fit; int64 division is slow on 
    its sequence), so the tile is small and many programs share a long sequence): a binary search over the ends
    finds each slot's (sequence, block); its rank among its sequence's items (costlier first, ties by block
    index) plus the sequence's first slot is where it goes. Slots past the real item count keep their place
-   with sequence -1. With ``SPLITS`` > 0 every item is written once per key split (a third row).
+   with sequence -1. With ``splits`` > 0 every item is written once per key split (a third row).
 
 The result equals the torch builder's, item for item (the plugin's tests compare them under the interpreter).
 Item costs follow ``schedule._build``: keys (queries) visited by a query (key) block, plus one block.

@@ -360,7 +360,7 @@ def test_schedules_are_cached_on_the_default_stream_only():
 def test_triton_schedule_matches_torch(over):
     """On the GPU the schedule is two Triton launches; it equals the torch builder's (run on the CPU) item for
     item, on 2,000 sequences of 0-5,000 tokens, in every mask and order."""
-    from gemzoo_jfa.schedule import _build_triton, build_schedule_torch
+    from gemzoo_jfa.schedule import _build_triton, build_schedule_torch, schedules_match
 
     gen = torch.Generator().manual_seed(5)
     lq = torch.randint(0, 5000, (2000,), generator=gen) // torch.randint(1, 40, (2000,), generator=gen)
@@ -373,8 +373,4 @@ def test_triton_schedule_matches_torch(over):
             (True, 100, None, "lpt", (64, None), 0), (True, None, 64, "lpt", (0, 64), 0),
             (False, None, None, "natural", None, 0), (False, None, None, "lpt", None, 3 if over == "q" else 0)]:
         args = (total, 64, over, causal, window, order, block_size, bucket, splits)
-        got = _build_triton(qo.cuda(), ko.cuda(), *args).cpu()
-        want = build_schedule_torch(qo, ko, *args)
-        real = want[0] >= 0
-        assert got.shape == want.shape and torch.equal(got[0], want[0]), args
-        assert torch.equal(got[1][real], want[1][real]) and torch.equal(got[2:], want[2:]), args
+        assert schedules_match(_build_triton(qo.cuda(), ko.cuda(), *args).cpu(), build_schedule_torch(qo, ko, *args)), args
